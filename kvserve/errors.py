@@ -1,0 +1,26 @@
+"""The errors kvserve raises on purpose.
+
+Every error a user can cause (a bad model path, an unsupported quant type, an
+invalid sampling parameter) is one of these, with a message that names what is
+wrong, so the CLI and server can report it in one line instead of a traceback.
+"""
+
+
+class KVServeError(Exception):
+    """Base class for every error kvserve raises deliberately."""
+
+
+class ModelLoadError(KVServeError):
+    """The model could not be loaded: missing file, unreadable or inconsistent data."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model uses an architecture, tensor type or feature kvserve does not support."""
+
+
+class TokenizerUnavailableError(KVServeError):
+    """Text input or output was requested from a model loaded without a tokenizer."""
+
+
+class InvalidRequestError(KVServeError, ValueError):
+    """A request or its sampling parameters are invalid."""

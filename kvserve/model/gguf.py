@@ -1,0 +1,179 @@
+"""GGUF file -> ModelConfig + fp32 weights (Hugging Face names) + tokenizer metadata.
+
+Parsing uses the `gguf` package's reader (a memory map; nothing is copied until
+a tensor is dequantized). Dequantization is ours (`gguf_quants`), per tensor,
+because files often mix types (SmolLM2's Q4_1 file keeps its embedding in Q8_0
+and its norms in F32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.config import ModelConfig, RopeScaling
+from kvserve.errors import ModelLoadError, UnsupportedModelError
+from kvserve.model.gguf_quants import dequantize
+
+# GGUF architectures we run, and whether llama.cpp's converter permuted the
+# rows of Q and K for them (it does for "llama", whose ggml RoPE is the
+# interleaved kind; Qwen2 uses NEOX RoPE and is stored unpermuted).
+_ARCHITECTURES: dict[str, bool] = {"llama": True, "qwen2": False}
+
+_LAYER_TENSORS: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass
+class GGUFModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    # tokenizer.* metadata keys, for kvserve.model.tokenizer
+    tokenizer_metadata: dict[str, Any] = field(default_factory=dict)
+    tensor_types: dict[str, int] = field(default_factory=dict)  # quant type -> tensor count
+
+
+def _open(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises bare ValueError/struct errors on junk
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def _metadata(reader) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, fld in reader.fields.items():
+        try:
+            out[name] = fld.contents()
+        except Exception:  # a field type this gguf version cannot decode; we never need those
+            continue
+    return out
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's `permute` of Q/K rows (interleaved RoPE -> rotate-half layout)."""
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def _config(meta: dict[str, Any], arch: str, vocab_rows: int) -> ModelConfig:
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    num_kv_heads = int(get("attention.head_count_kv", num_heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
+    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise UnsupportedModelError(f"partial RoPE (rope dimension {rope_dim} < head_dim {head_dim}) is not supported")
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type in ("none", None):
+        scaling = RopeScaling()
+    elif scaling_type == "linear":
+        scaling = RopeScaling("linear", factor=float(meta[f"{arch}.rope.scaling.factor"]))
+    else:
+        raise UnsupportedModelError(f"GGUF rope scaling type {scaling_type!r} is not supported")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(meta.get(f"{arch}.vocab_size", vocab_rows)),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        attention_bias=False,  # set by the loader from the tensors present
+        tie_word_embeddings=False,
+    )
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    return None
+
+
+def load_gguf(path: str | Path) -> GGUFModel:
+    """Read a Llama-family GGUF file into fp32 torch weights named as in Hugging Face."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    reader = _open(path)
+    meta = _metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(_ARCHITECTURES)}"
+        )
+    by_name = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in by_name:
+        raise ModelLoadError(f"{path} has no token_embd.weight tensor")
+    vocab_rows = int(by_name["token_embd.weight"].shape[-1])
+    config = _config(meta, arch, vocab_rows)
+
+    weights: dict[str, torch.Tensor] = {}
+    tensor_types: dict[str, int] = {}
+    rope_freqs: torch.Tensor | None = None
+    for tensor in reader.tensors:
+        type_name = tensor.tensor_type.name
+        # GGUF lists dimensions innermost first; torch wants them outermost first.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if tensor.name == "rope_freqs.weight":
+            rope_freqs = dequantize(tensor.data, type_name, shape)
+            continue
+        hf_name = _hf_name(tensor.name)
+        if hf_name is None:
+            raise UnsupportedModelError(f"GGUF tensor {tensor.name!r} is not part of a supported Llama-family model")
+        tensor_types[type_name] = tensor_types.get(type_name, 0) + 1
+        value = dequantize(tensor.data, type_name, shape)
+        if _ARCHITECTURES[arch]:
+            if ".q_proj." in hf_name:
+                value = unpermute_qk(value, config.num_heads)
+            elif ".k_proj." in hf_name:
+                value = unpermute_qk(value, config.num_kv_heads)
+        weights[hf_name] = value
+
+    changes: dict[str, Any] = {"attention_bias": "model.layers.0.self_attn.q_proj.bias" in weights}
+    if "lm_head.weight" not in weights:
+        changes["tie_word_embeddings"] = True
+    if rope_freqs is not None:
+        # llama.cpp stores Llama-3.1 style scaling as per-frequency divisors.
+        weights["rope_freqs"] = rope_freqs.reshape(-1)
+    config = replace(config, **changes)
+    tokenizer_metadata = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    return GGUFModel(config, weights, tokenizer_metadata, tensor_types)
+

@@ -1,0 +1,171 @@
+"""GGML tensor types -> float32 torch tensors.
+
+Each function takes the raw bytes of a tensor viewed as `[num_blocks, block_bytes]`
+uint8 and returns `[num_blocks, block_elements]` float32. The layouts follow
+ggml's `ggml-quants.c` (block structs and `dequantize_row_*`); everything is
+vectorized over blocks so a 100M-parameter file dequantizes in about a second.
+
+Tests check every type against the `gguf` package's independent numpy
+implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from kvserve.errors import UnsupportedModelError
+
+QK_K = 256  # super-block size of the K-quants
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 scalar at byte offset `start` of every block, as a [n, 1] float32 column."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, k] bytes -> [n, 2k]: the k low nibbles, then the k high nibbles (ggml order)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
+def _bits(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """[n, 4] bytes holding a little-endian uint32 -> [n, count] of its low `count` bits."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    bits = (packed.unsqueeze(-1) >> shifts) & 1  # [n, 4, 8], bit i of byte b at [b, i]
+    return bits.reshape(packed.shape[0], 32)[:, :count]
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    q = _nibbles(blocks[:, 2:18]).float() - 8.0
+    return d * q
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    return d * _nibbles(blocks[:, 4:20]).float() + m
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    high = _bits(blocks[:, 2:6], 32) << 4  # bit j is the 5th bit of element j
+    q = (_nibbles(blocks[:, 6:22]) | high).float() - 16.0
+    return d * q
+
+
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    high = _bits(blocks[:, 4:8], 32) << 4
+    return d * (_nibbles(blocks[:, 8:24]) | high).float() + m
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    return d * blocks[:, 2:34].contiguous().view(torch.int8).float()
+
+
+def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpack the 12-byte field of Q4_K/Q5_K into 8 six-bit scales and 8 six-bit mins."""
+    s = packed.to(torch.int32)
+    scales = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], dim=1)
+    mins = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=1)
+    return scales.float(), mins.float()
+
+
+def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 128] bytes -> [n, 8, 32]: sub-block 2i is chunk i's low nibbles, 2i+1 its high ones."""
+    chunks = qs.reshape(-1, 4, 1, 32)
+    return torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(-1, 8, 32)
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    scales, mins = _k_scales_mins(blocks[:, 4:16])
+    q = _k_low_nibbles(blocks[:, 16:144]).float()
+    out = (d * scales).unsqueeze(-1) * q - (dmin * mins).unsqueeze(-1)
+    return out.reshape(-1, QK_K)
+
+
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    scales, mins = _k_scales_mins(blocks[:, 4:16])
+    qh = blocks[:, 16:48]  # bit i of qh[l] is the 5th bit of element l of sub-block i
+    shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+    high = ((qh.unsqueeze(1) >> shifts) & 1) << 4  # [n, 8, 32]
+    q = (_k_low_nibbles(blocks[:, 48:176]) | high).float()
+    out = (d * scales).unsqueeze(-1) * q - (dmin * mins).unsqueeze(-1)
+    return out.reshape(-1, QK_K)
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    ql = blocks[:, 0:128].reshape(n, 2, 2, 32)  # [half, ql[l] / ql[l+32], l]
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)  # [half, -, l]
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float().reshape(n, 16)
+    d = _f16(blocks, 208)
+    # Within each 128-element half, four 32-element groups: low nibbles of
+    # ql[l], ql[l+32], then high nibbles of ql[l], ql[l+32]; their 2 high bits
+    # are bit pairs 0, 1, 2, 3 of qh[l].
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=2)  # [n, 2, 4, 32]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    high = ((qh >> shifts) & 3) << 4  # [n, 2, 4, 32]
+    q = (low | high).float() - 32.0
+    # 16 scales, one per 16 elements, in output order.
+    q = q.reshape(n, 16, 16)
+    return (d.unsqueeze(-1) * scales.unsqueeze(-1) * q).reshape(n, QK_K)
+
+
+def _f16_block(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.contiguous().view(torch.float16).float()
+
+
+def _bf16_block(blocks: torch.Tensor) -> torch.Tensor:
+    return (blocks.contiguous().view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+
+
+def _f32_block(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.contiguous().view(torch.float32).clone()
+
+
+# name -> (elements per block, bytes per block, dequantizer)
+_TYPES: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
+    "F32": (1, 4, _f32_block),
+    "F16": (1, 2, _f16_block),
+    "BF16": (1, 2, _bf16_block),
+    "Q4_0": (32, 18, _q4_0),
+    "Q4_1": (32, 20, _q4_1),
+    "Q5_0": (32, 22, _q5_0),
+    "Q5_1": (32, 24, _q5_1),
+    "Q8_0": (32, 34, _q8_0),
+    "Q4_K": (QK_K, 144, _q4_k),
+    "Q5_K": (QK_K, 176, _q5_k),
+    "Q6_K": (QK_K, 210, _q6_k),
+}
+
+SUPPORTED_TYPES: tuple[str, ...] = tuple(_TYPES)
+
+
+def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Dequantize the raw bytes of one GGUF tensor to float32 of `shape` (torch order).
+
+    Raises UnsupportedModelError naming the type when kvserve has no decoder for it.
+    """
+    if type_name not in _TYPES:
+        raise UnsupportedModelError(
+            f"GGUF tensor type {type_name} is not supported; supported types: {', '.join(SUPPORTED_TYPES)}"
+        )
+    block_elems, block_bytes, decode = _TYPES[type_name]
+    num_elements = int(np.prod(shape))
+    if num_elements % block_elems:
+        raise UnsupportedModelError(
+            f"tensor of {num_elements} elements is not a whole number of {type_name} blocks ({block_elems})"
+        )
+    data = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    expected = num_elements // block_elems * block_bytes
+    if data.size != expected:
+        raise UnsupportedModelError(f"{type_name} tensor has {data.size} bytes, expected {expected}")
+    blocks = torch.from_numpy(data.copy()).view(-1, block_bytes)
+    return decode(blocks).reshape(shape)

@@ -1,0 +1,227 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in PyTorch.
+
+Weights arrive with Hugging Face names; Q/K/V and gate/up are fused into one
+matmul each at load time (fewer, larger GEMMs: the decode step is dominated by
+per-call overhead at small batch). Attention reaches the KV cache only through
+`kvserve.kv.attention.attend` and the cache's `store`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.config import ModelConfig
+from kvserve.errors import ModelLoadError
+from kvserve.kv.attention import attend
+from kvserve.kv.cache import ContiguousKVCache
+
+
+def rope_inv_freq(config: ModelConfig, freq_divisors: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse RoPE frequencies `[head_dim / 2]` with the config's scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if freq_divisors is not None:  # GGUF `rope_freqs`: llama.cpp's precomputed scaling
+        return inv_freq / freq_divisors
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept,
+        # the band between interpolated smoothly.
+        old_context = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_context / scaling.low_freq_factor
+        high_freq_wavelen = old_context / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[heads, T, D]`, cos/sin `[T, D]` (rotate-half layout, as in Hugging Face)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.sliding_window = config.sliding_window
+        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: ContiguousKVCache | None,
+        layer: int,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim).transpose(0, 1), cos, sin)
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim).transpose(0, 1), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        if cache is not None:
+            k, v = cache.store(layer, int(positions[0]), k, v)
+        out = attend(q, k, v, positions, self.scale, self.sliding_window)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.input_layernorm = nn.Parameter(torch.ones(config.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, cos, sin, cache, layer) -> torch.Tensor:
+        normed = F.rms_norm(x, x.shape[-1:], self.input_layernorm, self.eps)
+        x = x + self.self_attn(normed, positions, cos, sin, cache, layer)
+        normed = F.rms_norm(x, x.shape[-1:], self.post_attention_layernorm, self.eps)
+        return x + self.mlp(normed)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only transformer over one sequence.
+
+    `forward(input_ids, positions, cache)` runs T new tokens at `positions`;
+    with a cache, their K/V are stored and attention reads every cached
+    position; with `cache=None` the tokens must be the whole sequence (the
+    recompute baseline).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor]) -> "LlamaForCausalLM":
+        # Built on the meta device so no time goes into random initialization.
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device="cpu")
+        model.load_hf_weights(weights)
+        return model.eval()
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up."""
+        remaining = dict(weights)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in remaining:
+                raise ModelLoadError(f"weight {name!r} is missing from the checkpoint")
+            return remaining.pop(name)
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ModelLoadError(f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(value)
+
+        cfg = self.config
+        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put(self.norm, take("model.norm.weight"), "model.norm.weight")
+        if self.lm_head is not None:
+            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+        else:
+            remaining.pop("lm_head.weight", None)  # some tied checkpoints store a copy
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            put(layer.input_layernorm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+            put(layer.post_attention_layernorm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
+            attn = p + "self_attn."
+            qkv = torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"])
+            put(layer.self_attn.qkv_proj.weight, qkv, attn + "qkv_proj.weight")
+            if cfg.attention_bias:
+                bias = torch.cat([take(attn + f"{x}_proj.bias") for x in "qkv"])
+                put(layer.self_attn.qkv_proj.bias, bias, attn + "qkv_proj.bias")
+            put(layer.self_attn.o_proj.weight, take(attn + "o_proj.weight"), attn + "o_proj.weight")
+            mlp = p + "mlp."
+            gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+            put(layer.mlp.gate_up_proj.weight, gate_up, mlp + "gate_up_proj.weight")
+            put(layer.mlp.down_proj.weight, take(mlp + "down_proj.weight"), mlp + "down_proj.weight")
+        freq_divisors = remaining.pop("rope_freqs", None)
+        self.inv_freq = rope_inv_freq(cfg, freq_divisors)
+        # Buffers some exporters save; they are recomputed from the config.
+        for name in [n for n in remaining if n.endswith("rotary_emb.inv_freq")]:
+            remaining.pop(name)
+        if remaining:
+            names = ", ".join(sorted(remaining)[:5])
+            raise ModelLoadError(f"checkpoint has {len(remaining)} unexpected weights, e.g. {names}")
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: ContiguousKVCache | None = None,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids/positions `[T]` -> logits `[T, vocab]` (or only the rows in `logits_indices`)."""
+        if cache is not None:
+            start = int(positions[0])
+            if start != cache.num_tokens:
+                raise ValueError(f"cache holds {cache.num_tokens} tokens but the input starts at position {start}")
+            cache.reserve(start + input_ids.shape[0])
+        elif int(positions[0]) != 0:
+            raise ValueError("without a KV cache the input must be the whole sequence")
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, cos, sin, cache, i)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        x = F.rms_norm(x, x.shape[-1:], self.norm, self.config.rms_norm_eps)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if cache is not None:
+            cache.num_tokens = start + input_ids.shape[0]
+        return x @ head.T
