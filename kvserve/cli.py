@@ -1,1 +1,121 @@
-def main(): pass
+"""`kvserve` command line: `kvserve generate "prompt"`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from kvserve.errors import KVServeError
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    group.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0, help="0 = disabled")
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--seed", type=int, default=None, help="same seed, same output")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable; not printed)")
+    group.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-centric LLM inference engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text from a prompt, streaming it as it is produced")
+    gen.add_argument("prompt", nargs="?", help="the prompt text")
+    gen.add_argument("--token-ids", help="comma-separated prompt token ids instead of text")
+    gen.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
+    gen.add_argument("--chat", action="store_true", help="render the prompt as a user turn with the model's chat template")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step (baseline)")
+    gen.add_argument("--kv-cache-dtype", default="auto", help="auto (= float32), float32, float16, bfloat16")
+    gen.add_argument("--quiet", action="store_true", help="do not print the model summary")
+    _add_sampling_args(gen)
+    return parser
+
+
+def _prompt_token_ids(args: argparse.Namespace, generator) -> list[int]:
+    if args.token_ids is not None:
+        if args.prompt is not None:
+            raise KVServeError("give either a prompt or --token-ids, not both")
+        try:
+            return [int(t) for t in args.token_ids.split(",") if t.strip()]
+        except ValueError:
+            raise KVServeError(f"--token-ids must be comma-separated integers, got {args.token_ids!r}") from None
+    if args.prompt is None:
+        raise KVServeError("a prompt is required (or --token-ids)")
+    if args.chat:
+        tokenizer = generator.loaded.require_tokenizer()
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": args.prompt})
+        return tokenizer.encode_chat(messages)
+    return generator.encode_prompt(args.prompt)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvserve.engine.generate import Generator
+    from kvserve.engine.sampling import SamplingParams
+    from kvserve.kv.spec import resolve_cache_dtype
+    from kvserve.model.loader import load_model
+
+    # Validate cheap things before the model load.
+    cache_dtype = resolve_cache_dtype(args.kv_cache_dtype)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+        stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
+    )
+    loaded = load_model(args.model, cache_dtype)
+    generator = Generator(loaded, cache_dtype, use_kv_cache=not args.no_kv_cache)
+    prompt_ids = _prompt_token_ids(args, generator)
+
+    stream = generator.stream(prompt_ids, params)
+    show_ids = loaded.tokenizer is None
+    while True:
+        try:
+            delta = next(stream)
+        except StopIteration as stop:
+            result = stop.value
+            break
+        piece = " ".join(map(str, delta.token_ids)) + " " if show_ids else delta.text
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    m = result.metrics
+    elapsed = (m.last_token_time or m.arrival_time) - m.arrival_time
+    tpot = f"{m.tpot * 1000:.1f} ms" if m.tpot is not None else "n/a"
+    print(
+        f"[prompt {m.num_prompt_tokens} tokens | output {m.num_output_tokens} tokens ({result.finish_reason}) | "
+        f"TTFT {m.ttft * 1000:.0f} ms | TPOT {tpot} | {m.num_output_tokens / elapsed:.1f} tok/s | "
+        f"KV cache held {result.kv_cache_bytes / 2**20:.2f} MiB"
+        f"{' (no KV cache: recomputed every step)' if args.no_kv_cache else ''}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
+        format="%(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except KVServeError as exc:
+        print(f"kvserve: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.errors import InvalidRequestError
 
 # Element sizes of the cache dtypes kvserve can store.
 _DTYPE_BYTES: dict[str, int] = {
@@ -31,7 +32,7 @@ def resolve_cache_dtype(name: str) -> str:
     canonical = {"auto": "float32", "fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
     resolved = canonical.get(name, name)
     if resolved not in _DTYPE_BYTES:
-        raise ValueError(f"unsupported KV cache dtype {name!r}; choose one of: auto, {', '.join(_DTYPE_BYTES)}")
+        raise InvalidRequestError(f"unsupported KV cache dtype {name!r}; choose one of: auto, {', '.join(_DTYPE_BYTES)}")
     return resolved
 
 

@@ -1,0 +1,121 @@
+"""SamplingParams (vLLM's names and meanings) and the sampler that applies them to logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.errors import InvalidRequestError
+
+# Temperatures below this are treated as greedy (as vLLM does): dividing by a
+# tiny temperature only amplifies float noise.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop. Invalid values raise InvalidRequestError."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(message: str) -> None:
+            raise InvalidRequestError(message)
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            fail(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            fail(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            fail(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            fail(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            fail(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            fail(f"seed must be an integer, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                fail(f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                fail(f"stop_token_ids must be non-negative integers, got {t!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # rejects NaN
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A private RNG per request: same seed -> same tokens, whatever else runs."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL-style penalty over tokens already in the prompt or output (`seen` is a bool mask)."""
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    seen: torch.Tensor | None = None,
+) -> int:
+    """Pick one token id from `logits` `[vocab]` (fp32).
+
+    Order: repetition penalty, then greedy or temperature, top-k, top-p, min-p.
+    """
+    if params.repetition_penalty != 1.0 and seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.greedy:
+        return int(torch.argmax(logits))
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token once the tokens ranked above it already cover top_p.
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop = torch.empty_like(drop_sorted).scatter_(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return int(torch.multinomial(probs, 1, generator=generator))

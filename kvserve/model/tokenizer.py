@@ -1,0 +1,271 @@
+"""Tokenizers (from tokenizer.json or GGUF metadata), chat templates, streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from kvserve.errors import ModelLoadError, UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+# Texts of special tokens that end a generation in common chat formats. Like
+# llama.cpp's end-of-generation set, any of these present in the vocabulary as
+# a special token stops generation, besides the declared EOS.
+_END_OF_GENERATION_TEXTS = (
+    "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>", "</s>",
+)
+
+# GGUF `tokenizer.ggml.pre` -> tokenizers pre-tokenizer, mirroring llama.cpp's table.
+_GPT2_REGEX_PRE = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def _split_then_bytes(regex: str) -> dict[str, Any]:
+    return {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        ],
+    }
+
+
+_DIGITS_THEN_GPT2 = {
+    "type": "Sequence",
+    "pretokenizers": [{"type": "Digits", "individual_digits": True}, _GPT2_REGEX_PRE],
+}
+_PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
+    # SmolLM and StarCoder split every digit on its own, then GPT-2's regex.
+    "smollm": _DIGITS_THEN_GPT2,
+    "starcoder": _DIGITS_THEN_GPT2,
+    "refact": _DIGITS_THEN_GPT2,
+    "gpt-2": _GPT2_REGEX_PRE,
+    "default": _GPT2_REGEX_PRE,
+    "llama-bpe": _split_then_bytes(_LLAMA3_REGEX),
+    "llama3": _split_then_bytes(_LLAMA3_REGEX),
+    "qwen2": _split_then_bytes(_QWEN2_REGEX),
+}
+
+# GGUF token types (llama.cpp's llama_token_type)
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+
+def _render_template(template: str, **context: Any) -> str:
+    """Render a Hugging Face chat template the way transformers does (sandboxed jinja2)."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template).render(**context)
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template and stop tokens."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        chat_template: str | None,
+        extra_stop_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
+        stops = {i for i in extra_stop_token_ids if i is not None}
+        if self.eos_token_id is not None:
+            stops.add(self.eos_token_id)
+        special = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        stops.update(special[text] for text in _END_OF_GENERATION_TEXTS if text in special)
+        self.stop_token_ids: frozenset[int] = frozenset(stops)
+
+    # --- constructors -----------------------------------------------------
+
+    @classmethod
+    def from_directory(cls, directory: str | Path) -> "Tokenizer":
+        """Load tokenizer.json (+ tokenizer_config.json, generation_config.json, chat_template.jinja)."""
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{directory} has no tokenizer.json")
+        backend = HFTokenizer.from_file(str(path))
+        config = _read_json(directory / "tokenizer_config.json")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = directory / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        generation = _read_json(directory / "generation_config.json")
+        eos_ids = generation.get("eos_token_id")
+        extra = eos_ids if isinstance(eos_ids, list) else [eos_ids]
+        return cls(
+            backend,
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
+            chat_template=template,
+            extra_stop_token_ids=extra,
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
+        """Build a byte-level BPE tokenizer from a GGUF file's `tokenizer.*` metadata."""
+        model = meta.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise UnsupportedModelError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+        merges: list[str] = list(meta.get("tokenizer.ggml.merges", []))
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre not in _PRE_TOKENIZERS:
+            log.warning("GGUF pre-tokenizer %r is unknown; using GPT-2 splitting (tokens may differ)", pre)
+        special = [
+            {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": types[i] == _TOKEN_TYPE_CONTROL}
+            for i in range(len(tokens)) if types[i] in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+        ]
+        bos_id = meta.get("tokenizer.ggml.bos_token_id")
+        eos_id = meta.get("tokenizer.ggml.eos_token_id")
+        bos = tokens[bos_id] if bos_id is not None else None
+        post_processor = None
+        if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+            post_processor = {
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                         {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+            }
+        spec = {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": special,
+            "normalizer": None,
+            "pre_tokenizer": _PRE_TOKENIZERS.get(pre, _GPT2_REGEX_PRE),
+            "post_processor": post_processor,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+            "model": {
+                "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                "vocab": {tok: i for i, tok in enumerate(tokens)},
+                "merges": merges,
+            },
+        }
+        backend = HFTokenizer.from_str(json.dumps(spec))
+        eot_id = meta.get("tokenizer.ggml.eot_token_id")
+        return cls(
+            backend,
+            bos_token=bos,
+            eos_token=tokens[eos_id] if eos_id is not None else None,
+            chat_template=meta.get("tokenizer.chat_template"),
+            extra_stop_token_ids=[eot_id] if eot_id is not None else [],
+        )
+
+    # --- text <-> ids -----------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render `messages` with the model's own chat template."""
+        if not self.chat_template:
+            raise UnsupportedModelError("this model has no chat template; send a plain prompt instead")
+        return _render_template(
+            self.chat_template,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes any BOS itself, so no special tokens are added again.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas, as vLLM does.
+
+    Each delta is the text that decoding gained from the newest tokens, held
+    back while it ends in an incomplete UTF-8 sequence (U+FFFD), so a byte-level
+    character split over several tokens is never emitted broken. The deltas
+    joined equal `decode(all output ids)`, once `flush()` has run at the end.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # start of the window decoded for context
+        self._read_offset = 0  # tokens before this have been emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            delta = full_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full_text[len(prefix_text) :]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _token_text(token: Any) -> str | None:
+    # tokenizer_config.json stores special tokens as a string or an AddedToken dict.
+    if isinstance(token, dict):
+        return token.get("content")
+    return token
