@@ -1,0 +1,131 @@
+"""Tiny random-weight models for tests, built in process with transformers (the reference)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+TINY_VOCAB = 160
+
+# family -> (transformers config class name, model class name, config overrides)
+VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama-mha-tied": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
+    "llama-mqa": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1)),
+    "llama-head-dim": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16})),
+    "llama-linear-rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
+    "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+}
+
+
+def build_hf_model(variant: str, seed: int = 0):
+    import transformers
+
+    config_name, model_name, overrides = VARIANTS[variant]
+    kwargs = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        max_position_embeddings=256, rms_norm_eps=1e-6,
+    )
+    kwargs.update(overrides)
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so the test
+    # would notice a norm or bias that is loaded wrongly.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def save_hf_model(model, directory: Path) -> Path:
+    model.save_pretrained(directory)
+    return directory
+
+
+def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def _permute_for_gguf(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    # What llama.cpp's converter does to Q/K rows (for its interleaved RoPE).
+    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def write_gguf(model, path: Path, quant_types: dict[str, str], tokenizer_metadata: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """Write a transformers Llama model as a llama.cpp-style GGUF file.
+
+    `quant_types` maps a substring of the HF weight name to a GGML type name
+    ("Q8_0", "Q4_1", ...); other 2-D weights are F32. Returns the weights as
+    the file holds them, dequantized by the gguf package (the reference).
+    """
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    for key, value in (tokenizer_metadata or {}).items():
+        writer.add_key_value(key, value[0], value[1])
+
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer_names = {
+        "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
+    reference: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if hf_name in names:
+            gguf_name = names[hf_name]
+        else:
+            _, _, index, rest = hf_name.split(".", 3)
+            gguf_name = f"blk.{index}.{layer_names[rest]}"
+        data = tensor.float().numpy()
+        qtype = next((t for key, t in quant_types.items() if key in hf_name), "F32") if data.ndim == 2 else "F32"
+        stored = data
+        if "q_proj" in hf_name:
+            stored = _permute_for_gguf(data, cfg.num_attention_heads)
+        elif "k_proj" in hf_name:
+            stored = _permute_for_gguf(data, cfg.num_key_value_heads)
+        if qtype == "F32":
+            writer.add_tensor(gguf_name, np.ascontiguousarray(stored))
+            reference[hf_name] = tensor.float().clone()
+        else:
+            ggml_type = gguf.GGMLQuantizationType[qtype]
+            packed = quantize(np.ascontiguousarray(stored), ggml_type)
+            writer.add_tensor(gguf_name, packed, raw_dtype=ggml_type)
+            # Quantization blocks lie within rows, so quantizing commutes with the row permutation.
+            reference[hf_name] = torch.from_numpy(dequantize(quantize(data, ggml_type), ggml_type).copy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return reference

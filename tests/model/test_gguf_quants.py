@@ -1,0 +1,72 @@
+"""Our torch dequantizers against the gguf package's independent numpy implementation."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as reference_dequantize
+
+from kvserve.errors import UnsupportedModelError
+from kvserve.model.gguf_quants import SUPPORTED_TYPES, dequantize
+
+# Byte offsets of the fp16 scale fields in each block, which must hold finite
+# values (random bytes would give NaN/inf scales that compare unequal).
+_FP16_FIELDS = {
+    "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+    "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+}
+
+
+def _random_blocks(type_name: str, num_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, size=(num_blocks, block_bytes), dtype=np.uint8)
+    for offset in _FP16_FIELDS[type_name]:
+        scales = rng.uniform(-2, 2, size=num_blocks).astype(np.float16)
+        raw[:, offset : offset + 2] = scales.view(np.uint8).reshape(num_blocks, 2)
+    return raw
+
+
+@pytest.mark.parametrize("type_name", sorted(_FP16_FIELDS))
+def test_quantized_types_match_gguf_reference(type_name):
+    rng = np.random.default_rng(0)
+    block_elems, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    rows = 6
+    raw = _random_blocks(type_name, rows * 2, rng).reshape(rows, -1)
+    expected = reference_dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    ours = dequantize(raw, type_name, (rows, 2 * block_elems))
+    assert ours.dtype == torch.float32
+    np.testing.assert_allclose(ours.numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_quantize_roundtrip_through_our_decoder(type_name):
+    qtype = gguf.GGMLQuantizationType[type_name]
+    weights = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)
+    packed = gguf.quants.quantize(weights, qtype)
+    ours = dequantize(packed, type_name, (8, 64)).numpy()
+    np.testing.assert_allclose(ours, reference_dequantize(packed, qtype), rtol=1e-6, atol=1e-6)
+    # and it is a faithful approximation of the original (about half a quantization step)
+    bound = {"4": 0.3, "5": 0.15, "8": 0.03}[type_name[1]]
+    assert np.abs(ours - weights).max() < bound
+
+
+@pytest.mark.parametrize("type_name,np_dtype", [("F32", np.float32), ("F16", np.float16)])
+def test_float_types(type_name, np_dtype):
+    values = np.random.default_rng(2).standard_normal((3, 5)).astype(np_dtype)
+    np.testing.assert_array_equal(dequantize(values, type_name, (3, 5)).numpy(), values.astype(np.float32))
+
+
+def test_bf16():
+    values = torch.randn(4, 6)
+    as_bf16 = values.to(torch.bfloat16)
+    raw = as_bf16.view(torch.int16).numpy()
+    assert torch.equal(dequantize(raw, "BF16", (4, 6)), as_bf16.float())
+
+
+def test_unsupported_type_is_named():
+    with pytest.raises(UnsupportedModelError, match="IQ2_XS is not supported"):
+        dequantize(np.zeros(10, dtype=np.uint8), "IQ2_XS", (10,))
+
+
+def test_supported_types_cover_the_issue_list():
+    assert set(SUPPORTED_TYPES) >= {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
