@@ -1,0 +1,86 @@
+"""The embedded SmolLM2-135M-Instruct GGUF against transformers' own GGUF loading."""
+
+import pytest
+import torch
+
+from kvserve.engine.generate import Generator
+from kvserve.engine.sampling import SamplingParams
+from kvserve.model.loader import embedded_model_path
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference_model():
+    from transformers import AutoModelForCausalLM
+
+    path = embedded_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def test_summary_describes_the_model(embedded):
+    summary = embedded.summary()
+    assert "30 layers, 9 heads / 3 KV heads (GQA) / head_dim 64" in summary
+    assert "context 8192" in summary
+    assert "46,080 bytes/token" in summary
+    assert "Q4_1" in summary
+
+
+def test_first_step_logits_match_transformers(embedded, embedded_tokenizer, reference_model):
+    for prompt in PROMPTS:
+        ids = embedded_tokenizer.encode(prompt)
+        with torch.no_grad():
+            expected = reference_model(torch.tensor([ids])).logits[0, -1]
+        ours = embedded.model(torch.tensor(ids), torch.arange(len(ids)))[-1]
+        assert (ours - expected).abs().max().item() <= 1e-3
+
+
+def test_greedy_continuations_match_transformers(embedded, embedded_tokenizer, reference_model):
+    generator = Generator(embedded)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    for prompt in PROMPTS:
+        ids = embedded_tokenizer.encode(prompt)
+        expected = _reference_greedy(reference_model, ids, 32)
+        result = generator.generate(ids, params)
+        assert result.token_ids == expected
+
+
+def _reference_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
+    # A plain argmax loop: transformers' `generate(min_new_tokens=...)` would
+    # mask EOS, while ignore_eos (vLLM's meaning) only keeps going past it.
+    out: list[int] = []
+    past = None
+    step_input = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            result = model(step_input, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            out.append(int(result.logits[0, -1].argmax()))
+            step_input = torch.tensor([[out[-1]]])
+    return out
+
+
+def test_cached_and_recomputed_decoding_agree(embedded):
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for prompt in PROMPTS:
+        cached = Generator(embedded).generate(prompt, params)
+        recomputed = Generator(embedded, use_kv_cache=False).generate(prompt, params)
+        assert cached.token_ids == recomputed.token_ids
+        assert cached.kv_cache_bytes == (len(cached.prompt_token_ids) + 24) * 46_080
+        assert recomputed.kv_cache_bytes == 0
+
+
+def test_chat_stops_on_end_of_turn(embedded):
+    generator = Generator(embedded)
+    result = generator.generate(generator.encode_prompt("What is the capital of France?", chat=True),
+                                SamplingParams(max_tokens=64, temperature=0.0))
+    assert result.finish_reason == "stop"
+    assert result.token_ids[-1] in embedded.tokenizer.stop_token_ids
+    assert "Paris" in result.text
+    assert "<|im_end|>" not in result.text
