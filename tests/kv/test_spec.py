@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.errors import InvalidRequestError
+from kvserve.kv.cache import ContiguousKVCache
+from kvserve.kv.spec import kv_bytes_per_token, kv_spec
+
+
+def _config(**overrides) -> ModelConfig:
+    base = dict(architecture="llama", vocab_size=100, hidden_size=4096, intermediate_size=11008, num_layers=32,
+                num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                rope_theta=10000.0)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def test_formula_matches_known_figures():
+    # Llama-3-8B-like: 32 layers x 8 KV heads x 128 head_dim in fp16 = 131,072 bytes per token.
+    assert kv_bytes_per_token(_config(), "float16") == 131_072
+    # 7B MHA (32 KV heads) in fp16: 0.5 MiB per token.
+    assert kv_bytes_per_token(_config(num_kv_heads=32), "float16") == 512 * 1024
+    # SmolLM2-135M in fp32 (auto).
+    smol = _config(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576)
+    assert kv_bytes_per_token(smol) == 2 * 30 * 3 * 64 * 4 == 46_080
+
+
+def test_unknown_dtype_is_rejected():
+    with pytest.raises(InvalidRequestError, match="unsupported KV cache dtype 'int3'"):
+        kv_spec(_config(), "int3")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_cache_allocates_what_the_spec_says(dtype):
+    config = _config(num_layers=2, num_kv_heads=2, head_dim=16, num_heads=4, hidden_size=64)
+    cache = ContiguousKVCache(config, dtype, capacity=10)
+    allocated = sum(t.numel() * t.element_size() for t in cache._k + cache._v)
+    assert allocated == cache.bytes_allocated == 10 * kv_bytes_per_token(config, dtype)
+
+
+def test_cache_grows_and_keeps_contents():
+    config = _config(num_layers=1, num_kv_heads=1, head_dim=4, num_heads=1, hidden_size=4)
+    cache = ContiguousKVCache(config, capacity=2)
+    k = torch.arange(8.0).view(1, 2, 4)
+    cache.store(0, 0, k, -k)
+    cache.num_tokens = 2
+    cache.reserve(3)
+    assert cache.capacity == 4
+    k_all, v_all = cache.store(0, 2, torch.ones(1, 1, 4), torch.ones(1, 1, 4))
+    assert torch.equal(k_all[:, :2], k) and torch.equal(v_all[:, :2], -k) and k_all.shape[1] == 3
