@@ -1,7 +1,7 @@
 """GGUF file -> ModelConfig + fp32 weights (Hugging Face names) + tokenizer metadata.
 
-Parsing uses the `gguf` package's reader (a memory map; nothing is copied until
-a tensor is dequantized). Dequantization is ours (`gguf_quants`), per tensor,
+The container is read by `gguf_file` (a memory map; nothing is copied until a
+tensor is dequantized). Dequantization is ours (`gguf_quants`), per tensor,
 because files often mix types (SmolLM2's Q4_1 file keeps its embedding in Q8_0
 and its norms in F32).
 """
@@ -16,7 +16,8 @@ import torch
 
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.errors import ModelLoadError, UnsupportedModelError
-from kvserve.model.gguf_quants import dequantize
+from kvserve.model.gguf_file import GGUFFile
+from kvserve.model.gguf_quants import dequantize, ggml_type_name, tensor_nbytes
 
 # GGUF architectures we run, and whether llama.cpp's converter permuted the
 # rows of Q and K for them (it does for "llama", whose ggml RoPE is the
@@ -51,25 +52,6 @@ class GGUFModel:
     # tokenizer.* metadata keys, for kvserve.model.tokenizer
     tokenizer_metadata: dict[str, Any] = field(default_factory=dict)
     tensor_types: dict[str, int] = field(default_factory=dict)  # quant type -> tensor count
-
-
-def _open(path: Path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises bare ValueError/struct errors on junk
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
-
-
-def _metadata(reader) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, fld in reader.fields.items():
-        try:
-            out[name] = fld.contents()
-        except Exception:  # a field type this gguf version cannot decode; we never need those
-            continue
-    return out
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -132,34 +114,34 @@ def load_gguf(path: str | Path) -> GGUFModel:
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
-    reader = _open(path)
-    meta = _metadata(reader)
+    file = GGUFFile(path)
+    meta = file.metadata
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; supported: {', '.join(_ARCHITECTURES)}"
         )
-    by_name = {t.name: t for t in reader.tensors}
+    by_name = {t.name: t for t in file.tensors}
     if "token_embd.weight" not in by_name:
         raise ModelLoadError(f"{path} has no token_embd.weight tensor")
-    vocab_rows = int(by_name["token_embd.weight"].shape[-1])
+    vocab_rows = int(by_name["token_embd.weight"].shape[0])
     config = _config(meta, arch, vocab_rows)
 
     weights: dict[str, torch.Tensor] = {}
     tensor_types: dict[str, int] = {}
     rope_freqs: torch.Tensor | None = None
-    for tensor in reader.tensors:
-        type_name = tensor.tensor_type.name
-        # GGUF lists dimensions innermost first; torch wants them outermost first.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    for tensor in file.tensors:
+        type_name = ggml_type_name(tensor.ggml_type)
+        shape = tensor.shape
+        raw = file.tensor_bytes(tensor, tensor_nbytes(type_name, shape))
         if tensor.name == "rope_freqs.weight":
-            rope_freqs = dequantize(tensor.data, type_name, shape)
+            rope_freqs = dequantize(raw, type_name, shape)
             continue
         hf_name = _hf_name(tensor.name)
         if hf_name is None:
             raise UnsupportedModelError(f"GGUF tensor {tensor.name!r} is not part of a supported Llama-family model")
         tensor_types[type_name] = tensor_types.get(type_name, 0) + 1
-        value = dequantize(tensor.data, type_name, shape)
+        value = dequantize(raw, type_name, shape)
         if _ARCHITECTURES[arch]:
             if ".q_proj." in hf_name:
                 value = unpermute_qk(value, config.num_heads)

@@ -148,11 +148,21 @@ _TYPES: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
 SUPPORTED_TYPES: tuple[str, ...] = tuple(_TYPES)
 
 
-def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """Dequantize the raw bytes of one GGUF tensor to float32 of `shape` (torch order).
+# ggml's type ids (enum ggml_type), including types we cannot decode, so errors can name them.
+_TYPE_IDS: dict[int, str] = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
+    11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
+    19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32",
+    27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16",
+}
 
-    Raises UnsupportedModelError naming the type when kvserve has no decoder for it.
-    """
+
+def ggml_type_name(type_id: int) -> str:
+    """GGML type id -> its name ("Q4_1"), also for types we cannot decode (for the error message)."""
+    return _TYPE_IDS.get(type_id, f"unknown type {type_id}")
+
+
+def _layout(type_name: str, shape: tuple[int, ...]) -> tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]:
     if type_name not in _TYPES:
         raise UnsupportedModelError(
             f"GGUF tensor type {type_name} is not supported; supported types: {', '.join(SUPPORTED_TYPES)}"
@@ -163,9 +173,24 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch
         raise UnsupportedModelError(
             f"tensor of {num_elements} elements is not a whole number of {type_name} blocks ({block_elems})"
         )
+    return num_elements // block_elems, block_bytes, decode
+
+
+def tensor_nbytes(type_name: str, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor of `shape` takes in the file at `type_name`."""
+    num_blocks, block_bytes, _ = _layout(type_name, shape)
+    return num_blocks * block_bytes
+
+
+def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Dequantize the raw bytes of one GGUF tensor to float32 of `shape` (torch order).
+
+    Raises UnsupportedModelError naming the type when kvserve has no decoder for it.
+    """
+    num_blocks, block_bytes, decode = _layout(type_name, shape)
     data = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
-    expected = num_elements // block_elems * block_bytes
-    if data.size != expected:
-        raise UnsupportedModelError(f"{type_name} tensor has {data.size} bytes, expected {expected}")
-    blocks = torch.from_numpy(data.copy()).view(-1, block_bytes)
+    if data.size != num_blocks * block_bytes:
+        raise UnsupportedModelError(f"{type_name} tensor has {data.size} bytes, expected {num_blocks * block_bytes}")
+    # A copy: the source is usually a read-only memory map.
+    blocks = torch.from_numpy(data.copy()).view(num_blocks, block_bytes)
     return decode(blocks).reshape(shape)

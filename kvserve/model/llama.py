@@ -137,58 +137,61 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor]) -> "LlamaForCausalLM":
-        # Built on the meta device so no time goes into random initialization.
+        """Build the model around Hugging Face-named fp32 weights (consumed, not copied).
+
+        The module is created on the meta device and the weights are assigned
+        in, so loading allocates no second copy of the model.
+        """
         with torch.device("meta"):
             model = cls(config)
-        model = model.to_empty(device="cpu")
-        model.load_hf_weights(weights)
+        state = model._fuse_hf_weights(weights)
+        model.load_state_dict(state, assign=True, strict=True)
+        model.inv_freq = rope_inv_freq(config, weights.get("rope_freqs"))
         return model.eval()
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up."""
+    def _fuse_hf_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hugging Face names -> this module's parameter names, fusing q/k/v and gate/up; checks every shape."""
         remaining = dict(weights)
+        expected = dict(self.named_parameters())
+        state: dict[str, torch.Tensor] = {}
 
         def take(name: str) -> torch.Tensor:
             if name not in remaining:
                 raise ModelLoadError(f"weight {name!r} is missing from the checkpoint")
             return remaining.pop(name)
 
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise ModelLoadError(f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(value)
+        def put(name: str, value: torch.Tensor) -> None:
+            if tuple(expected[name].shape) != tuple(value.shape):
+                raise ModelLoadError(
+                    f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(expected[name].shape)}"
+                )
+            state[name] = value.float().contiguous()
 
-        cfg = self.config
-        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        put(self.norm, take("model.norm.weight"), "model.norm.weight")
+        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        put("norm", take("model.norm.weight"))
         if self.lm_head is not None:
-            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+            put("lm_head.weight", take("lm_head.weight"))
         else:
             remaining.pop("lm_head.weight", None)  # some tied checkpoints store a copy
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            put(layer.input_layernorm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-            put(layer.post_attention_layernorm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
-            attn = p + "self_attn."
-            qkv = torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"])
-            put(layer.self_attn.qkv_proj.weight, qkv, attn + "qkv_proj.weight")
-            if cfg.attention_bias:
-                bias = torch.cat([take(attn + f"{x}_proj.bias") for x in "qkv"])
-                put(layer.self_attn.qkv_proj.bias, bias, attn + "qkv_proj.bias")
-            put(layer.self_attn.o_proj.weight, take(attn + "o_proj.weight"), attn + "o_proj.weight")
-            mlp = p + "mlp."
-            gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
-            put(layer.mlp.gate_up_proj.weight, gate_up, mlp + "gate_up_proj.weight")
-            put(layer.mlp.down_proj.weight, take(mlp + "down_proj.weight"), mlp + "down_proj.weight")
-        freq_divisors = remaining.pop("rope_freqs", None)
-        self.inv_freq = rope_inv_freq(cfg, freq_divisors)
+        for i in range(self.config.num_layers):
+            hf, ours = f"model.layers.{i}.", f"layers.{i}."
+            put(ours + "input_layernorm", take(hf + "input_layernorm.weight"))
+            put(ours + "post_attention_layernorm", take(hf + "post_attention_layernorm.weight"))
+            put(ours + "self_attn.qkv_proj.weight", torch.cat([take(hf + f"self_attn.{x}_proj.weight") for x in "qkv"]))
+            if self.config.attention_bias:
+                put(ours + "self_attn.qkv_proj.bias", torch.cat([take(hf + f"self_attn.{x}_proj.bias") for x in "qkv"]))
+            put(ours + "self_attn.o_proj.weight", take(hf + "self_attn.o_proj.weight"))
+            gate_up = torch.cat([take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")])
+            put(ours + "mlp.gate_up_proj.weight", gate_up)
+            put(ours + "mlp.down_proj.weight", take(hf + "mlp.down_proj.weight"))
+        remaining.pop("rope_freqs", None)  # GGUF's RoPE scaling, read by from_weights
         # Buffers some exporters save; they are recomputed from the config.
         for name in [n for n in remaining if n.endswith("rotary_emb.inv_freq")]:
             remaining.pop(name)
         if remaining:
             names = ", ".join(sorted(remaining)[:5])
             raise ModelLoadError(f"checkpoint has {len(remaining)} unexpected weights, e.g. {names}")
+        return state
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
