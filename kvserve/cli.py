@@ -24,6 +24,36 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine arguments (vLLM's names), shared by every command that builds an Engine."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--kv-cache-dtype", default="auto", help="auto (= float32), float32, float16, bfloat16")
+    group.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: 30%% of free RAM, at most 4 GiB)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    group.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch at most")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens computed per step at most")
+    group.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    group.add_argument("--no-kv-cache", action="store_true", help="recompute every sequence in full every step (baseline)")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from kvserve.config import EngineConfig
+    from kvserve.errors import InvalidRequestError
+    from kvserve.kv.spec import resolve_cache_dtype
+
+    resolve_cache_dtype(args.kv_cache_dtype)  # fail before the model loads
+    try:
+        return EngineConfig(
+            model=args.model, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
+            block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+            enable_kv_cache=not args.no_kv_cache,
+        )
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from None
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-centric LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -31,17 +61,15 @@ def _build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text from a prompt, streaming it as it is produced")
     gen.add_argument("prompt", nargs="?", help="the prompt text")
     gen.add_argument("--token-ids", help="comma-separated prompt token ids instead of text")
-    gen.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--chat", action="store_true", help="render the prompt as a user turn with the model's chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
-    gen.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step (baseline)")
-    gen.add_argument("--kv-cache-dtype", default="auto", help="auto (= float32), float32, float16, bfloat16")
     gen.add_argument("--quiet", action="store_true", help="do not print the model summary")
     _add_sampling_args(gen)
+    add_engine_args(gen)
     return parser
 
 
-def _prompt_token_ids(args: argparse.Namespace, generator) -> list[int]:
+def _prompt(args: argparse.Namespace, engine) -> str | list[int]:
     if args.token_ids is not None:
         if args.prompt is not None:
             raise KVServeError("give either a prompt or --token-ids, not both")
@@ -52,50 +80,45 @@ def _prompt_token_ids(args: argparse.Namespace, generator) -> list[int]:
     if args.prompt is None:
         raise KVServeError("a prompt is required (or --token-ids)")
     if args.chat:
-        tokenizer = generator.loaded.require_tokenizer()
+        tokenizer = engine.loaded.require_tokenizer()
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.prompt})
         return tokenizer.encode_chat(messages)
-    return generator.encode_prompt(args.prompt)
+    return args.prompt
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from kvserve.engine.generate import Generator
+    from kvserve.engine.engine import Engine
     from kvserve.engine.sampling import SamplingParams
-    from kvserve.kv.spec import resolve_cache_dtype
-    from kvserve.model.loader import load_model
 
     # Validate cheap things before the model load.
-    cache_dtype = resolve_cache_dtype(args.kv_cache_dtype)
+    config = engine_config_from_args(args)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
         stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
     )
-    loaded = load_model(args.model, cache_dtype)
-    generator = Generator(loaded, cache_dtype, use_kv_cache=not args.no_kv_cache)
-    prompt_ids = _prompt_token_ids(args, generator)
-
-    stream = generator.stream(prompt_ids, params)
-    show_ids = loaded.tokenizer is None
-    while True:
-        try:
-            delta = next(stream)
-        except StopIteration as stop:
-            result = stop.value
-            break
-        piece = " ".join(map(str, delta.token_ids)) + " " if show_ids else delta.text
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    engine = Engine(config)
+    engine.add_request(_prompt(args, engine), params)
+    show_ids = engine.tokenizer is None
+    final = None
+    while engine.has_unfinished():
+        for output in engine.step():
+            delta = output.outputs[0]
+            piece = "".join(f"{t} " for t in delta.delta_token_ids) if show_ids else delta.delta_text
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            if output.finished:
+                final = output
     sys.stdout.write("\n")
-    m = result.metrics
+    m = final.metrics
     elapsed = (m.last_token_time or m.arrival_time) - m.arrival_time
     tpot = f"{m.tpot * 1000:.1f} ms" if m.tpot is not None else "n/a"
+    held = " (no KV cache: recomputed every step)" if args.no_kv_cache else ""
     print(
-        f"[prompt {m.num_prompt_tokens} tokens | output {m.num_output_tokens} tokens ({result.finish_reason}) | "
-        f"TTFT {m.ttft * 1000:.0f} ms | TPOT {tpot} | {m.num_output_tokens / elapsed:.1f} tok/s | "
-        f"KV cache held {result.kv_cache_bytes / 2**20:.2f} MiB"
-        f"{' (no KV cache: recomputed every step)' if args.no_kv_cache else ''}]",
+        f"[prompt {m.num_prompt_tokens} tokens | output {m.num_output_tokens} tokens "
+        f"({final.outputs[0].finish_reason}) | TTFT {m.ttft * 1000:.0f} ms | TPOT {tpot} | "
+        f"{m.num_output_tokens / elapsed:.1f} tok/s | KV cache held {final.kv_cache_bytes / 2**20:.2f} MiB{held}]",
         file=sys.stderr,
     )
     return 0

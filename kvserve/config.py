@@ -55,3 +55,73 @@ class ModelConfig:
         if self.num_kv_heads == 1:
             return "MQA"
         return "GQA"
+
+
+_MEMORY_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+                 "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_memory(value: int | str) -> int:
+    """'2GiB', '512MiB', '1.5GB' or a byte count -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        amount = value
+    else:
+        import re
+
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _MEMORY_UNITS:
+            raise ValueError(f"cannot read {value!r} as a memory size (e.g. 2GiB, 512MiB, 1000000)")
+        amount = int(float(match.group(1)) * _MEMORY_UNITS[unit])
+    if amount <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return amount
+
+
+def default_kv_cache_memory() -> int:
+    """A sensible share of free RAM: 30% of what is available, at most 4 GiB.
+
+    The pool is allocated with torch.empty, so pages are committed only as
+    blocks are first written.
+    """
+    available = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        import os
+
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(4 * 2**30, int(available * 0.3))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine arguments, named as in vLLM where vLLM has them."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: int | str | None = None  # bytes or "2GiB"; None: default_kv_cache_memory()
+    max_model_len: int | None = None  # None: the model's context length
+    # False: every step recomputes each request's whole sequence and keeps no
+    # KV between steps (the baseline that shows what the cache buys).
+    enable_kv_cache: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_cache_memory is not None:
+            parse_memory(self.kv_cache_memory)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return default_kv_cache_memory() if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory)

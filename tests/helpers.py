@@ -129,3 +129,29 @@ def write_gguf(model, path: Path, quant_types: dict[str, str], tokenizer_metadat
     writer.write_tensors_to_file()
     writer.close()
     return reference
+
+
+def paged_logits(model, token_ids: list[int], chunks: list[int], block_size: int = 4) -> torch.Tensor:
+    """Run one sequence through the paged cache in steps of `chunks` tokens (then 1 per step).
+
+    The block table is a scrambled subset of the pool, so wrong addressing
+    cannot pass by luck. Returns the logits of every position, step by step.
+    """
+    from kvserve.kv.attention import PagedKVContext, SequenceSlice, build_attention_metadata
+    from kvserve.kv.spec import kv_spec
+    from kvserve.kv.storage import PagedKVCache
+
+    num_blocks = -(-len(token_ids) // block_size)
+    cache = PagedKVCache(kv_spec(model.config), num_blocks * 2 + 1, block_size)
+    block_ids = torch.randperm(num_blocks * 2 + 1, generator=torch.Generator().manual_seed(3))[:num_blocks].tolist()
+    cache.initialize_blocks(torch.tensor(block_ids))
+    for layer in range(len(cache.k)):
+        cache.k[layer].fill_(float("nan"))  # keys not yet written must never be read
+    rows, computed = [], 0
+    steps = list(chunks) + [1] * (len(token_ids) - sum(chunks))
+    for count in steps:
+        meta = build_attention_metadata([SequenceSlice(block_ids, computed, count)], block_size, model.config.sliding_window)
+        ids = torch.tensor(token_ids[computed : computed + count])
+        rows.append(model(ids, torch.arange(computed, computed + count), PagedKVContext(cache, meta)))
+        computed += count
+    return torch.cat(rows)

@@ -105,3 +105,28 @@ class OutputTracker:
         delta = self.text[self._emitted : end]
         self._emitted = end
         return delta
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (vLLM's name). `text`/`token_ids` are cumulative;
+    `delta_text`/`delta_token_ids` are what this step added (for streaming)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    kv_cache_bytes: int = 0  # KV memory the request held when it finished

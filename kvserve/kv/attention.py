@@ -1,9 +1,27 @@
-"""The attention op: the one place where queries meet cached keys and values."""
+"""Attention over the KV cache: the one place where queries meet cached keys and values.
+
+A step's batch is a flat list of tokens from several requests: decode tokens
+first (one per request), then prefill chunks. `AttentionMetadata` (built once
+per step, shared by all layers) says where each new token's K/V goes (slots)
+and which blocks each request reads.
+
+Decode uses split-KV ("flash-decoding") over only the valid blocks of every
+request at once: scores per (request, block), a per-block max and sum, then a
+max/sum merge per request. No padding to the longest request, no per-request
+Python loop; DESIGN §3 records it ~1.5x faster than a per-sequence SDPA loop
+on this CPU. Prefill chunks (compute-bound) gather their request's blocks and
+run SDPA with a bottom-right-aligned causal mask.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
+
+from kvserve.kv.storage import PagedKVCache
 
 
 def attention_mask(q_positions: torch.Tensor, num_keys: int, sliding_window: int | None) -> torch.Tensor | None:
@@ -33,10 +51,9 @@ def attend(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """q `[num_heads, T, D]`, k/v `[num_kv_heads, L, D]` -> `[T, num_heads * D]`.
+    """One sequence: q `[num_heads, T, D]`, k/v `[num_kv_heads, L, D]` -> `[T, num_heads * D]`.
 
-    Keys are positions 0..L-1 of one sequence; GQA is handled by SDPA's
-    `enable_gqa` (no repeated copy of K/V).
+    Keys are positions 0..L-1; GQA through SDPA's `enable_gqa` (no repeated K/V).
     """
     mask = attention_mask(q_positions, k.shape[1], sliding_window)
     if k.dtype != q.dtype:  # a reduced-precision cache is read in the compute dtype
@@ -46,3 +63,142 @@ def attend(
         enable_gqa=q.shape[0] != k.shape[0],
     )
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceSlice:
+    """One request's part of a step: its block table, tokens already cached, tokens computed now."""
+
+    block_ids: Sequence[int]
+    num_computed_tokens: int
+    num_new_tokens: int
+
+
+@dataclass
+class DecodeMetadata:
+    num_seqs: int
+    block_ids: torch.Tensor  # [NB] every valid block of every decoding request, request by request
+    seq_index: torch.Tensor  # [NB] which decoding request each block belongs to
+    key_valid: torch.Tensor  # [NB, block_size] which rows of each block the query may see
+
+
+@dataclass
+class PrefillMetadata:
+    query_start: int  # rows of the step's token batch
+    query_end: int
+    block_ids: torch.Tensor  # the request's blocks covering keys 0..seq_len-1
+    seq_len: int
+    positions: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    slot_blocks: torch.Tensor  # [N] block of each new token
+    slot_rows: torch.Tensor  # [N] row within that block
+    num_decode_tokens: int
+    decode: DecodeMetadata | None
+    prefills: list[PrefillMetadata] = field(default_factory=list)
+
+
+def build_attention_metadata(
+    slices: Sequence[SequenceSlice], block_size: int, sliding_window: int | None = None
+) -> AttentionMetadata:
+    """Metadata for a step whose token batch is `slices` in order, decodes (1 new token) first."""
+    slot_blocks: list[int] = []
+    slot_rows: list[int] = []
+    dec_blocks: list[int] = []
+    dec_seq: list[int] = []
+    dec_block_start: list[int] = []
+    dec_lo: list[int] = []
+    dec_qpos: list[int] = []
+    prefills: list[PrefillMetadata] = []
+    num_decode = 0
+    row = 0
+    for s in slices:
+        start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+        if len(s.block_ids) * block_size < end:
+            raise ValueError(f"block table of {len(s.block_ids)} blocks cannot hold {end} tokens")
+        for position in range(start, end):
+            slot_blocks.append(s.block_ids[position // block_size])
+            slot_rows.append(position % block_size)
+        is_decode = s.num_new_tokens == 1 and not prefills
+        if is_decode:
+            q_pos = start
+            lo = max(0, q_pos - sliding_window + 1) if sliding_window else 0
+            for index in range(lo // block_size, q_pos // block_size + 1):
+                dec_blocks.append(s.block_ids[index])
+                dec_seq.append(num_decode)
+                dec_block_start.append(index * block_size)
+                dec_lo.append(lo)
+                dec_qpos.append(q_pos)
+            num_decode += 1
+        else:
+            prefills.append(PrefillMetadata(
+                row, row + s.num_new_tokens,
+                torch.tensor(list(s.block_ids[: -(-end // block_size)]), dtype=torch.long),
+                end, torch.arange(start, end),
+            ))
+        row += s.num_new_tokens
+    decode = None
+    if num_decode:
+        key_pos = torch.tensor(dec_block_start)[:, None] + torch.arange(block_size)[None, :]
+        key_valid = (key_pos <= torch.tensor(dec_qpos)[:, None]) & (key_pos >= torch.tensor(dec_lo)[:, None])
+        decode = DecodeMetadata(num_decode, torch.tensor(dec_blocks), torch.tensor(dec_seq), key_valid)
+    return AttentionMetadata(
+        torch.tensor(slot_blocks, dtype=torch.long), torch.tensor(slot_rows, dtype=torch.long),
+        num_decode, decode, prefills,
+    )
+
+
+def split_kv_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata, scale: float
+) -> torch.Tensor:
+    """q `[B, H, D]` (one token per request) -> `[B, H * D]`, reading only valid blocks."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    keys = k_cache[meta.block_ids]  # [NB, KVH, bs, D]
+    values = v_cache[meta.block_ids]
+    if keys.dtype != q.dtype:
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+    queries = q.view(num_seqs, num_kv_heads, group, head_dim)[meta.seq_index]  # [NB, KVH, G, D]
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)  # [NB, KVH, G, bs]
+    scores.masked_fill_(~meta.key_valid[:, None, None, :], float("-inf"))
+    block_max = scores.amax(dim=-1, keepdim=True)  # finite: every listed block has a valid key
+    probs = torch.exp(scores - block_max)
+    block_sum = probs.sum(dim=-1, keepdim=True)
+    block_out = torch.matmul(probs, values)  # [NB, KVH, G, D]
+    # Merge the blocks of each request: rescale to the request's global max.
+    seq_max = torch.full((num_seqs, num_kv_heads, group, 1), float("-inf"))
+    index = meta.seq_index.view(-1, 1, 1, 1).expand_as(block_max)
+    seq_max.scatter_reduce_(0, index, block_max, reduce="amax")
+    weight = torch.exp(block_max - seq_max[meta.seq_index])
+    out = torch.zeros(num_seqs, num_kv_heads, group, head_dim).index_add_(0, meta.seq_index, block_out * weight)
+    norm = torch.zeros(num_seqs, num_kv_heads, group, 1).index_add_(0, meta.seq_index, block_sum * weight)
+    return (out / norm).view(num_seqs, num_heads * head_dim)
+
+
+class PagedKVContext:
+    """What the model's attention layers see for one step: the paged cache plus this step's metadata."""
+
+    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata) -> None:
+        self.cache = cache
+        self.metadata = metadata
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None
+    ) -> torch.Tensor:
+        """q `[N, H, D]`, k/v `[N, KVH, D]` for the step's N new tokens -> `[N, H * D]`."""
+        meta = self.metadata
+        self.cache.write(layer, meta.slot_blocks, meta.slot_rows, k, v)
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        outputs = []
+        if meta.decode is not None:
+            outputs.append(split_kv_decode(q[: meta.num_decode_tokens], k_cache, v_cache, meta.decode, scale))
+        for p in meta.prefills:
+            num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+            keys = k_cache[p.block_ids].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, : p.seq_len]
+            values = v_cache[p.block_ids].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, : p.seq_len]
+            queries = q[p.query_start : p.query_end].transpose(0, 1)
+            outputs.append(attend(queries, keys, values, p.positions, scale, sliding_window))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

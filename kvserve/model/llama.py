@@ -3,7 +3,7 @@
 Weights arrive with Hugging Face names; Q/K/V and gate/up are fused into one
 matmul each at load time (fewer, larger GEMMs: the decode step is dominated by
 per-call overhead at small batch). Attention reaches the KV cache only through
-`kvserve.kv.attention.attend` and the cache's `store`.
+the step's `PagedKVContext.attend` (kvserve.kv.attention).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError
-from kvserve.kv.attention import attend
-from kvserve.kv.cache import ContiguousKVCache
+from kvserve.kv.attention import PagedKVContext, attend
 
 
 def rope_inv_freq(config: ModelConfig, freq_divisors: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,7 +51,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[heads, T, D]`, cos/sin `[T, D]` (rotate-half layout, as in Hugging Face)."""
+    """x `[T, heads, D]`, cos/sin `[T, 1, D]` (rotate-half layout, as in Hugging Face)."""
     return x * cos + _rotate_half(x) * sin
 
 
@@ -74,19 +73,20 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: ContiguousKVCache | None,
+        kv: PagedKVContext | None,
         layer: int,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim).transpose(0, 1), cos, sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim).transpose(0, 1), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        if cache is not None:
-            k, v = cache.store(layer, int(positions[0]), k, v)
-        out = attend(q, k, v, positions, self.scale, self.sliding_window)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if kv is not None:
+            out = kv.attend(layer, q, k, v, self.scale, self.sliding_window)
+        else:  # the input is one whole sequence: attend over its own K/V, keep nothing
+            out = attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), positions, self.scale, self.sliding_window)
         return self.o_proj(out)
 
 
@@ -110,20 +110,20 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, cos, sin, cache, layer) -> torch.Tensor:
+    def forward(self, x, positions, cos, sin, kv, layer) -> torch.Tensor:
         normed = F.rms_norm(x, x.shape[-1:], self.input_layernorm, self.eps)
-        x = x + self.self_attn(normed, positions, cos, sin, cache, layer)
+        x = x + self.self_attn(normed, positions, cos, sin, kv, layer)
         normed = F.rms_norm(x, x.shape[-1:], self.post_attention_layernorm, self.eps)
         return x + self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only transformer over one sequence.
+    """Decoder-only transformer.
 
-    `forward(input_ids, positions, cache)` runs T new tokens at `positions`;
-    with a cache, their K/V are stored and attention reads every cached
-    position; with `cache=None` the tokens must be the whole sequence (the
-    recompute baseline).
+    `forward(input_ids, positions, kv)` runs a step's N new tokens (of one or
+    many requests) at `positions`; `kv` stores their K/V in the paged cache and
+    attends over what each request has cached. With `kv=None` the tokens must
+    be one whole sequence (the no-cache path).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -204,27 +204,20 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        cache: ContiguousKVCache | None = None,
+        kv: PagedKVContext | None = None,
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids/positions `[T]` -> logits `[T, vocab]` (or only the rows in `logits_indices`)."""
-        if cache is not None:
-            start = int(positions[0])
-            if start != cache.num_tokens:
-                raise ValueError(f"cache holds {cache.num_tokens} tokens but the input starts at position {start}")
-            cache.reserve(start + input_ids.shape[0])
-        elif int(positions[0]) != 0:
+        """input_ids/positions `[N]` -> logits `[N, vocab]` (or only the rows in `logits_indices`)."""
+        if kv is None and int(positions[0]) != 0:
             raise ValueError("without a KV cache the input must be the whole sequence")
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, cos, sin, cache, i)
+            x = layer(x, positions, cos, sin, kv, i)
         if logits_indices is not None:
             x = x[logits_indices]
         x = F.rms_norm(x, x.shape[-1:], self.norm, self.config.rms_norm_eps)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if cache is not None:
-            cache.num_tokens = start + input_ids.shape[0]
         return x @ head.T

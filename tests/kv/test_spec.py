@@ -1,10 +1,8 @@
 import pytest
-import torch
-
 from kvserve.config import ModelConfig
 from kvserve.errors import InvalidRequestError
-from kvserve.kv.cache import ContiguousKVCache
 from kvserve.kv.spec import kv_bytes_per_token, kv_spec
+from kvserve.kv.storage import PagedKVCache
 
 
 def _config(**overrides) -> ModelConfig:
@@ -31,20 +29,7 @@ def test_unknown_dtype_is_rejected():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_cache_allocates_what_the_spec_says(dtype):
+def test_paged_pool_allocates_what_the_spec_says(dtype):
     config = _config(num_layers=2, num_kv_heads=2, head_dim=16, num_heads=4, hidden_size=64)
-    cache = ContiguousKVCache(config, dtype, capacity=10)
-    allocated = sum(t.numel() * t.element_size() for t in cache._k + cache._v)
-    assert allocated == cache.bytes_allocated == 10 * kv_bytes_per_token(config, dtype)
-
-
-def test_cache_grows_and_keeps_contents():
-    config = _config(num_layers=1, num_kv_heads=1, head_dim=4, num_heads=1, hidden_size=4)
-    cache = ContiguousKVCache(config, capacity=2)
-    k = torch.arange(8.0).view(1, 2, 4)
-    cache.store(0, 0, k, -k)
-    cache.num_tokens = 2
-    cache.reserve(3)
-    assert cache.capacity == 4
-    k_all, v_all = cache.store(0, 2, torch.ones(1, 1, 4), torch.ones(1, 1, 4))
-    assert torch.equal(k_all[:, :2], k) and torch.equal(v_all[:, :2], -k) and k_all.shape[1] == 3
+    cache = PagedKVCache(kv_spec(config, dtype), num_blocks=5, block_size=4)
+    assert cache.bytes_allocated == 5 * 4 * kv_bytes_per_token(config, dtype)

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from kvserve.errors import ModelLoadError, TokenizerUnavailableError, UnsupportedModelError
-from kvserve.kv.cache import ContiguousKVCache
 from kvserve.model.loader import load_model
-from tests.helpers import TINY_VOCAB, VARIANTS, build_hf_model, reference_logits, save_hf_model
+from tests.helpers import TINY_VOCAB, VARIANTS, build_hf_model, paged_logits, reference_logits, save_hf_model
 
 PROMPT_LEN = 12
 DECODE_STEPS = 20
@@ -17,12 +16,7 @@ DECODE_STEPS = 20
 
 def cached_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Logits from one prefill of the prompt, then one cached decode step per remaining token."""
-    cache = ContiguousKVCache(model.config)
-    rows = [model(torch.tensor(token_ids[:PROMPT_LEN]), torch.arange(PROMPT_LEN), cache)]
-    for position in range(PROMPT_LEN, len(token_ids)):
-        rows.append(model(torch.tensor([token_ids[position]]), torch.tensor([position]), cache))
-    assert cache.num_tokens == len(token_ids)
-    return torch.cat(rows)
+    return paged_logits(model, token_ids, [PROMPT_LEN])
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -34,7 +28,9 @@ def test_prefill_and_cached_decode_match_transformers(variant, tmp_path):
     expected = reference_logits(hf_model, token_ids)
     ours = cached_logits(loaded.model, token_ids)
     assert (ours - expected).abs().max().item() <= 1e-4
-    # the recompute path (no cache) agrees too
+    # chunked prefill through the cache, and the recompute path (no cache), agree too
+    chunked = paged_logits(loaded.model, token_ids, [5, 3, 4, 7])
+    assert (chunked - expected).abs().max().item() <= 1e-4
     recomputed = loaded.model(torch.tensor(token_ids), torch.arange(len(token_ids)))
     assert (recomputed - expected).abs().max().item() <= 1e-4
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kvserve.engine.generate import Generator
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams
 from kvserve.model.loader import embedded_model_path
 
@@ -14,6 +15,22 @@ PROMPTS = [
 ]
 
 pytestmark = pytest.mark.slow
+
+
+def run(engine: Engine, prompt, params: SamplingParams):
+    engine.add_request(prompt, params)
+    final = None
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                final = output
+    engine.check_integrity()
+    return final
+
+
+@pytest.fixture(scope="module")
+def engine(embedded):
+    return Engine(EngineConfig(kv_cache_memory="128MiB"), loaded=embedded)
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +58,12 @@ def test_first_step_logits_match_transformers(embedded, embedded_tokenizer, refe
         assert (ours - expected).abs().max().item() <= 1e-3
 
 
-def test_greedy_continuations_match_transformers(embedded, embedded_tokenizer, reference_model):
-    generator = Generator(embedded)
+def test_greedy_continuations_match_transformers(engine, embedded_tokenizer, reference_model):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     for prompt in PROMPTS:
         ids = embedded_tokenizer.encode(prompt)
         expected = _reference_greedy(reference_model, ids, 32)
-        result = generator.generate(ids, params)
-        assert result.token_ids == expected
+        assert run(engine, ids, params).outputs[0].token_ids == expected
 
 
 def _reference_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
@@ -66,21 +81,23 @@ def _reference_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
     return out
 
 
-def test_cached_and_recomputed_decoding_agree(embedded):
+def test_cached_and_recomputed_decoding_agree(engine, embedded):
+    recompute_engine = Engine(EngineConfig(kv_cache_memory="128MiB", enable_kv_cache=False), loaded=embedded)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for prompt in PROMPTS:
-        cached = Generator(embedded).generate(prompt, params)
-        recomputed = Generator(embedded, use_kv_cache=False).generate(prompt, params)
-        assert cached.token_ids == recomputed.token_ids
-        assert cached.kv_cache_bytes == (len(cached.prompt_token_ids) + 24) * 46_080
+        cached = run(engine, prompt, params)
+        recomputed = run(recompute_engine, prompt, params)
+        assert cached.outputs[0].token_ids == recomputed.outputs[0].token_ids
+        blocks = -(-(len(cached.prompt_token_ids) + 23) // 16)  # the last token's K/V is never computed
+        assert cached.kv_cache_bytes == blocks * 16 * 46_080
         assert recomputed.kv_cache_bytes == 0
 
 
-def test_chat_stops_on_end_of_turn(embedded):
-    generator = Generator(embedded)
-    result = generator.generate(generator.encode_prompt("What is the capital of France?", chat=True),
-                                SamplingParams(max_tokens=64, temperature=0.0))
-    assert result.finish_reason == "stop"
-    assert result.token_ids[-1] in embedded.tokenizer.stop_token_ids
-    assert "Paris" in result.text
-    assert "<|im_end|>" not in result.text
+def test_chat_stops_on_end_of_turn(engine, embedded):
+    prompt = embedded.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    result = run(engine, prompt, SamplingParams(max_tokens=64, temperature=0.0))
+    completion = result.outputs[0]
+    assert completion.finish_reason == "stop"
+    assert completion.token_ids[-1] in embedded.tokenizer.stop_token_ids
+    assert "Paris" in completion.text
+    assert "<|im_end|>" not in completion.text

@@ -1,0 +1,152 @@
+"""The step loop: add requests, step (schedule -> run -> update), abort."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from kvserve.config import EngineConfig
+from kvserve.engine.output import CompletionOutput, OutputTracker, RequestOutput
+from kvserve.engine.request import Request
+from kvserve.engine.runner import ModelRunner
+from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.scheduler import Scheduler
+from kvserve.errors import InvalidRequestError, KVServeError
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.spec import kv_spec
+from kvserve.kv.storage import PagedKVCache
+from kvserve.model.loader import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Continuous-batching engine over a paged KV cache.
+
+    `add_request` validates and queues; each `step()` runs one batched model
+    forward and returns a RequestOutput for every request that produced a
+    token (with `delta_text` for streaming) or finished. Not thread-safe: one
+    caller drives it (the server's async engine owns that loop).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.loaded = loaded or load_model(config.model, config.kv_cache_dtype)
+        model_config = self.loaded.config
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        self.kv_spec = kv_spec(model_config, config.kv_cache_dtype)
+        block_bytes = self.kv_spec.bytes_per_token * config.block_size
+        budget = config.kv_cache_bytes
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise KVServeError(f"kv_cache_memory of {budget:,} bytes holds no block of {block_bytes:,} bytes "
+                               f"({config.block_size} tokens x {self.kv_spec.bytes_per_token:,} bytes/token)")
+        self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, config.block_size)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.kv_manager)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache)
+        self._ids = itertools.count()
+        self.num_prompt_tokens_total = 0  # monotonic counters
+        self.num_generation_tokens_total = 0
+        log.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %s bytes/token (%s), %.1f MiB%s",
+            num_blocks, config.block_size, num_blocks * config.block_size, f"{self.kv_spec.bytes_per_token:,}",
+            self.kv_spec.dtype, self.kv_cache.bytes_allocated / 2**20,
+            "" if config.enable_kv_cache else "; KV cache DISABLED: every step recomputes every sequence",
+        )
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request (text or token ids); invalid ones raise InvalidRequestError and change nothing."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.loaded.require_tokenizer().encode(prompt) if text is not None else list(prompt)
+        self._validate(token_ids, params)
+        tracker = OutputTracker(params, self.loaded.tokenizer)
+        request = Request(request_id, token_ids, params, tracker, prompt=text)
+        self.runner.add_request(request_id, params, token_ids)
+        self.scheduler.add(request)
+        self.num_prompt_tokens_total += len(token_ids)
+        return request_id
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.loaded.config.vocab_size
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
+                f"exceeds the model's context of {self.max_model_len} tokens"
+            )
+        if not self.kv_manager.can_fit(total):
+            raise InvalidRequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) needs "
+                f"{self.kv_manager.blocks_for(total)} KV blocks but the whole cache has {self.kv_manager.num_blocks}; "
+                f"raise kv_cache_memory or lower max_tokens"
+            )
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.empty:
+            return []
+        sampled = self.runner.execute(scheduled)
+        touched = self.scheduler.update(scheduled, sampled)
+        self.num_generation_tokens_total += len(sampled)
+        outputs = []
+        for request in touched:
+            outputs.append(self._output(request, list(request.output_token_ids[-1:])))
+            if request.finished:
+                self.runner.remove_request(request.request_id)
+        return outputs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is (waiting, prefilling, decoding); its blocks are freed."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request, "abort")
+        self.runner.remove_request(request_id)
+        return self._output(request, [])
+
+    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        tracker = request.tracker
+        completion = CompletionOutput(
+            index=0, text=tracker.text, token_ids=list(tracker.token_ids), finish_reason=request.finish_reason,
+            delta_text=tracker.take_delta(), delta_token_ids=new_token_ids,
+        )
+        return RequestOutput(
+            request.request_id, request.prompt, request.prompt_token_ids, [completion], request.finished,
+            request.metrics, kv_cache_bytes=self._held_bytes(request),
+        )
+
+    def _held_bytes(self, request: Request) -> int:
+        if not self.config.enable_kv_cache:  # blocks were scratch for one step, not a cache
+            return 0
+        return request.kv_blocks_held * self.config.block_size * self.kv_spec.bytes_per_token
+
+    def check_integrity(self) -> None:
+        """Block accounting holds (DESIGN §4); raises AssertionError otherwise."""
+        self.kv_manager.check_integrity()
+        for request in self.scheduler.running:
+            held = len(self.kv_manager.block_ids(request.request_id))
+            assert held * self.config.block_size >= request.num_computed_tokens, f"{request.request_id} lost blocks"
+        for request in self.scheduler.waiting:
+            assert not self.kv_manager.block_ids(request.request_id), f"waiting {request.request_id} holds blocks"
+        if not self.has_unfinished():
+            assert self.kv_manager.num_free_blocks == self.kv_manager.num_blocks, "blocks leaked"

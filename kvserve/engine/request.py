@@ -1,0 +1,70 @@
+"""A request's state as the scheduler sees it: token ids, progress and status. No tensors."""
+
+from __future__ import annotations
+
+import enum
+
+from kvserve.engine.output import OutputTracker, RequestMetrics
+from kvserve.engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """`num_tokens` (prompt + generated) and `num_computed_tokens` (whose K/V are cached).
+
+    Every step the scheduler gives a request tokens so that num_computed_tokens
+    catches up with num_tokens; once it has, the last position's logits give
+    the next token.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        tracker: OutputTracker,
+        prompt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.tracker = tracker
+        self.metrics = RequestMetrics(num_prompt_tokens=len(prompt_token_ids))
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.kv_blocks_held = 0  # blocks held when it finished (for reporting)
+        self.finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> str | None:
+        """Record a sampled token; returns the finish reason if this token ends the request."""
+        self.all_token_ids.append(token_id)
+        self.metrics.record_token()
+        return self.tracker.append(token_id)

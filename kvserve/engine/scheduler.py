@@ -1,0 +1,158 @@
+"""Continuous batching: which requests run this step, and how many tokens each. No tensors here.
+
+One rule (DESIGN §3): each step gives requests tokens so that
+`num_computed_tokens` catches up with `num_tokens`. Prefill, chunked prefill,
+decode and recompute after preemption are all that rule.
+
+Order within a step's token budget (`max_num_batched_tokens`) and sequence cap
+(`max_num_seqs`): running requests that are decoding, then running requests
+still prefilling (their next chunk), then waiting requests first come first
+served while the pool keeps a watermark of free blocks. When a running request
+needs a block and none is free, the most recently admitted running request is
+preempted (blocks freed, requeued at the front, its tokens kept and recomputed
+later) and nobody new is admitted that step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.config import EngineConfig
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.kv.manager import KVCacheManager
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step
+    num_computed_tokens: int  # tokens already cached before this step
+    block_ids: list[int]  # opaque ids from the KV manager, for the runner
+    sample: bool  # whether this step reaches the end of the request's tokens (a new token is sampled)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # monotonic
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+
+        # Running requests: decodes before prefill chunks.
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decoding + prefilling:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + count):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                budget += scheduled.pop(victim.request_id, 0)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = count
+                budget -= count
+
+        # Waiting requests, FCFS, only in a step without preemption.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            # The watermark keeps room for running requests to grow; with none
+            # running, a request that needs the whole pool must still get in.
+            keep_watermark = bool(self.running)
+            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + count, keep_watermark):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = count
+            budget -= count
+
+        # Decodes first in the batch: the runner's attention expects them there.
+        ordered = sorted(scheduled.items(), key=lambda item: item[1] > 1)
+        for request_id, count in ordered:
+            request = self.requests[request_id]
+            start = request.num_computed_tokens
+            out.scheduled.append(ScheduledRequest(
+                request_id,
+                request.all_token_ids[start : start + count],
+                start,
+                self.kv.block_ids(request_id),
+                sample=start + count == request.num_tokens,
+            ))
+        return out
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request.request_id)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance progress after a step; returns the requests that got a token (finished ones included)."""
+        touched: list[Request] = []
+        for item in out.scheduled:
+            request = self.requests[item.request_id]
+            request.num_computed_tokens += len(item.token_ids)
+            if item.request_id not in sampled:
+                continue
+            reason = request.append_output_token(sampled[item.request_id])
+            touched.append(request)
+            if reason is not None:
+                self.finish(request, reason)
+            elif not self.config.enable_kv_cache:
+                # No-cache baseline: forget everything, recompute the whole sequence next step.
+                self.kv.free(request.request_id)
+                request.num_computed_tokens = 0
+        return touched
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Finish (or abort) a request wherever it is; its blocks go back to the pool."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            return
+        request.kv_blocks_held = len(self.kv.block_ids(request.request_id))
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]

@@ -1,0 +1,87 @@
+"""The offline API, named as in vLLM: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.engine.output import RequestOutput
+from kvserve.engine.sampling import SamplingParams
+from kvserve.errors import InvalidRequestError
+from kvserve.model.tokenizer import Tokenizer
+
+_ENGINE_ARGS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+
+PromptInput = str | list[int]
+
+
+class LLM:
+    """Load a model once and generate for many prompts with continuous batching.
+
+    `model=None` is the embedded SmolLM2-135M-Instruct. Engine arguments are
+    those of EngineConfig (block_size, max_num_seqs, max_num_batched_tokens,
+    kv_cache_dtype, kv_cache_memory, max_model_len, enable_kv_cache); any
+    other name is rejected, not ignored.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        unknown = sorted(set(engine_args) - set(_ENGINE_ARGS))
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(_ENGINE_ARGS)}"
+            )
+        try:
+            config = EngineConfig(model=model, **engine_args)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        self.engine = Engine(config)
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.loaded.require_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(self.engine.add_request(prompt, params))
+        except Exception:
+            for request_id in ids:  # a bad prompt leaves nothing behind
+                self.engine.abort(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        try:
+            while len(finished) < len(ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+        return [finished[i] for i in ids]

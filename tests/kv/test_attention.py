@@ -1,0 +1,73 @@
+"""Paged attention for a mixed batch (several decodes + prefill chunks) against per-sequence SDPA."""
+
+import pytest
+import torch
+
+from kvserve.kv.attention import PagedKVContext, SequenceSlice, attend, attention_mask, build_attention_metadata
+from kvserve.kv.spec import KVSpec
+from kvserve.kv.storage import PagedKVCache
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_mixed_batch_matches_per_sequence_attention(window, cache_dtype):
+    gen = torch.Generator().manual_seed(0)
+    # (tokens already cached, tokens computed this step): three decodes, then two prefill chunks.
+    shapes = [(0, 1), (9, 1), (16, 1), (0, 7), (6, 5)]
+    cache = PagedKVCache(KVSpec(1, KV_HEADS, HEAD_DIM, cache_dtype), num_blocks=40, block_size=BLOCK)
+    cache.k[0].fill_(float("nan"))  # poison: what attention reads must have been written
+    cache.v[0].fill_(float("nan"))
+    free = torch.randperm(40, generator=gen).tolist()
+    full_k, full_v, slices = [], [], []
+    for cached, new in shapes:
+        total = cached + new
+        table = [free.pop() for _ in range(-(-total // BLOCK))]
+        cache.initialize_blocks(torch.tensor(table))
+        k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
+        v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
+        if cached:  # what earlier steps wrote
+            prior = build_attention_metadata([SequenceSlice(table, 0, cached)], BLOCK)
+            cache.write(0, prior.slot_blocks, prior.slot_rows, k[:cached], v[:cached])
+        full_k.append(k)
+        full_v.append(v)
+        slices.append(SequenceSlice(table, cached, new))
+    meta = build_attention_metadata(slices, BLOCK, window)
+    assert meta.num_decode_tokens == 3 and len(meta.prefills) == 2
+    q = torch.randn(sum(n for _, n in shapes), HEADS, HEAD_DIM, generator=gen)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes)])
+    out = PagedKVContext(cache, meta).attend(0, q, new_k, new_v, HEAD_DIM**-0.5, window)
+
+    row = 0
+    for (cached, new), k, v in zip(shapes, full_k, full_v):
+        if cache_dtype != "float32":
+            k, v = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
+        expected = attend(q[row : row + new].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                          torch.arange(cached, cached + new), HEAD_DIM**-0.5, window)
+        torch.testing.assert_close(out[row : row + new], expected, atol=1e-5, rtol=1e-5)
+        row += new
+
+
+def test_mask_is_bottom_right_aligned():
+    mask = attention_mask(torch.tensor([3, 4]), 5, None)
+    assert mask.tolist() == [[True, True, True, True, False], [True] * 5]
+    assert attention_mask(torch.tensor([4]), 5, None) is None  # plain decode: no mask
+    assert attention_mask(torch.tensor([4]), 5, 2).tolist() == [[False, False, False, True, True]]
+
+
+def test_block_table_too_short_is_refused():
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_attention_metadata([SequenceSlice([0], 3, 2)], BLOCK)
+
+
+def test_initialize_blocks_zeroes_each_block_once():
+    cache = PagedKVCache(KVSpec(2, KV_HEADS, HEAD_DIM, "float32"), num_blocks=4, block_size=BLOCK)
+    for t in cache.k + cache.v:
+        t.fill_(float("nan"))
+    cache.initialize_blocks(torch.tensor([1, 3]))
+    assert all(t[[1, 3]].eq(0).all() and t[[0, 2]].isnan().all() for t in cache.k + cache.v)
+    cache.k[0][1].fill_(5.0)
+    cache.initialize_blocks(torch.tensor([1, 2]))  # block 1 keeps its data
+    assert cache.k[0][1].eq(5.0).all() and cache.k[0][2].eq(0).all()
