@@ -17,7 +17,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         # Admissions keep this many blocks free, so running requests can grow
         # a little before anyone has to be preempted.
-        self.watermark_blocks = max(1, int(watermark * num_blocks)) if num_blocks > 1 else 0
+        self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 and num_blocks > 1 else 0
         self._tables: dict[str, list[KVBlock]] = {}
 
     @property
