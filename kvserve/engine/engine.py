@@ -16,6 +16,7 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import kv_spec
 from kvserve.kv.storage import PagedKVCache
 from kvserve.model.loader import LoadedModel, load_model
+from kvserve.runtime import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         self.config = config = config or EngineConfig()
+        keep_freed_memory()
         self.loaded = loaded or load_model(config.model, config.kv_cache_dtype)
         model_config = self.loaded.config
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,

@@ -3,7 +3,7 @@
 Allocated once with torch.empty, so pages are committed only as they are
 used. Never-written memory may hold NaN/inf, and attention multiplies masked
 rows of a partly filled block by a zero probability (0 x NaN = NaN), so every
-block is zeroed the first time a step uses it (`initialize_blocks`).
+block is zeroed before a step first uses it (`initialize_blocks`).
 A token at position p of a request lives in block `table[p // block_size]`,
 row `p % block_size`; its flat slot is `block_id * block_size + row`.
 """
@@ -16,6 +16,8 @@ from kvserve.kv.spec import KVSpec, torch_cache_dtype
 
 
 class PagedKVCache:
+    ZERO_CHUNK_BLOCKS = 64
+
     def __init__(self, spec: KVSpec, num_blocks: int, block_size: int) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
@@ -24,21 +26,39 @@ class PagedKVCache:
         shape = (num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
         self.k = [torch.empty(shape, dtype=dtype) for _ in range(spec.num_layers)]
         self.v = [torch.empty(shape, dtype=dtype) for _ in range(spec.num_layers)]
-        self._uninitialized = torch.ones(num_blocks, dtype=torch.bool)
+        # Blocks [0, _zeroed_upto) have been zeroed. A fresh pool hands blocks
+        # out in id order, so zeroing up to a high-water mark in contiguous
+        # chunks costs one memset per chunk instead of per-block scatters.
+        self._zeroed_upto = 0
 
     def initialize_blocks(self, block_ids: torch.Tensor) -> None:
-        """Zero those of `block_ids` never used before (once per block, ever)."""
-        fresh = block_ids[self._uninitialized[block_ids]]
-        if fresh.numel():
-            for tensor in self.k + self.v:
-                tensor[fresh] = 0
-            self._uninitialized[fresh] = False
+        """Make sure every block in `block_ids` has been zeroed once before first use."""
+        if block_ids.numel() == 0:
+            return
+        top = int(block_ids.max()) + 1
+        if top <= self._zeroed_upto:
+            return
+        end = min(self.num_blocks, max(top, self._zeroed_upto + self.ZERO_CHUNK_BLOCKS))
+        for tensor in self.k + self.v:
+            tensor[self._zeroed_upto : end].zero_()
+        self._zeroed_upto = end
 
     @property
     def bytes_allocated(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def write(self, layer: int, slot_blocks: torch.Tensor, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new tokens' K/V `[T, num_kv_heads, head_dim]` at their slots."""
-        self.k[layer][slot_blocks, :, slot_rows] = k.to(self.k[layer].dtype)
-        self.v[layer][slot_blocks, :, slot_rows] = v.to(self.v[layer].dtype)
+    def slot_indices(self, slot_blocks: torch.Tensor, slot_rows: torch.Tensor) -> torch.Tensor:
+        """Rows of the flat `[num_blocks * num_kv_heads * block_size, head_dim]` view for new tokens.
+
+        `[T * num_kv_heads]`, token-major, computed once per step for all layers.
+        """
+        heads = torch.arange(self.spec.num_kv_heads)
+        return ((slot_blocks[:, None] * self.spec.num_kv_heads + heads[None, :]) * self.block_size + slot_rows[:, None]).reshape(-1)
+
+    def write(self, layer: int, slot_indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V `[T, num_kv_heads, head_dim]` at their slots (see `slot_indices`)."""
+        head_dim = self.spec.head_dim
+        k_flat, v_flat = self.k[layer].view(-1, head_dim), self.v[layer].view(-1, head_dim)
+        # index_copy_ into a flat view: several times cheaper than advanced-index assignment.
+        k_flat.index_copy_(0, slot_indices, k.reshape(-1, head_dim).to(k_flat.dtype))
+        v_flat.index_copy_(0, slot_indices, v.reshape(-1, head_dim).to(v_flat.dtype))

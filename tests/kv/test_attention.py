@@ -29,7 +29,7 @@ def test_mixed_batch_matches_per_sequence_attention(window, cache_dtype):
         v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
         if cached:  # what earlier steps wrote
             prior = build_attention_metadata([SequenceSlice(table, 0, cached)], BLOCK)
-            cache.write(0, prior.slot_blocks, prior.slot_rows, k[:cached], v[:cached])
+            cache.write(0, cache.slot_indices(prior.slot_blocks, prior.slot_rows), k[:cached], v[:cached])
         full_k.append(k)
         full_v.append(v)
         slices.append(SequenceSlice(table, cached, new))
@@ -63,11 +63,11 @@ def test_block_table_too_short_is_refused():
 
 
 def test_initialize_blocks_zeroes_each_block_once():
-    cache = PagedKVCache(KVSpec(2, KV_HEADS, HEAD_DIM, "float32"), num_blocks=4, block_size=BLOCK)
+    cache = PagedKVCache(KVSpec(2, KV_HEADS, HEAD_DIM, "float32"), num_blocks=200, block_size=BLOCK)
     for t in cache.k + cache.v:
         t.fill_(float("nan"))
     cache.initialize_blocks(torch.tensor([1, 3]))
-    assert all(t[[1, 3]].eq(0).all() and t[[0, 2]].isnan().all() for t in cache.k + cache.v)
+    assert all(t[:4].eq(0).all() and t[150:].isnan().all() for t in cache.k + cache.v)
     cache.k[0][1].fill_(5.0)
-    cache.initialize_blocks(torch.tensor([1, 2]))  # block 1 keeps its data
-    assert cache.k[0][1].eq(5.0).all() and cache.k[0][2].eq(0).all()
+    cache.initialize_blocks(torch.tensor([1, 2, 120]))  # block 1 keeps its data; 120 is zeroed
+    assert cache.k[0][1].eq(5.0).all() and cache.k[1][120].eq(0).all() and cache.v[0][199].isnan().all()

@@ -1,0 +1,51 @@
+"""DESIGN §5 standard workloads: random token prompts (default_rng(0), ids in [1000, 40000)), greedy, EOS ignored."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvserve.engine.engine import Engine
+from kvserve.engine.output import RequestOutput
+from kvserve.engine.sampling import SamplingParams
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def random_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1000, 40000, length).tolist() for _ in range(count)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[RequestOutput], dict]:
+    """Add every prompt, step to completion; returns outputs in order and step statistics."""
+    started = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    finished: dict[str, RequestOutput] = {}
+    peak_blocks = steps = 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        steps += 1
+        peak_blocks = max(peak_blocks, engine.kv_manager.num_used_blocks)
+    return [finished[i] for i in ids], {
+        "wall_s": time.perf_counter() - started, "steps": steps, "peak_blocks": peak_blocks,
+        "preemptions": engine.scheduler.num_preemptions,
+    }
+
+
+def save(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {"machine": platform.machine(), "python": platform.python_version(), **payload}
+    path.write_text(json.dumps(payload, indent=2))
+    return path
