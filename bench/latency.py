@@ -1,0 +1,75 @@
+"""W2 (1 x 512 prompt, 128 output) and W4 (1 x 4096 prompt, 64 output): TTFT and TPOT.
+
+kvserve and transformers `generate` on the embedded SmolLM2-135M-Instruct, in
+one run. transformers' TTFT is a 1-token generate; its TPOT is the rest of a
+full generate divided by the remaining tokens.
+
+    .venv/bin/python bench/latency.py [--workloads W2 W4] [--skip-transformers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.model.loader import embedded_model_path, load_model
+from workloads import greedy, random_prompts, run_engine, save
+
+WORKLOADS = {"W2": (512, 128), "W4": (4096, 64)}
+
+
+def transformers_latency(model, prompt: list[int], output_len: int) -> tuple[float, float]:
+    ids = torch.tensor([prompt])
+
+    def generate(n: int) -> float:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        return time.perf_counter() - started
+
+    ttft = generate(1)
+    total = generate(output_len)
+    return ttft, (total - ttft) / (output_len - 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+
+    loaded = load_model()
+    engine = Engine(EngineConfig(kv_cache_memory="1GiB", max_num_batched_tokens=args.max_num_batched_tokens), loaded=loaded)
+    run_engine(engine, random_prompts(1, 64, seed=1), greedy(4))  # warm-up
+    reference = None
+    if not args.skip_transformers:
+        from transformers import AutoModelForCausalLM
+
+        path = embedded_model_path()
+        reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+    results = {}
+    for name in args.workloads:
+        prompt_len, output_len = WORKLOADS[name]
+        prompt = random_prompts(1, prompt_len)[0]
+        (output,), _ = run_engine(engine, [prompt], greedy(output_len))
+        row = {"kvserve_ttft_s": output.metrics.ttft, "kvserve_tpot_s": output.metrics.tpot}
+        line = f"{name} ({prompt_len} prompt, {output_len} output): kvserve TTFT {row['kvserve_ttft_s']:.2f} s, TPOT {row['kvserve_tpot_s'] * 1e3:.1f} ms"
+        if reference is not None:
+            ttft, tpot = transformers_latency(reference, prompt, output_len)
+            row.update(transformers_ttft_s=ttft, transformers_tpot_s=tpot)
+            line += (f" | transformers TTFT {ttft:.2f} s, TPOT {tpot * 1e3:.1f} ms"
+                     f" | ratio TTFT {ttft / row['kvserve_ttft_s']:.2f}x, TPOT {tpot / row['kvserve_tpot_s']:.2f}x")
+        print(line, flush=True)
+        results[name] = row
+    print(f"wrote {save('latency', {'args': vars(args), 'results': results})}")
+
+
+if __name__ == "__main__":
+    main()
