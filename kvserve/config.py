@@ -113,6 +113,8 @@ class EngineConfig:
     # False: every step recomputes each request's whole sequence and keeps no
     # KV between steps (the baseline that shows what the cache buys).
     enable_kv_cache: bool = True
+    # Share the K/V of identical prompt prefixes across requests (DESIGN §3).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -6,7 +6,7 @@ import itertools
 import logging
 
 from kvserve.config import EngineConfig
-from kvserve.engine.output import CompletionOutput, OutputTracker, RequestOutput
+from kvserve.engine.output import CompletionOutput, OutputTracker, PrefixCacheReport, RequestOutput
 from kvserve.engine.request import Request
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.sampling import SamplingParams
@@ -45,16 +45,18 @@ class Engine:
             raise KVServeError(f"kv_cache_memory of {budget:,} bytes holds no block of {block_bytes:,} bytes "
                                f"({config.block_size} tokens x {self.kv_spec.bytes_per_token:,} bytes/token)")
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, config.block_size)
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size)
+        # Without a KV cache there is nothing to share: a hit would skip the recompute.
+        self.prefix_caching = config.enable_prefix_caching and config.enable_kv_cache
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=self.prefix_caching)
         self.scheduler = Scheduler(config, self.kv_manager)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache)
         self._ids = itertools.count()
         self.num_prompt_tokens_total = 0  # monotonic counters
         self.num_generation_tokens_total = 0
         log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %s bytes/token (%s), %.1f MiB%s",
+            "KV cache: %d blocks x %d tokens = %d tokens, %s bytes/token (%s), %.1f MiB, prefix caching %s%s",
             num_blocks, config.block_size, num_blocks * config.block_size, f"{self.kv_spec.bytes_per_token:,}",
-            self.kv_spec.dtype, self.kv_cache.bytes_allocated / 2**20,
+            self.kv_spec.dtype, self.kv_cache.bytes_allocated / 2**20, "on" if self.prefix_caching else "off",
             "" if config.enable_kv_cache else "; KV cache DISABLED: every step recomputes every sequence",
         )
 
@@ -63,9 +65,17 @@ class Engine:
         return self.loaded.tokenizer
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request (text or token ids); invalid ones raise InvalidRequestError and change nothing."""
+        """Queue a request (text or token ids); invalid ones raise InvalidRequestError and change nothing.
+
+        Requests with different `cache_salt` never share cached blocks (the
+        server derives it from the caller's identity).
+        """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.scheduler.requests:
@@ -74,7 +84,7 @@ class Engine:
         token_ids = self.loaded.require_tokenizer().encode(prompt) if text is not None else list(prompt)
         self._validate(token_ids, params)
         tracker = OutputTracker(params, self.loaded.tokenizer)
-        request = Request(request_id, token_ids, params, tracker, prompt=text)
+        request = Request(request_id, token_ids, params, tracker, prompt=text, cache_salt=cache_salt)
         self.runner.add_request(request_id, params, token_ids)
         self.scheduler.add(request)
         self.num_prompt_tokens_total += len(token_ids)
@@ -99,6 +109,16 @@ class Engine:
                 f"{self.kv_manager.blocks_for(total)} KV blocks but the whole cache has {self.kv_manager.num_blocks}; "
                 f"raise kv_cache_memory or lower max_tokens"
             )
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache (monotonic)."""
+        return self.scheduler.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Prompt tokens served from the prefix cache (monotonic)."""
+        return self.scheduler.prefix_cache_hits
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -134,8 +154,38 @@ class Engine:
         )
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, [completion], request.finished,
-            request.metrics, kv_cache_bytes=self._held_bytes(request),
+            request.metrics, num_cached_tokens=request.num_cached_tokens or 0,
+            kv_cache_bytes=self._held_bytes(request), prefix_cache=self._prefix_report(request),
         )
+
+    def _prefix_report(self, request: Request) -> PrefixCacheReport | None:
+        if request.num_cached_tokens is None:
+            return None  # not admitted yet
+        report = PrefixCacheReport(request.num_prompt_tokens, request.num_cached_tokens, "")
+        block_size = self.config.block_size
+        if not self.prefix_caching:
+            report.reason = "prefix caching is off"
+        elif request.sampling_params.skip_reading_prefix_cache:
+            report.reason = "this request skipped reading the cache"
+        elif request.num_cached_tokens >= (request.num_prompt_tokens - 1) // block_size * block_size:
+            report.reason = ("every full block of the prompt was cached (the last token is always computed)"
+                             if request.num_cached_tokens else
+                             f"the prompt is shorter than one {block_size}-token block plus one token")
+        elif request.prefix_divergence is None:
+            report.reason = ("no cached prompt continues past the cached prefix" if request.num_cached_tokens
+                             else "nothing cached starts like this prompt (for this cache salt)")
+        else:
+            div = request.prefix_divergence
+            report.divergence_position = div.position
+            report.reason = f"diverged from the closest cached prompt at token {div.position}"
+            tokenizer = self.loaded.tokenizer
+            if tokenizer is not None:
+                context = request.prompt_token_ids[max(div.position - 8, 0) : div.position]
+                ours = request.prompt_token_ids[div.position : div.position + 8]
+                theirs = list(div.cached_token_ids[div.position - div.block_start :][:8])
+                report.prompt_snippet = tokenizer.decode(context) + "[" + tokenizer.decode(ours) + "]"
+                report.cached_snippet = tokenizer.decode(context) + "[" + tokenizer.decode(theirs) + "]"
+        return report
 
     def _held_bytes(self, request: Request) -> int:
         if not self.config.enable_kv_cache:  # blocks were scratch for one step, not a cache

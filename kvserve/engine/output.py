@@ -121,6 +121,25 @@ class CompletionOutput:
 
 
 @dataclass
+class PrefixCacheReport:
+    """How a request's prompt fared against the prefix cache, and why it missed where it did."""
+
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    reason: str
+    divergence_position: int | None = None  # first prompt token that differs from the closest cached prompt
+    prompt_snippet: str = ""  # text around the divergence: this prompt ...
+    cached_snippet: str = ""  # ... and the cached one
+
+    def describe(self) -> str:
+        lines = [f"prefix cache: {self.num_cached_tokens} of {self.num_prompt_tokens} prompt tokens cached; {self.reason}"]
+        if self.divergence_position is not None:
+            lines.append(f"  this prompt: {self.prompt_snippet!r}")
+            lines.append(f"  cached:      {self.cached_snippet!r}")
+        return "\n".join(lines)
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -130,3 +149,4 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     kv_cache_bytes: int = 0  # KV memory the request held when it finished
+    prefix_cache: PrefixCacheReport | None = None  # once admitted

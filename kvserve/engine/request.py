@@ -29,6 +29,7 @@ class Request:
         sampling_params: SamplingParams,
         tracker: OutputTracker,
         prompt: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -42,6 +43,11 @@ class Request:
         self.num_preemptions = 0
         self.kv_blocks_held = 0  # blocks held when it finished (for reporting)
         self.finish_reason: str | None = None
+        self.cache_salt = cache_salt
+        # Prefix cache outcome at first admission: prompt tokens served from the
+        # cache, and where the prompt left the closest cached chain (or None).
+        self.num_cached_tokens: int | None = None
+        self.prefix_divergence = None
 
     @property
     def num_tokens(self) -> int:

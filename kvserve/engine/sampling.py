@@ -28,6 +28,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    skip_reading_prefix_cache: bool = False  # compute the whole prompt even if it is cached
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -53,7 +53,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
-        self.num_preemptions = 0  # monotonic
+        self.num_preemptions = 0  # monotonic counters
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # prompt tokens served from the cache
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -89,12 +91,25 @@ class Scheduler:
         # Waiting requests, FCFS, only in a step without preemption.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            # A prefix hit just starts num_computed_tokens above zero (preempted
+            # requests too: their recompute is mostly hits).
+            match = None
+            if not request.sampling_params.skip_reading_prefix_cache:
+                match = self.kv.find_cached_prefix(request.all_token_ids, request.cache_salt)
+            num_hit = match.num_tokens if match is not None else 0
+            count = min(request.num_tokens - num_hit, budget)
             # The watermark keeps room for running requests to grow; with none
             # running, a request that needs the whole pool must still get in.
             keep_watermark = bool(self.running)
-            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + count, keep_watermark):
+            if not self.kv.allocate_slots(request.request_id, num_hit + count, keep_watermark, prefix=match):
                 break
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens is None:  # first admission: account the prompt
+                request.num_cached_tokens = num_hit
+                self.prefix_cache_queries += request.num_prompt_tokens
+                self.prefix_cache_hits += num_hit
+                if match is not None and num_hit < request.num_prompt_tokens - 1:
+                    request.prefix_divergence = self.kv.find_divergence(request.all_token_ids, match)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -131,6 +146,8 @@ class Scheduler:
         for item in out.scheduled:
             request = self.requests[item.request_id]
             request.num_computed_tokens += len(item.token_ids)
+            self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens,
+                                      request.cache_salt)
             if item.request_id not in sampled:
                 continue
             reason = request.append_output_token(sampled[item.request_id])

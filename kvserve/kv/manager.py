@@ -1,20 +1,52 @@
-"""Per-request block tables over the block pool.
+"""Per-request block tables over the block pool, with prefix caching.
 
 The scheduler asks only yes/no questions (`allocate_slots`, `can_fit`) and
-never sees a block; the runner gets block ids to address the paged tensors.
+gets opaque prefix matches; it never sees a block. The runner gets block ids
+to address the paged tensors.
+
+Prefix hashing (DESIGN §3): a full block's hash chains its parent block's
+hash and its token ids. The chain's root is derived from the request's cache
+salt, so requests with different salts never share a block, and a miss is
+only ever explained against the same salt's blocks.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
 
 from kvserve.kv.block_pool import BlockPool, KVBlock
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The cached blocks a request's tokens start with. Opaque to the scheduler."""
+
+    blocks: tuple[KVBlock, ...]
+    num_tokens: int
+    last_hash: int  # hash of the last matched block (the chain root if none matched)
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    """Where a request's tokens left the closest cached chain."""
+
+    position: int  # index of the first token that differs from the closest cached block
+    cached_token_ids: tuple[int, ...]  # that cached block's tokens (it starts at block_start)
+    block_start: int
+
+
+def _chain_root(salt: str | None) -> int:
+    return hash(("kvserve-prefix-root", salt))
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_caching: bool = False) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, block_size)
+        self._hashes: dict[str, list[int]] = {}  # per request: hashes of its full, computed blocks
         # Admissions keep this many blocks free, so running requests can grow
         # a little before anyone has to be preempted.
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 and num_blocks > 1 else 0
@@ -43,25 +75,91 @@ class KVCacheManager:
         """Whether a request of `num_tokens` could ever fit, with the whole pool to itself."""
         return self.blocks_for(num_tokens) <= self.num_blocks
 
-    def allocate_slots(self, request_id: str, num_tokens: int, keep_watermark: bool = False) -> bool:
-        """Make the request's table cover `num_tokens` tokens; False (and nothing changes) if blocks run out."""
-        table = self._tables.setdefault(request_id, [])
-        needed = self.blocks_for(num_tokens) - len(table)
-        if needed <= 0:
-            return True
+    def find_cached_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> PrefixMatch:
+        """The longest chain of cached blocks `token_ids` starts with.
+
+        Capped at len(token_ids) - 1 tokens: at least one token is always
+        computed, so there are logits to sample from.
+        """
+        root = _chain_root(salt)
+        if not self.enable_caching:
+            return PrefixMatch((), 0, root)
+        bs = self.block_size
+        parent, blocks = root, []
+        for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
+            chunk = tuple(token_ids[start : start + bs])
+            block_hash = hash((parent, chunk))
+            block = self.pool.lookup(block_hash, parent, chunk)
+            if block is None:
+                break
+            blocks.append(block)
+            parent = block_hash
+        return PrefixMatch(tuple(blocks), len(blocks) * bs, parent)
+
+    def find_divergence(self, token_ids: Sequence[int], match: PrefixMatch) -> Divergence | None:
+        """Compare the block after the match with every cached block that continues the same
+        chain; the one sharing the most leading tokens says where `token_ids` diverged."""
+        start = match.num_tokens
+        ours = tuple(token_ids[start : start + self.block_size])
+        best, best_common = None, -1
+        for block in self.pool.children.get(match.last_hash, {}).values():
+            common = 0
+            while common < len(ours) and block.token_ids[common] == ours[common]:
+                common += 1
+            if common > best_common:
+                best, best_common = block, common
+        if best is None or best_common == len(ours):
+            return None  # nothing cached continues this prefix, or the tokens ran out, not diverged
+        return Divergence(start + best_common, best.token_ids, start)
+
+    def allocate_slots(
+        self, request_id: str, num_tokens: int, keep_watermark: bool = False, prefix: PrefixMatch | None = None
+    ) -> bool:
+        """Make the request's table cover `num_tokens` tokens; False (and nothing changes) if blocks run out.
+
+        `prefix` (only for a request that holds no blocks) shares the matched
+        cached blocks instead of allocating them.
+        """
+        table = self._tables.get(request_id, [])
+        shared = list(prefix.blocks) if prefix is not None and not table else []
+        needed = self.blocks_for(num_tokens) - len(table) - len(shared)
+        # Shared blocks nobody holds are still in the free queue: taking them uses free blocks too.
+        claimed = sum(1 for block in shared if block.ref_cnt == 0)
         reserve = self.watermark_blocks if keep_watermark else 0
-        if needed > self.num_free_blocks - reserve:
-            if not table:
-                del self._tables[request_id]
+        if max(needed, 0) + claimed > self.num_free_blocks - reserve:
             return False
-        table.extend(self.pool.allocate(needed))
+        if shared:
+            self.pool.touch(shared)
+            self._hashes[request_id] = [block.block_hash for block in shared]
+        table = self._tables.setdefault(request_id, table)
+        table.extend(shared)
+        if needed > 0:
+            table.extend(self.pool.allocate(needed))
         return True
+
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                          salt: str | None = None) -> None:
+        """Hash the request's blocks that are now full and computed, so later requests can share them."""
+        if not self.enable_caching:
+            return
+        table = self._tables.get(request_id)
+        if not table:
+            return
+        hashes = self._hashes.setdefault(request_id, [])
+        bs = self.block_size
+        for index in range(len(hashes), min(num_computed_tokens // bs, len(table))):
+            parent = hashes[-1] if hashes else _chain_root(salt)
+            chunk = tuple(token_ids[index * bs : (index + 1) * bs])
+            block_hash = hash((parent, chunk))
+            self.pool.cache_block(table[index], block_hash, parent, chunk)
+            hashes.append(block_hash)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._tables.get(request_id, ())]
 
     def free(self, request_id: str) -> None:
         """Return all of a request's blocks (tail first). Freeing an unknown id is a no-op."""
+        self._hashes.pop(request_id, None)
         table = self._tables.pop(request_id, None)
         if table:
             self.pool.free(reversed(table))
