@@ -35,6 +35,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens computed per step at most")
     group.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     group.add_argument("--no-kv-cache", action="store_true", help="recompute every sequence in full every step (baseline)")
+    group.add_argument("--no-prefix-caching", action="store_true", help="do not share K/V of identical prompt prefixes")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -48,7 +49,7 @@ def engine_config_from_args(args: argparse.Namespace):
             model=args.model, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
             block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-            enable_kv_cache=not args.no_kv_cache,
+            enable_kv_cache=not args.no_kv_cache, enable_prefix_caching=not args.no_prefix_caching,
         )
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None
@@ -59,32 +60,35 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text from a prompt, streaming it as it is produced")
-    gen.add_argument("prompt", nargs="?", help="the prompt text")
+    gen.add_argument("prompt", nargs="*", help="prompt text; several prompts run one after another "
+                     "(later ones can reuse the cached prefixes of earlier ones)")
     gen.add_argument("--token-ids", help="comma-separated prompt token ids instead of text")
     gen.add_argument("--chat", action="store_true", help="render the prompt as a user turn with the model's chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("--quiet", action="store_true", help="do not print the model summary")
+    gen.add_argument("--explain-cache", action="store_true",
+                     help="after each prompt, say how much of it was cached and where it diverged from the closest cached prompt")
+    gen.add_argument("--cache-salt", default=None, help="prefix-cache salt: prompts only share blocks with the same salt")
     _add_sampling_args(gen)
     add_engine_args(gen)
     return parser
 
 
-def _prompt(args: argparse.Namespace, engine) -> str | list[int]:
+def _prompts(args: argparse.Namespace, engine) -> list[str | list[int]]:
     if args.token_ids is not None:
-        if args.prompt is not None:
-            raise KVServeError("give either a prompt or --token-ids, not both")
+        if args.prompt:
+            raise KVServeError("give either prompts or --token-ids, not both")
         try:
-            return [int(t) for t in args.token_ids.split(",") if t.strip()]
+            return [[int(t) for t in args.token_ids.split(",") if t.strip()]]
         except ValueError:
             raise KVServeError(f"--token-ids must be comma-separated integers, got {args.token_ids!r}") from None
-    if args.prompt is None:
+    if not args.prompt:
         raise KVServeError("a prompt is required (or --token-ids)")
-    if args.chat:
-        tokenizer = engine.loaded.require_tokenizer()
-        messages = [{"role": "system", "content": args.system}] if args.system else []
-        messages.append({"role": "user", "content": args.prompt})
-        return tokenizer.encode_chat(messages)
-    return args.prompt
+    if not args.chat:
+        return list(args.prompt)
+    tokenizer = engine.loaded.require_tokenizer()
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    return [tokenizer.encode_chat(system + [{"role": "user", "content": text}]) for text in args.prompt]
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -99,29 +103,38 @@ def _generate(args: argparse.Namespace) -> int:
         stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
     )
     engine = Engine(config)
-    engine.add_request(_prompt(args, engine), params)
+    for prompt in _prompts(args, engine):
+        final = _stream_one(engine, prompt, params, args.cache_salt)
+        m = final.metrics
+        elapsed = (m.last_token_time or m.arrival_time) - m.arrival_time
+        tpot = f"{m.tpot * 1000:.1f} ms" if m.tpot is not None else "n/a"
+        held = " (no KV cache: recomputed every step)" if args.no_kv_cache else ""
+        print(
+            f"[prompt {m.num_prompt_tokens} tokens ({final.num_cached_tokens} cached) | output {m.num_output_tokens} "
+            f"tokens ({final.outputs[0].finish_reason}) | TTFT {m.ttft * 1000:.0f} ms | TPOT {tpot} | "
+            f"{m.num_output_tokens / elapsed:.1f} tok/s | KV cache held {final.kv_cache_bytes / 2**20:.2f} MiB{held}]",
+            file=sys.stderr,
+        )
+        if args.explain_cache and final.prefix_cache is not None:
+            print(final.prefix_cache.describe(), file=sys.stderr)
+    return 0
+
+
+def _stream_one(engine, prompt, params, cache_salt):
+    """Run one request to completion, writing its text (or token ids) to stdout as it comes."""
+    engine.add_request(prompt, params, cache_salt=cache_salt)
     show_ids = engine.tokenizer is None
     final = None
     while engine.has_unfinished():
         for output in engine.step():
             delta = output.outputs[0]
-            piece = "".join(f"{t} " for t in delta.delta_token_ids) if show_ids else delta.delta_text
-            sys.stdout.write(piece)
+            sys.stdout.write("".join(f"{t} " for t in delta.delta_token_ids) if show_ids else delta.delta_text)
             sys.stdout.flush()
             if output.finished:
                 final = output
     sys.stdout.write("\n")
-    m = final.metrics
-    elapsed = (m.last_token_time or m.arrival_time) - m.arrival_time
-    tpot = f"{m.tpot * 1000:.1f} ms" if m.tpot is not None else "n/a"
-    held = " (no KV cache: recomputed every step)" if args.no_kv_cache else ""
-    print(
-        f"[prompt {m.num_prompt_tokens} tokens | output {m.num_output_tokens} tokens "
-        f"({final.outputs[0].finish_reason}) | TTFT {m.ttft * 1000:.0f} ms | TPOT {tpot} | "
-        f"{m.num_output_tokens / elapsed:.1f} tok/s | KV cache held {final.kv_cache_bytes / 2**20:.2f} MiB{held}]",
-        file=sys.stderr,
-    )
-    return 0
+    sys.stdout.flush()
+    return final
 
 
 def main(argv: Sequence[str] | None = None) -> int:

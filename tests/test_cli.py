@@ -22,7 +22,7 @@ def test_generate_with_token_ids_on_a_model_without_tokenizer(tiny_model_dir):
                    "--temperature", "0")
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.split()) == 5  # token ids are printed as they are generated
-    assert "prompt 4 tokens | output 5 tokens (length)" in done.stderr
+    assert "prompt 4 tokens (0 cached) | output 5 tokens (length)" in done.stderr
     assert "TTFT" in done.stderr and "TPOT" in done.stderr and "tok/s" in done.stderr
     assert "KV cache held" in done.stderr
     assert "token-id input and output only" in done.stderr
@@ -68,3 +68,19 @@ def test_chat_on_the_embedded_model_streams_text():
     assert "Paris" in done.stdout
     assert "(stop)" in done.stderr  # ended on <|im_end|>, not the token limit
     assert "30 layers, 9 heads / 3 KV heads (GQA)" in done.stderr
+
+
+@pytest.mark.slow
+def test_explain_cache_across_prompts():
+    first = "The meeting is scheduled for Monday at 10:15 in room 4B with the whole platform team and guests. Agenda:"
+    second = first.replace("10:15", "10:45")
+    done = kvserve("generate", "--quiet", "--explain-cache", "--temperature", "0", "--max-tokens", "3",
+                   first, first, second)
+    assert done.returncode == 0, done.stderr
+    reports = [line for line in done.stderr.splitlines() if line.startswith("prefix cache:")]
+    assert len(reports) == 3
+    assert "nothing cached starts like this prompt" in reports[0]
+    assert "every full block of the prompt was cached" in reports[1]
+    assert "diverged from the closest cached prompt at token" in reports[2]
+    assert "this prompt:" in done.stderr and "[45" in done.stderr and "[15" in done.stderr
+    assert "(0 cached)" in done.stderr and "(16 cached)" in done.stderr
