@@ -88,6 +88,14 @@ class Scheduler:
                 scheduled[request.request_id] = count
                 budget -= count
 
+        # Blocks that requests still prefilling are about to compute: a waiting
+        # request that would compute the same block waits a step and then hits.
+        in_flight: set[int] = set()
+        for request in prefilling:
+            if request.status is RequestStatus.RUNNING:
+                in_flight |= self.kv.pending_block_keys(request.request_id, request.all_token_ids,
+                                                        request.num_prompt_tokens, request.cache_salt)
+
         # Waiting requests, FCFS, only in a step without preemption.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -96,6 +104,8 @@ class Scheduler:
             match = None
             if not request.sampling_params.skip_reading_prefix_cache:
                 match = self.kv.find_cached_prefix(request.all_token_ids, request.cache_salt)
+                if self.kv.next_block_key(request.all_token_ids, match) in in_flight:
+                    break  # FCFS: nobody overtakes it; it is admitted once the block is cached
             num_hit = match.num_tokens if match is not None else 0
             count = min(request.num_tokens - num_hit, budget)
             # The watermark keeps room for running requests to grow; with none
@@ -104,6 +114,9 @@ class Scheduler:
             if not self.kv.allocate_slots(request.request_id, num_hit + count, keep_watermark, prefix=match):
                 break
             request.num_computed_tokens = num_hit
+            if match is not None:
+                in_flight |= self.kv.pending_block_keys(request.request_id, request.all_token_ids,
+                                                        request.num_prompt_tokens, request.cache_salt)
             if request.num_cached_tokens is None:  # first admission: account the prompt
                 request.num_cached_tokens = num_hit
                 self.prefix_cache_queries += request.num_prompt_tokens

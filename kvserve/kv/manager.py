@@ -96,6 +96,26 @@ class KVCacheManager:
             parent = block_hash
         return PrefixMatch(tuple(blocks), len(blocks) * bs, parent)
 
+    def pending_block_keys(self, request_id: str, token_ids: Sequence[int], end: int,
+                           salt: str | None = None) -> set[int]:
+        """Hashes of the request's full blocks up to token `end` not yet computed: what it is about
+        to compute and cache. Another request whose next block is among them need not compute it too."""
+        if not self.enable_caching:
+            return set()
+        hashes = self._hashes.get(request_id, [])
+        parent, bs, keys = (hashes[-1] if hashes else _chain_root(salt)), self.block_size, set()
+        for start in range(len(hashes) * bs, end // bs * bs, bs):
+            parent = hash((parent, tuple(token_ids[start : start + bs])))
+            keys.add(parent)
+        return keys
+
+    def next_block_key(self, token_ids: Sequence[int], match: PrefixMatch) -> int | None:
+        """Hash of the first block after `match`, if the tokens fill it and it is not the last token's block."""
+        start, bs = match.num_tokens, self.block_size
+        if not self.enable_caching or start + bs > len(token_ids) - 1:
+            return None
+        return hash((match.last_hash, tuple(token_ids[start : start + bs])))
+
     def find_divergence(self, token_ids: Sequence[int], match: PrefixMatch) -> Divergence | None:
         """Compare the block after the match with every cached block that continues the same
         chain; the one sharing the most leading tokens says where `token_ids` diverged."""

@@ -128,3 +128,14 @@ def test_finished_requests_free_their_blocks():
     while scheduler.has_unfinished():
         step(scheduler)
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
+
+
+def test_waits_instead_of_computing_a_prefix_being_computed():
+    config = EngineConfig(block_size=4, max_num_batched_tokens=64)
+    scheduler = Scheduler(config, KVCacheManager(64, 4, watermark=0.0, enable_caching=True))
+    a, b = add(scheduler, "a", 20), add(scheduler, "b", 20)  # identical prompts
+    c = add(scheduler, "c", 3)
+    assert counts(step(scheduler)) == {"a": 20}  # b (and c behind it, FCFS) wait for a's blocks
+    out = step(scheduler)
+    assert counts(out)["b"] == 4 and b.num_cached_tokens == 16  # b hits a's 4 full blocks
+    assert "c" in counts(out)
