@@ -145,8 +145,10 @@ def paged_logits(model, token_ids: list[int], chunks: list[int], block_size: int
     cache = PagedKVCache(kv_spec(model.config), num_blocks * 2 + 1, block_size)
     block_ids = torch.randperm(num_blocks * 2 + 1, generator=torch.Generator().manual_seed(3))[:num_blocks].tolist()
     cache.initialize_blocks(torch.tensor(block_ids))
-    for layer in range(len(cache.k)):
-        cache.k[layer].fill_(float("nan"))  # keys not yet written must never be read
+    for tensor in cache.k + cache.v:
+        # Rows not yet written hold stale data (zeroed once, then reused blocks'
+        # leftovers): large finite garbage that must never influence a result.
+        tensor.fill_(1e4)
     rows, computed = [], 0
     steps = list(chunks) + [1] * (len(token_ids) - sum(chunks))
     for count in steps:

@@ -80,6 +80,26 @@ class DecodeMetadata:
     block_ids: torch.Tensor  # [NB] every valid block of every decoding request, request by request
     seq_index: torch.Tensor  # [NB] which decoding request each block belongs to
     key_valid: torch.Tensor  # [NB, block_size] which rows of each block the query may see
+    # When requests share many blocks (a common prefix), attention runs over
+    # the union of their blocks, each read once, with a per-request mask.
+    union_block_ids: torch.Tensor | None = None  # [U]
+    union_mask: torch.Tensor | None = None  # [num_seqs, U * block_size]
+
+
+# Use the union when it is at most this many times smaller than the
+# (request, block) pairs times requests: the dense scores cost num_seqs x U
+# blocks, split-KV costs one gathered block per pair.
+UNION_SHARING_FACTOR = 4
+
+
+def _with_union(meta: DecodeMetadata, block_size: int) -> DecodeMetadata:
+    union, inverse = torch.unique(meta.block_ids, return_inverse=True)
+    if union.numel() * meta.num_seqs > UNION_SHARING_FACTOR * meta.block_ids.numel():
+        return meta  # little sharing: split-KV reads less
+    mask = torch.zeros(meta.num_seqs, union.numel(), block_size, dtype=torch.bool)
+    mask[meta.seq_index, inverse] = meta.key_valid
+    meta.union_block_ids, meta.union_mask = union, mask.view(meta.num_seqs, -1)
+    return meta
 
 
 @dataclass
@@ -143,7 +163,8 @@ def build_attention_metadata(
     if num_decode:
         key_pos = torch.tensor(dec_block_start)[:, None] + torch.arange(block_size)[None, :]
         key_valid = (key_pos <= torch.tensor(dec_qpos)[:, None]) & (key_pos >= torch.tensor(dec_lo)[:, None])
-        decode = DecodeMetadata(num_decode, torch.tensor(dec_blocks), torch.tensor(dec_seq), key_valid)
+        decode = _with_union(DecodeMetadata(num_decode, torch.tensor(dec_blocks), torch.tensor(dec_seq), key_valid),
+                             block_size)
     return AttentionMetadata(
         torch.tensor(slot_blocks, dtype=torch.long), torch.tensor(slot_rows, dtype=torch.long),
         num_decode, decode, prefills,
@@ -178,6 +199,23 @@ def split_kv_decode(
     return (out / norm).view(num_seqs, num_heads * head_dim)
 
 
+def union_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata, scale: float
+) -> torch.Tensor:
+    """q `[B, H, D]` -> `[B, H * D]`: one SDPA over the union of the requests' blocks, each read once."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    keys = k_cache.index_select(0, meta.union_block_ids).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+    values = v_cache.index_select(0, meta.union_block_ids).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+    if keys.dtype != q.dtype:
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=meta.union_mask,
+        scale=scale, enable_gqa=num_heads != num_kv_heads,
+    )  # [1, H, B, D]
+    return out[0].transpose(0, 1).reshape(num_seqs, num_heads * head_dim)
+
+
 class PagedKVContext:
     """What the model's attention layers see for one step: the paged cache plus this step's metadata."""
 
@@ -195,7 +233,8 @@ class PagedKVContext:
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         outputs = []
         if meta.decode is not None:
-            outputs.append(split_kv_decode(q[: meta.num_decode_tokens], k_cache, v_cache, meta.decode, scale))
+            decode = union_decode if meta.decode.union_block_ids is not None else split_kv_decode
+            outputs.append(decode(q[: meta.num_decode_tokens], k_cache, v_cache, meta.decode, scale))
         for p in meta.prefills:
             num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
             keys = k_cache[p.block_ids].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, : p.seq_len]

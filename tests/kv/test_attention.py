@@ -71,3 +71,39 @@ def test_initialize_blocks_zeroes_each_block_once():
     cache.k[0][1].fill_(5.0)
     cache.initialize_blocks(torch.tensor([1, 2, 120]))  # block 1 keeps its data; 120 is zeroed
     assert cache.k[0][1].eq(5.0).all() and cache.k[1][120].eq(0).all() and cache.v[0][199].isnan().all()
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_decodes_sharing_a_prefix_use_the_union_and_match(window):
+    gen = torch.Generator().manual_seed(1)
+    cache = PagedKVCache(KVSpec(1, KV_HEADS, HEAD_DIM, "float32"), num_blocks=40, block_size=BLOCK)
+    shared = [5, 9, 2, 30]  # a 16-token prefix in four blocks
+    prefix_k = torch.randn(16, KV_HEADS, HEAD_DIM, generator=gen)
+    prefix_v = torch.randn(16, KV_HEADS, HEAD_DIM, generator=gen)
+    cache.initialize_blocks(torch.tensor(shared + [11, 12, 13, 14, 15, 16]))
+    cache.k[0].fill_(1e4)  # stale, finite garbage in rows not written below
+    cache.v[0].fill_(-1e4)
+    prior = build_attention_metadata([SequenceSlice(shared, 0, 16)], BLOCK)
+    cache.write(0, cache.slot_indices(prior.slot_blocks, prior.slot_rows), prefix_k, prefix_v)
+    # six requests: the shared prefix + 1..6 tokens of their own in one private block each
+    slices, full_k, full_v = [], [], []
+    for i, own in enumerate([1, 2, 3, 4, 2, 1]):
+        k = torch.cat([prefix_k, torch.randn(own, KV_HEADS, HEAD_DIM, generator=gen)])
+        v = torch.cat([prefix_v, torch.randn(own, KV_HEADS, HEAD_DIM, generator=gen)])
+        table = shared + [11 + i]
+        if own > 1:
+            done = build_attention_metadata([SequenceSlice(table, 16, own - 1)], BLOCK)
+            cache.write(0, cache.slot_indices(done.slot_blocks, done.slot_rows), k[16:-1], v[16:-1])
+        slices.append(SequenceSlice(table, 16 + own - 1, 1))
+        full_k.append(k)
+        full_v.append(v)
+    meta = build_attention_metadata(slices, BLOCK, window)
+    assert meta.decode.union_block_ids is not None  # heavy sharing: the union path
+    q = torch.randn(6, HEADS, HEAD_DIM, generator=gen)
+    new_k = torch.stack([k[-1] for k in full_k])
+    new_v = torch.stack([v[-1] for v in full_v])
+    out = PagedKVContext(cache, meta).attend(0, q, new_k, new_v, HEAD_DIM**-0.5, window)
+    for i, (k, v) in enumerate(zip(full_k, full_v)):
+        expected = attend(q[i : i + 1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                          torch.tensor([k.shape[0] - 1]), HEAD_DIM**-0.5, window)
+        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
