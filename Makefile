@@ -42,7 +42,7 @@ test: install-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: install-dev
-	$(BIN)/python bench/kv_vs_recompute.py
+	for script in throughput latency prefix kv_vs_recompute; do $(BIN)/python bench/$$script.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

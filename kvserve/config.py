@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -66,8 +67,6 @@ def parse_memory(value: int | str) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         amount = value
     else:
-        import re
-
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _MEMORY_UNITS:
