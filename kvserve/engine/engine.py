@@ -132,7 +132,7 @@ class Engine:
         self.num_generation_tokens_total += len(sampled)
         outputs = []
         for request in touched:
-            outputs.append(self._output(request, list(request.output_token_ids[-1:])))
+            outputs.append(self._output(request, [request.all_token_ids[-1]]))
             if request.finished:
                 self.runner.remove_request(request.request_id)
         return outputs
@@ -161,6 +161,11 @@ class Engine:
     def _prefix_report(self, request: Request) -> PrefixCacheReport | None:
         if request.num_cached_tokens is None:
             return None  # not admitted yet
+        if request.prefix_cache_report is None:  # once per request, not on every step's output
+            request.prefix_cache_report = self._build_prefix_report(request)
+        return request.prefix_cache_report
+
+    def _build_prefix_report(self, request: Request) -> PrefixCacheReport:
         report = PrefixCacheReport(request.num_prompt_tokens, request.num_cached_tokens, "")
         block_size = self.config.block_size
         if not self.prefix_caching:

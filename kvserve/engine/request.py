@@ -48,6 +48,7 @@ class Request:
         # cache, and where the prompt left the closest cached chain (or None).
         self.num_cached_tokens: int | None = None
         self.prefix_divergence = None
+        self.prefix_cache_report = None  # built once from the two above, for outputs
 
     @property
     def num_tokens(self) -> int:

@@ -91,7 +91,7 @@ class Scheduler:
         # Blocks that requests still prefilling are about to compute: a waiting
         # request that would compute the same block waits a step and then hits.
         in_flight: set[int] = set()
-        for request in prefilling:
+        for request in prefilling if self.waiting else ():
             if request.status is RequestStatus.RUNNING:
                 in_flight |= self.kv.pending_block_keys(request.request_id, request.all_token_ids,
                                                         request.num_prompt_tokens, request.cache_salt)
