@@ -144,7 +144,7 @@ def paged_logits(model, token_ids: list[int], chunks: list[int], block_size: int
     num_blocks = -(-len(token_ids) // block_size)
     cache = PagedKVCache(kv_spec(model.config), num_blocks * 2 + 1, block_size)
     block_ids = torch.randperm(num_blocks * 2 + 1, generator=torch.Generator().manual_seed(3))[:num_blocks].tolist()
-    cache.initialize_blocks(torch.tensor(block_ids))
+    cache.initialize_blocks_through(max(block_ids))
     for tensor in cache.k + cache.v:
         # Rows not yet written hold stale data (zeroed once, then reused blocks'
         # leftovers): large finite garbage that must never influence a result.

@@ -51,8 +51,6 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv_manager)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache)
         self._ids = itertools.count()
-        self.num_prompt_tokens_total = 0  # monotonic counters
-        self.num_generation_tokens_total = 0
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %s bytes/token (%s), %.1f MiB, prefix caching %s%s",
             num_blocks, config.block_size, num_blocks * config.block_size, f"{self.kv_spec.bytes_per_token:,}",
@@ -87,7 +85,6 @@ class Engine:
         request = Request(request_id, token_ids, params, tracker, prompt=text, cache_salt=cache_salt)
         self.runner.add_request(request_id, params, token_ids)
         self.scheduler.add(request)
-        self.num_prompt_tokens_total += len(token_ids)
         return request_id
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -129,7 +126,6 @@ class Engine:
             return []
         sampled = self.runner.execute(scheduled)
         touched = self.scheduler.update(scheduled, sampled)
-        self.num_generation_tokens_total += len(sampled)
         outputs = []
         for request in touched:
             outputs.append(self._output(request, [request.all_token_ids[-1]]))

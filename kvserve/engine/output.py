@@ -54,7 +54,6 @@ class OutputTracker:
         if params.stop and tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model was loaded without one")
         self.params = params
-        self.tokenizer = tokenizer
         self._detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None
         self._eos_ids = frozenset() if params.ignore_eos or tokenizer is None else tokenizer.stop_token_ids
         self._stop_ids = frozenset(params.stop_token_ids)

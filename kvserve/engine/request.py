@@ -63,10 +63,6 @@ class Request:
         return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
-    def max_total_tokens(self) -> int:
-        return self.num_prompt_tokens + self.sampling_params.max_tokens
-
-    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

@@ -56,7 +56,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_ids.append(item.request_id)
         metadata = build_attention_metadata(slices, self.kv_cache.block_size, self.model.config.sliding_window)
-        self.kv_cache.initialize_blocks(torch.tensor([b for item in out.scheduled for b in item.block_ids]))
+        self.kv_cache.initialize_blocks_through(max(max(item.block_ids) for item in out.scheduled))
         logits = self.model(
             torch.tensor(input_ids), torch.cat(positions), PagedKVContext(self.kv_cache, metadata),
             torch.tensor(sample_rows, dtype=torch.long),

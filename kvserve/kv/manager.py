@@ -41,6 +41,11 @@ def _chain_root(salt: str | None) -> int:
     return hash(("kvserve-prefix-root", salt))
 
 
+def _block_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    """The one prefix-hash formula: a block's hash chains its parent's and its own token ids."""
+    return hash((parent_hash, token_ids))
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_caching: bool = False) -> None:
         self.block_size = block_size
@@ -64,10 +69,6 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
-
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -88,7 +89,7 @@ class KVCacheManager:
         parent, blocks = root, []
         for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
             chunk = tuple(token_ids[start : start + bs])
-            block_hash = hash((parent, chunk))
+            block_hash = _block_hash(parent, chunk)
             block = self.pool.lookup(block_hash, parent, chunk)
             if block is None:
                 break
@@ -105,7 +106,7 @@ class KVCacheManager:
         hashes = self._hashes.get(request_id, [])
         parent, bs, keys = (hashes[-1] if hashes else _chain_root(salt)), self.block_size, set()
         for start in range(len(hashes) * bs, end // bs * bs, bs):
-            parent = hash((parent, tuple(token_ids[start : start + bs])))
+            parent = _block_hash(parent, tuple(token_ids[start : start + bs]))
             keys.add(parent)
         return keys
 
@@ -114,7 +115,7 @@ class KVCacheManager:
         start, bs = match.num_tokens, self.block_size
         if not self.enable_caching or start + bs > len(token_ids) - 1:
             return None
-        return hash((match.last_hash, tuple(token_ids[start : start + bs])))
+        return _block_hash(match.last_hash, tuple(token_ids[start : start + bs]))
 
     def find_divergence(self, token_ids: Sequence[int], match: PrefixMatch) -> Divergence | None:
         """Compare the block after the match with every cached block that continues the same
@@ -170,7 +171,7 @@ class KVCacheManager:
         for index in range(len(hashes), min(num_computed_tokens // bs, len(table))):
             parent = hashes[-1] if hashes else _chain_root(salt)
             chunk = tuple(token_ids[index * bs : (index + 1) * bs])
-            block_hash = hash((parent, chunk))
+            block_hash = _block_hash(parent, chunk)
             self.pool.cache_block(table[index], block_hash, parent, chunk)
             hashes.append(block_hash)
 

@@ -3,7 +3,7 @@
 Allocated once with torch.empty, so pages are committed only as they are
 used. Never-written memory may hold NaN/inf, and attention multiplies masked
 rows of a partly filled block by a zero probability (0 x NaN = NaN), so every
-block is zeroed before a step first uses it (`initialize_blocks`).
+block is zeroed before a step first uses it (`initialize_blocks_through`).
 A token at position p of a request lives in block `table[p // block_size]`,
 row `p % block_size`; its flat slot is `block_id * block_size + row`.
 """
@@ -31,11 +31,9 @@ class PagedKVCache:
         # chunks costs one memset per chunk instead of per-block scatters.
         self._zeroed_upto = 0
 
-    def initialize_blocks(self, block_ids: torch.Tensor) -> None:
-        """Make sure every block in `block_ids` has been zeroed once before first use."""
-        if block_ids.numel() == 0:
-            return
-        top = int(block_ids.max()) + 1
+    def initialize_blocks_through(self, highest_block_id: int) -> None:
+        """Make sure every block up to `highest_block_id` has been zeroed once before first use."""
+        top = highest_block_id + 1
         if top <= self._zeroed_upto:
             return
         end = min(self.num_blocks, max(top, self._zeroed_upto + self.ZERO_CHUNK_BLOCKS))

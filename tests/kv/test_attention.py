@@ -24,7 +24,7 @@ def test_mixed_batch_matches_per_sequence_attention(window, cache_dtype):
     for cached, new in shapes:
         total = cached + new
         table = [free.pop() for _ in range(-(-total // BLOCK))]
-        cache.initialize_blocks(torch.tensor(table))
+        cache.initialize_blocks_through(max(table))
         k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
         v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
         if cached:  # what earlier steps wrote
@@ -66,10 +66,10 @@ def test_initialize_blocks_zeroes_each_block_once():
     cache = PagedKVCache(KVSpec(2, KV_HEADS, HEAD_DIM, "float32"), num_blocks=200, block_size=BLOCK)
     for t in cache.k + cache.v:
         t.fill_(float("nan"))
-    cache.initialize_blocks(torch.tensor([1, 3]))
+    cache.initialize_blocks_through(3)  # blocks 1 and 3 are about to be used
     assert all(t[:4].eq(0).all() and t[150:].isnan().all() for t in cache.k + cache.v)
     cache.k[0][1].fill_(5.0)
-    cache.initialize_blocks(torch.tensor([1, 2, 120]))  # block 1 keeps its data; 120 is zeroed
+    cache.initialize_blocks_through(120)  # block 1 keeps its data; 120 is zeroed
     assert cache.k[0][1].eq(5.0).all() and cache.k[1][120].eq(0).all() and cache.v[0][199].isnan().all()
 
 
@@ -80,7 +80,7 @@ def test_decodes_sharing_a_prefix_use_the_union_and_match(window):
     shared = [5, 9, 2, 30]  # a 16-token prefix in four blocks
     prefix_k = torch.randn(16, KV_HEADS, HEAD_DIM, generator=gen)
     prefix_v = torch.randn(16, KV_HEADS, HEAD_DIM, generator=gen)
-    cache.initialize_blocks(torch.tensor(shared + [11, 12, 13, 14, 15, 16]))
+    cache.initialize_blocks_through(max(shared + [11, 12, 13, 14, 15, 16]))
     cache.k[0].fill_(1e4)  # stale, finite garbage in rows not written below
     cache.v[0].fill_(-1e4)
     prior = build_attention_metadata([SequenceSlice(shared, 0, 16)], BLOCK)
