@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from datetime import datetime
@@ -60,8 +61,9 @@ _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
 
-def _render_template(template: str, **context: Any) -> str:
-    """Render a Hugging Face chat template the way transformers does (sandboxed jinja2)."""
+@functools.lru_cache(maxsize=8)
+def _compile_template(template: str):
+    """Compile a Hugging Face chat template the way transformers does (sandboxed jinja2), once per template."""
     import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -76,7 +78,7 @@ def _render_template(template: str, **context: Any) -> str:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template).render(**context)
+    return env.from_string(template)
 
 
 class Tokenizer:
@@ -203,8 +205,7 @@ class Tokenizer:
         """Render `messages` with the model's own chat template."""
         if not self.chat_template:
             raise UnsupportedModelError("this model has no chat template; send a plain prompt instead")
-        return _render_template(
-            self.chat_template,
+        return _compile_template(self.chat_template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
