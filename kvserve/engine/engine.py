@@ -8,7 +8,7 @@ import logging
 from kvserve.config import EngineConfig
 from kvserve.engine.output import CompletionOutput, OutputTracker, PrefixCacheReport, RequestOutput
 from kvserve.engine.request import Request
-from kvserve.engine.runner import ModelRunner
+from kvserve.engine.runner import ModelRunner, StepResult
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import InvalidRequestError, KVServeError
@@ -124,14 +124,24 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if scheduled.empty:
             return []
-        sampled = self.runner.execute(scheduled)
-        touched = self.scheduler.update(scheduled, sampled)
+        result = self.runner.execute(scheduled)
+        self._record_logprobs(result)
+        touched = self.scheduler.update(scheduled, result.tokens)
         outputs = []
         for request in touched:
             outputs.append(self._output(request, [request.all_token_ids[-1]]))
             if request.finished:
                 self.runner.remove_request(request.request_id)
         return outputs
+
+    def _record_logprobs(self, result: StepResult) -> None:
+        for request_id, logprob in result.logprobs.items():
+            self.scheduler.requests[request_id].logprobs.append(logprob)
+        for request_id, (first, logprobs) in result.prompt_logprobs.items():
+            recorded = self.scheduler.requests[request_id].prompt_logprobs
+            already = len(recorded) - first  # > 0 when a preempted prompt is recomputed
+            if already >= 0:
+                recorded.extend(logprobs[already:])
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is (waiting, prefilling, decoding); its blocks are freed."""
@@ -147,11 +157,13 @@ class Engine:
         completion = CompletionOutput(
             index=0, text=tracker.text, token_ids=list(tracker.token_ids), finish_reason=request.finish_reason,
             delta_text=tracker.take_delta(), delta_token_ids=new_token_ids,
+            logprobs=None if request.logprobs is None else list(request.logprobs),
         )
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, [completion], request.finished,
             request.metrics, num_cached_tokens=request.num_cached_tokens or 0,
             kv_cache_bytes=self._held_bytes(request), prefix_cache=self._prefix_report(request),
+            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
         )
 
     def _prefix_report(self, request: Request) -> PrefixCacheReport | None:

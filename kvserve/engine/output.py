@@ -106,6 +106,15 @@ class OutputTracker:
         return delta
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token's log-probability under the model, with the top alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
 @dataclass
 class CompletionOutput:
     """One generated sequence (vLLM's name). `text`/`token_ids` are cumulative;
@@ -117,6 +126,7 @@ class CompletionOutput:
     finish_reason: str | None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for
 
 
 @dataclass
@@ -149,3 +159,6 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     kv_cache_bytes: int = 0  # KV memory the request held when it finished
     prefix_cache: PrefixCacheReport | None = None  # once admitted
+    # With prompt_logprobs: None for the first prompt token, then one per token
+    # (filled in as prefill chunks run; complete once the first token is out).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

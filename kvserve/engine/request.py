@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from kvserve.engine.output import OutputTracker, RequestMetrics
+from kvserve.engine.output import OutputTracker, RequestMetrics, TokenLogprob
 from kvserve.engine.sampling import SamplingParams
 
 
@@ -49,6 +49,9 @@ class Request:
         self.num_cached_tokens: int | None = None
         self.prefix_divergence = None
         self.prefix_cache_report = None  # built once from the two above, for outputs
+        self.logprobs: list[TokenLogprob] | None = [] if sampling_params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
 
     @property
     def num_tokens(self) -> int:

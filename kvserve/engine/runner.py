@@ -6,10 +6,11 @@ in ONE model forward per step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.engine.output import TokenLogprob
 from kvserve.engine.sampling import SamplingParams, make_generator, sample
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kv.attention import PagedKVContext, SequenceSlice, build_attention_metadata
@@ -22,6 +23,22 @@ class _SamplingState:
     params: SamplingParams
     generator: torch.Generator
     seen: torch.Tensor | None  # prompt + output tokens, for the repetition penalty
+    output_counts: torch.Tensor | None  # occurrences per token in the output, for presence/frequency penalties
+    prompt_token_ids: list[int] | None  # kept only when prompt logprobs are asked for
+
+    @property
+    def plain_greedy(self) -> bool:
+        return self.params.greedy and self.seen is None and self.output_counts is None
+
+
+@dataclass
+class StepResult:
+    """What one step produced: sampled tokens and, where asked for, log-probabilities."""
+
+    tokens: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # request id -> (first prompt position covered, logprobs of prompt tokens from that position on)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -31,49 +48,94 @@ class ModelRunner:
         self._states: dict[str, _SamplingState] = {}
 
     def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+        vocab = self.model.config.vocab_size
         seen = None
         if params.repetition_penalty != 1.0:
-            seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool)
+            seen = torch.zeros(vocab, dtype=torch.bool)
             seen[torch.tensor(prompt_token_ids)] = True
-        self._states[request_id] = _SamplingState(params, make_generator(params.seed), seen)
+        counts = torch.zeros(vocab) if params.penalizes_output else None
+        prompt = list(prompt_token_ids) if params.prompt_logprobs is not None else None
+        self._states[request_id] = _SamplingState(params, make_generator(params.seed), seen, counts, prompt)
 
     def remove_request(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns the sampled token of every request that reached its last token."""
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step; samples a token for every request that reached its last token."""
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slices: list[SequenceSlice] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        prompt_rows: list[tuple[str, int, list[int]]] = []  # (request, first position, rows)
         for item in out.scheduled:
             count = len(item.token_ids)
+            first_row = len(input_ids)
             input_ids.extend(item.token_ids)
             positions.append(torch.arange(item.num_computed_tokens, item.num_computed_tokens + count))
             slices.append(SequenceSlice(item.block_ids, item.num_computed_tokens, count))
             if item.sample:
                 sample_rows.append(len(input_ids) - 1)
                 sample_ids.append(item.request_id)
+            prompt = self._states[item.request_id].prompt_token_ids
+            if prompt is not None:
+                # Position p's logits score prompt token p + 1.
+                end = min(item.num_computed_tokens + count, len(prompt) - 1)
+                if end > item.num_computed_tokens:
+                    rows = list(range(first_row, first_row + end - item.num_computed_tokens))
+                    prompt_rows.append((item.request_id, item.num_computed_tokens, rows))
         metadata = build_attention_metadata(slices, self.kv_cache.block_size, self.model.config.sliding_window)
         self.kv_cache.initialize_blocks_through(max(max(item.block_ids) for item in out.scheduled))
+        logits_rows = sample_rows + [row for _, _, rows in prompt_rows for row in rows]
         logits = self.model(
             torch.tensor(input_ids), torch.cat(positions), PagedKVContext(self.kv_cache, metadata),
-            torch.tensor(sample_rows, dtype=torch.long),
+            torch.tensor(logits_rows, dtype=torch.long),
         )
-        return self._sample(sample_ids, logits)
+        result = StepResult(tokens=self._sample(sample_ids, logits[: len(sample_rows)]))
+        self._logprobs(result, sample_ids, logits[: len(sample_rows)])
+        offset = len(sample_rows)
+        for request_id, first, rows in prompt_rows:
+            prompt = self._states[request_id].prompt_token_ids
+            targets = prompt[first + 1 : first + 1 + len(rows)]
+            result.prompt_logprobs[request_id] = (first + 1, token_logprobs(
+                logits[offset : offset + len(rows)], targets, self._states[request_id].params.prompt_logprobs))
+            offset += len(rows)
+        return result
 
     def _sample(self, request_ids: list[str], logits: torch.Tensor) -> dict[str, int]:
         states = [self._states[r] for r in request_ids]
         # Plain greedy rows are one batched argmax; the rest go through the sampler.
-        plain = [i for i, s in enumerate(states) if s.params.greedy and s.seen is None]
+        plain = [i for i, s in enumerate(states) if s.plain_greedy]
         tokens: dict[str, int] = {}
         if plain:
             best = logits[plain].argmax(dim=-1).tolist()
             tokens.update((request_ids[i], t) for i, t in zip(plain, best))
         for i, state in enumerate(states):
             if request_ids[i] not in tokens:
-                tokens[request_ids[i]] = sample(logits[i], state.params, state.generator, state.seen)
+                tokens[request_ids[i]] = sample(logits[i], state.params, state.generator, state.seen,
+                                                state.output_counts)
             if state.seen is not None:
                 state.seen[tokens[request_ids[i]]] = True
+            if state.output_counts is not None:
+                state.output_counts[tokens[request_ids[i]]] += 1
         return tokens
+
+    def _logprobs(self, result: StepResult, request_ids: list[str], logits: torch.Tensor) -> None:
+        wanted = [i for i, r in enumerate(request_ids) if self._states[r].params.logprobs is not None]
+        for i in wanted:
+            request_id = request_ids[i]
+            k = self._states[request_id].params.logprobs
+            result.logprobs[request_id] = token_logprobs(logits[i : i + 1], [result.tokens[request_id]], k)[0]
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int], top_k: int) -> list[TokenLogprob]:
+    """Log-probabilities of `targets` (one per row of `logits`) plus each row's `top_k` alternatives."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])[:, 0].tolist()
+    if top_k == 0:
+        return [TokenLogprob(t, lp) for t, lp in zip(targets, chosen)]
+    values, indices = logprobs.topk(top_k, dim=-1)
+    return [
+        TokenLogprob(t, lp, tuple(zip(ids, vals)))
+        for t, lp, ids, vals in zip(targets, chosen, indices.tolist(), values.tolist())
+    ]

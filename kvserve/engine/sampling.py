@@ -11,6 +11,8 @@ from kvserve.errors import InvalidRequestError
 # Temperatures below this are treated as greedy (as vLLM does): dividing by a
 # tiny temperature only amplifies float noise.
 GREEDY_TEMPERATURE = 1e-5
+# Most alternatives a request may ask for per position (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 
 
 @dataclass(slots=True)
@@ -23,12 +25,19 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the generated text
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     skip_reading_prefix_cache: bool = False  # compute the whole prompt even if it is cached
+    # Log-probabilities (of the raw model distribution): for each generated
+    # token (`logprobs`) / each prompt token after the first (`prompt_logprobs`),
+    # the chosen token's plus the top-k alternatives; 0 = the chosen one only.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -36,6 +45,9 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        if self.prompt_logprobs is not None:
+            # A cached prefix is not computed, so it would have no logits to report.
+            self.skip_reading_prefix_cache = True
 
     def _validate(self) -> None:
         def fail(message: str) -> None:
@@ -53,6 +65,14 @@ class SamplingParams:
             fail(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             fail(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                fail(f"{name} must be in [-2, 2], got {value!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                fail(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.seed is not None and not _is_int(self.seed):
             fail(f"seed must be an integer, got {self.seed!r}")
         for s in self.stop:
@@ -65,6 +85,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalizes_output(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def _is_int(value: object) -> bool:
@@ -96,13 +120,18 @@ def sample(
     params: SamplingParams,
     generator: torch.Generator,
     seen: torch.Tensor | None = None,
+    output_counts: torch.Tensor | None = None,
 ) -> int:
     """Pick one token id from `logits` `[vocab]` (fp32).
 
-    Order: repetition penalty, then greedy or temperature, top-k, top-p, min-p.
+    Order: repetition penalty, presence/frequency penalties (`output_counts`:
+    occurrences of each token in the output so far), then greedy or
+    temperature, top-k, top-p, min-p.
     """
     if params.repetition_penalty != 1.0 and seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.penalizes_output and output_counts is not None:
+        logits = logits - params.frequency_penalty * output_counts - params.presence_penalty * (output_counts > 0)
     if params.greedy:
         return int(torch.argmax(logits))
     logits = logits / params.temperature
