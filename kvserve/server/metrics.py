@@ -1,0 +1,120 @@
+"""Prometheus metrics, named after vLLM's (`vllm:` -> `kvserve:`).
+
+Engine state (requests running / waiting, KV blocks, prefix-cache and
+preemption counters) is read when scraped, so it is never stale; latencies and
+token counts are observed from each RequestOutput as the step loop emits it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.output import RequestOutput
+
+log = logging.getLogger("kvserve.requests")
+
+# Seconds; the finer end matters for TPOT on small models, the coarse end for long prompts on CPU.
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine at scrape time."""
+
+    def __init__(self, async_engine: AsyncEngine, model_name: str) -> None:
+        self.async_engine = async_engine
+        self.model_name = model_name
+
+    def collect(self):
+        engine = self.async_engine.engine
+        kv = engine.kv_manager
+        labels = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        used, total = kv.num_used_blocks, kv.num_blocks
+        yield gauge("kvserve:num_requests_running", "Requests in the running batch.", len(engine.scheduler.running))
+        yield gauge("kvserve:num_requests_waiting", "Requests accepted and waiting to be scheduled.",
+                    self.async_engine.num_waiting)
+        yield gauge("kvserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", used / total)
+        yield gauge("kvserve:kv_cache_blocks_used", "KV-cache blocks held by requests.", used)
+        yield gauge("kvserve:kv_cache_blocks_total", "KV-cache blocks in the pool.", total)
+        yield gauge("kvserve:kv_cache_blocks_cached", "Blocks holding a reusable prefix (in use or free).",
+                    kv.num_cached_blocks)
+        yield gauge("kvserve:kv_cache_block_size", "Tokens per KV-cache block.", kv.block_size)
+        yield counter("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      engine.prefix_cache_queries)
+        yield counter("kvserve:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                      engine.prefix_cache_hits)
+        yield counter("kvserve:num_preemptions", "Requests preempted to free KV blocks.",
+                      engine.scheduler.num_preemptions)
+
+
+class ServerMetrics:
+    """The server's registry. `observe` is an AsyncEngine observer."""
+
+    def __init__(self, async_engine: AsyncEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        histogram = dict(labelnames=labels, registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.ttft = Histogram("kvserve:time_to_first_token_seconds", "Time to first token.", **histogram)
+        self.itl = Histogram("kvserve:inter_token_latency_seconds", "Time between consecutive output tokens (TPOT).",
+                             **histogram)
+        self.e2e = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to finish.", **histogram)
+        self.prompt_tokens = Counter("kvserve:prompt_tokens", "Prompt tokens of finished requests.", labels,
+                                     registry=self.registry)
+        self.generation_tokens = Counter("kvserve:generation_tokens", "Generated tokens.", labels,
+                                         registry=self.registry)
+        self.request_success = Counter("kvserve:request_success", "Finished requests by finish reason.",
+                                       labels + ["finished_reason"], registry=self.registry)
+        self.registry.register(_EngineCollector(async_engine, model_name))
+        self._last_token_time: dict[str, float] = {}
+
+    def observe(self, output: RequestOutput) -> None:
+        metrics = output.metrics
+        request_id = output.request_id
+        new_tokens = len(output.outputs[0].delta_token_ids)
+        if new_tokens:
+            self.generation_tokens.labels(self.model_name).inc(new_tokens)
+            previous = self._last_token_time.get(request_id)
+            if previous is None:
+                self.ttft.labels(self.model_name).observe(metrics.ttft)
+            else:
+                self.itl.labels(self.model_name).observe(metrics.last_token_time - previous)
+            self._last_token_time[request_id] = metrics.last_token_time
+        if output.finished:
+            self._last_token_time.pop(request_id, None)
+            reason = output.outputs[0].finish_reason or "abort"
+            self.request_success.labels(self.model_name, reason).inc()
+            self.prompt_tokens.labels(self.model_name).inc(metrics.num_prompt_tokens)
+            end = metrics.last_token_time if reason != "abort" and metrics.last_token_time else time.perf_counter()
+            self.e2e.labels(self.model_name).observe(end - metrics.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def log_request(output: RequestOutput) -> None:
+    """One line per finished request: counts and latencies, never the prompt text."""
+    if not output.finished:
+        return
+    m = output.metrics
+    ttft = f"{m.ttft * 1000:.0f} ms" if m.ttft is not None else "n/a"
+    tpot = f"{m.tpot * 1000:.1f} ms" if m.tpot is not None else "n/a"
+    log.info("request %s: prompt %d tokens (%d cached), output %d tokens, TTFT %s, TPOT %s, finish_reason %s",
+             output.request_id, m.num_prompt_tokens, output.num_cached_tokens, m.num_output_tokens, ttft, tpot,
+             output.outputs[0].finish_reason or "abort")

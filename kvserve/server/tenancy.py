@@ -1,0 +1,48 @@
+"""Who is calling: API-key checks and the prefix-cache salt derived from the key.
+
+Each API key is a tenant. The salt that roots a request's prefix-cache chain is
+derived here, on the server, from the key; a client-sent `cache_salt` is mixed
+into it, so a client can split its own traffic further (narrow sharing) but
+can never name another tenant's salt (widen it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+class Tenancy:
+    def __init__(self, api_keys: Sequence[str] = ()) -> None:
+        self.api_keys = [key for key in api_keys if key]
+
+    @property
+    def requires_key(self) -> bool:
+        return bool(self.api_keys)
+
+    def authenticate(self, authorization: str | None) -> str | None:
+        """The caller's key from an `Authorization: Bearer` header, or None if it is not accepted.
+
+        Without configured keys everyone is accepted (as the anonymous tenant "").
+        """
+        if not self.requires_key:
+            return ""
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return None
+        token = token.strip()
+        # Compare against every key in constant time: no early exit that leaks which prefix matched.
+        matched = [key for key in self.api_keys if hmac.compare_digest(token.encode(), key.encode())]
+        return matched[0] if matched else None
+
+    def cache_salt(self, api_key: str, client_salt: str | None) -> str | None:
+        """The prefix-cache salt for a request from `api_key` carrying `client_salt`."""
+        if not api_key:  # no tenants: the client's salt alone (None shares with everyone)
+            return None if client_salt is None else _digest("client", client_salt)
+        tenant = _digest("tenant", api_key)
+        return tenant if client_salt is None else _digest(tenant, client_salt)
