@@ -28,7 +28,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine arguments (vLLM's names), shared by every command that builds an Engine."""
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
-    group.add_argument("--kv-cache-dtype", default="auto", help="auto (= float32), float32, float16, bfloat16")
+    group.add_argument("--kv-cache-dtype", default="auto", help="auto (= float32), float32, float16, bfloat16, int8, int4, fp8_e4m3, fp8_e5m2")
     group.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: 30%% of free RAM, at most 4 GiB)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     group.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch at most")

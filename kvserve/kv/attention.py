@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from kvserve.kv.storage import PagedKVCache
+from kvserve.kv.storage import GatheredKV, PagedKVCache
 
 
 def attention_mask(q_positions: torch.Tensor, num_keys: int, sliding_window: int | None) -> torch.Tensor | None:
@@ -60,8 +60,6 @@ def attend(
     Keys are positions 0..L-1; GQA through SDPA's `enable_gqa` (no repeated K/V).
     """
     mask = attention_mask(q_positions, k.shape[1], sliding_window)
-    if k.dtype != q.dtype:  # a reduced-precision cache is read in the compute dtype
-        k, v = k.to(q.dtype), v.to(q.dtype)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
         enable_gqa=q.shape[0] != k.shape[0],
@@ -175,24 +173,27 @@ def build_attention_metadata(
     )
 
 
-def split_kv_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata, scale: float
-) -> torch.Tensor:
-    """q `[B, H, D]` (one token per request) -> `[B, H * D]`, reading only valid blocks."""
+def split_kv_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale: float) -> torch.Tensor:
+    """q `[B, H, D]` (one token per request) -> `[B, H * D]`, over the gathered valid blocks `kv`.
+
+    Per-row K/V scales of a quantized cache are folded in: into the scores for
+    K, into the probabilities for V (after the softmax sums, which they do not
+    change).
+    """
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = kv.k.shape[1]
     group = num_heads // num_kv_heads
-    keys = k_cache.index_select(0, meta.block_ids)  # [NB, KVH, bs, D]; index_select: 3x faster than []
-    values = v_cache.index_select(0, meta.block_ids)
-    if keys.dtype != q.dtype:
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
     queries = q.view(num_seqs, num_kv_heads, group, head_dim).index_select(0, meta.seq_index)  # [NB, KVH, G, D]
-    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)  # [NB, KVH, G, bs]
+    scores = torch.matmul(queries, kv.k.transpose(-1, -2)).mul_(scale)  # [NB, KVH, G, bs]
+    if kv.k_scale is not None:
+        scores.mul_(kv.k_scale[:, :, None, :])
     scores.masked_fill_(~meta.key_valid[:, None, None, :], float("-inf"))
     block_max = scores.amax(dim=-1, keepdim=True)  # finite: every listed block has a valid key
     probs = torch.exp(scores - block_max)
     block_sum = probs.sum(dim=-1, keepdim=True)
-    block_out = torch.matmul(probs, values)  # [NB, KVH, G, D]
+    if kv.v_scale is not None:
+        probs.mul_(kv.v_scale[:, :, None, :])
+    block_out = torch.matmul(probs, kv.v)  # [NB, KVH, G, D]
     # Merge the blocks of each request: rescale to the request's global max.
     seq_max = torch.full((num_seqs, num_kv_heads, group, 1), float("-inf"))
     index = meta.seq_index.view(-1, 1, 1, 1).expand_as(block_max)
@@ -203,16 +204,12 @@ def split_kv_decode(
     return (out / norm).view(num_seqs, num_heads * head_dim)
 
 
-def union_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata, scale: float
-) -> torch.Tensor:
-    """q `[B, H, D]` -> `[B, H * D]`: one SDPA over the union of the requests' blocks, each read once."""
+def union_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale: float) -> torch.Tensor:
+    """q `[B, H, D]` -> `[B, H * D]`: one SDPA over the union of the requests' blocks (`kv`), each read once."""
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    keys = k_cache.index_select(0, meta.union_block_ids).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
-    values = v_cache.index_select(0, meta.union_block_ids).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
-    if keys.dtype != q.dtype:
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
+    num_kv_heads = kv.k.shape[1]
+    keys = kv.k.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+    values = kv.v.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=meta.union_mask,
         scale=scale, enable_gqa=num_heads != num_kv_heads,
@@ -233,16 +230,22 @@ class PagedKVContext:
     ) -> torch.Tensor:
         """q `[N, H, D]`, k/v `[N, KVH, D]` for the step's N new tokens -> `[N, H * D]`."""
         meta = self.metadata
-        self.cache.write(layer, self._slots, k, v)
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        cache = self.cache
+        cache.write(layer, self._slots, k, v)
         outputs = []
         if meta.decode is not None:
-            decode = union_decode if meta.decode.union_block_ids is not None else split_kv_decode
-            outputs.append(decode(q[: meta.num_decode_tokens], k_cache, v_cache, meta.decode, scale))
+            queries = q[: meta.num_decode_tokens]
+            if meta.decode.union_block_ids is not None:
+                kv = cache.gather(layer, meta.decode.union_block_ids, q.dtype)
+                outputs.append(union_decode(queries, kv, meta.decode, scale))
+            else:
+                kv = cache.gather(layer, meta.decode.block_ids, q.dtype, fold_scales=True)
+                outputs.append(split_kv_decode(queries, kv, meta.decode, scale))
         for p in meta.prefills:
-            num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-            keys = k_cache[p.block_ids].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, : p.seq_len]
-            values = v_cache[p.block_ids].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, : p.seq_len]
+            kv = cache.gather(layer, p.block_ids, q.dtype)
+            num_kv_heads, head_dim = kv.k.shape[1], kv.k.shape[3]
+            keys = kv.k.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, : p.seq_len]
+            values = kv.v.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, : p.seq_len]
             queries = q[p.query_start : p.query_end].transpose(0, 1)
             outputs.append(attend(queries, keys, values, p.positions, scale, sliding_window))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -1,43 +1,33 @@
 """How many bytes one token of KV cache takes: the ONE formula (DESIGN §3).
 
-The loader's summary, the cache allocator and (later) the memory planner all
-call `kv_bytes_per_token`; nothing else in kvserve may recompute it.
+The loader's summary, the cache allocator and the memory planner all go
+through `kv_spec`; nothing else in kvserve may recompute it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kvserve.config import ModelConfig
 from kvserve.errors import InvalidRequestError
+from kvserve.kv.quant import CODECS, PARAM_DTYPE, KVCodec
 
-# Element sizes of the cache dtypes kvserve can store.
-_DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-}
-
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+# User-facing aliases. "auto" is the model's compute dtype, which is float32
+# here: weights are dequantized to fp32 at load.
+_ALIASES = {"auto": "float32", "fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+            "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
 
 
 def resolve_cache_dtype(name: str) -> str:
     """Map a user-facing cache dtype name (`auto` included) to a canonical one."""
-    canonical = {"auto": "float32", "fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
-    resolved = canonical.get(name, name)
-    if resolved not in _DTYPE_BYTES:
-        raise InvalidRequestError(f"unsupported KV cache dtype {name!r}; choose one of: auto, {', '.join(_DTYPE_BYTES)}")
+    resolved = _ALIASES.get(name, name)
+    if resolved not in CODECS:
+        raise InvalidRequestError(f"unsupported KV cache dtype {name!r}; choose one of: auto, {', '.join(CODECS)}")
     return resolved
 
 
-def torch_cache_dtype(name: str) -> torch.dtype:
-    return _TORCH_DTYPES[resolve_cache_dtype(name)]
+def cache_codec(name: str) -> KVCodec:
+    return CODECS[resolve_cache_dtype(name)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,17 +40,32 @@ class KVSpec:
     dtype: str
 
     @property
-    def bytes_per_element(self) -> int:
-        return _DTYPE_BYTES[self.dtype]
+    def codec(self) -> KVCodec:
+        return CODECS[self.dtype]
+
+    @property
+    def bytes_per_row(self) -> int:
+        """One token's K (or V) for one KV head: elements plus quantization parameters."""
+        return self.codec.bytes_per_row(self.head_dim)
 
     @property
     def bytes_per_token_per_layer(self) -> int:
         # 2 = one K row and one V row per KV head.
-        return 2 * self.num_kv_heads * self.head_dim * self.bytes_per_element
+        return 2 * self.num_kv_heads * self.bytes_per_row
 
     @property
     def bytes_per_token(self) -> int:
         return self.num_layers * self.bytes_per_token_per_layer
+
+    def formula(self) -> str:
+        """The factors, e.g. '2 x 30 layers x 3 KV heads x (64 x 1 B + 2 B scale) = 12,240 bytes/token'."""
+        codec = self.codec
+        element = f"{self.head_dim} x {codec.bits / 8:g} B"
+        params = codec.num_params(self.head_dim)
+        row = f"({element} + {params * PARAM_DTYPE.itemsize} B {'scale' if params == 1 else 'scales/mins'})" if params \
+            else element
+        return (f"2 (K, V) x {self.num_layers} layers x {self.num_kv_heads} KV heads x {row} "
+                f"= {self.bytes_per_token:,} bytes/token")
 
 
 def kv_spec(config: ModelConfig, dtype: str = "auto") -> KVSpec:
@@ -68,5 +73,5 @@ def kv_spec(config: ModelConfig, dtype: str = "auto") -> KVSpec:
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: str = "auto") -> int:
-    """2 (K and V) × layers × kv_heads × head_dim × bytes per element."""
+    """2 (K and V) x layers x kv_heads x (head_dim x bytes per element + quantization parameters)."""
     return kv_spec(config, dtype).bytes_per_token

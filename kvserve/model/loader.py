@@ -65,8 +65,7 @@ class LoadedModel:
             f"{cfg.num_kv_heads} KV heads ({cfg.attention_kind}) / head_dim {cfg.head_dim}, "
             f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, context {cfg.max_position_embeddings}{window}",
             f"  parameters {self.model.num_parameters() / 1e6:.1f}M, weights {self.model.weight_bytes() / 2**20:.1f} MiB fp32",
-            f"  KV cache ({spec.dtype}): {spec.bytes_per_token:,} bytes/token = 2 x {spec.num_layers} layers x "
-            f"{spec.num_kv_heads} KV heads x {spec.head_dim} head_dim x {spec.bytes_per_element} bytes",
+            f"  KV cache ({spec.dtype}): {spec.formula()}",
             f"  tokenizer: {'yes' if self.tokenizer else 'none (token ids only)'}",
         ])
 

@@ -8,17 +8,28 @@ from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import PagedKVCache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
+CACHE_DTYPES = ["float32", "float16", "bfloat16", "int8", "int4", "fp8_e4m3", "fp8_e5m2"]
+
+
+def poison(cache: PagedKVCache) -> None:
+    """NaN (or garbage) everywhere: what attention reads must have been written."""
+    for t in cache.k + cache.v + cache.k_params + cache.v_params:
+        t.fill_(float("nan") if t.is_floating_point() else 0x7F)  # 0x7F: NaN as fp8 bytes
+
+
+def round_trip(cache: PagedKVCache, x: torch.Tensor) -> torch.Tensor:
+    """What the cache gives back for `x`: attention over these values is the reference."""
+    return cache.codec.decode(*cache.codec.encode(x), torch.float32)
 
 
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_mixed_batch_matches_per_sequence_attention(window, cache_dtype):
     gen = torch.Generator().manual_seed(0)
     # (tokens already cached, tokens computed this step): three decodes, then two prefill chunks.
     shapes = [(0, 1), (9, 1), (16, 1), (0, 7), (6, 5)]
     cache = PagedKVCache(KVSpec(1, KV_HEADS, HEAD_DIM, cache_dtype), num_blocks=40, block_size=BLOCK)
-    cache.k[0].fill_(float("nan"))  # poison: what attention reads must have been written
-    cache.v[0].fill_(float("nan"))
+    poison(cache)
     free = torch.randperm(40, generator=gen).tolist()
     full_k, full_v, slices = [], [], []
     for cached, new in shapes:
@@ -42,8 +53,7 @@ def test_mixed_batch_matches_per_sequence_attention(window, cache_dtype):
 
     row = 0
     for (cached, new), k, v in zip(shapes, full_k, full_v):
-        if cache_dtype != "float32":
-            k, v = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
+        k, v = round_trip(cache, k), round_trip(cache, v)
         expected = attend(q[row : row + new].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                           torch.arange(cached, cached + new), HEAD_DIM**-0.5, window)
         torch.testing.assert_close(out[row : row + new], expected, atol=1e-5, rtol=1e-5)
@@ -74,15 +84,16 @@ def test_initialize_blocks_zeroes_each_block_once():
 
 
 @pytest.mark.parametrize("window", [None, 6])
-def test_decodes_sharing_a_prefix_use_the_union_and_match(window):
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8", "int4"])
+def test_decodes_sharing_a_prefix_use_the_union_and_match(window, cache_dtype):
     gen = torch.Generator().manual_seed(1)
-    cache = PagedKVCache(KVSpec(1, KV_HEADS, HEAD_DIM, "float32"), num_blocks=40, block_size=BLOCK)
+    cache = PagedKVCache(KVSpec(1, KV_HEADS, HEAD_DIM, cache_dtype), num_blocks=40, block_size=BLOCK)
     shared = [5, 9, 2, 30]  # a 16-token prefix in four blocks
     prefix_k = torch.randn(16, KV_HEADS, HEAD_DIM, generator=gen)
     prefix_v = torch.randn(16, KV_HEADS, HEAD_DIM, generator=gen)
     cache.initialize_blocks_through(max(shared + [11, 12, 13, 14, 15, 16]))
-    cache.k[0].fill_(1e4)  # stale, finite garbage in rows not written below
-    cache.v[0].fill_(-1e4)
+    cache.k[0].fill_(100)  # stale, finite garbage in rows not written below
+    cache.v[0].fill_(-100)
     prior = build_attention_metadata([SequenceSlice(shared, 0, 16)], BLOCK)
     cache.write(0, cache.slot_indices(prior.slot_blocks, prior.slot_rows), prefix_k, prefix_v)
     # six requests: the shared prefix + 1..6 tokens of their own in one private block each
@@ -104,6 +115,7 @@ def test_decodes_sharing_a_prefix_use_the_union_and_match(window):
     new_v = torch.stack([v[-1] for v in full_v])
     out = PagedKVContext(cache, meta).attend(0, q, new_k, new_v, HEAD_DIM**-0.5, window)
     for i, (k, v) in enumerate(zip(full_k, full_v)):
+        k, v = round_trip(cache, k), round_trip(cache, v)
         expected = attend(q[i : i + 1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                           torch.tensor([k.shape[0] - 1]), HEAD_DIM**-0.5, window)
         torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)

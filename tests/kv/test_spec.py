@@ -23,12 +23,21 @@ def test_formula_matches_known_figures():
     assert kv_bytes_per_token(smol) == 2 * 30 * 3 * 64 * 4 == 46_080
 
 
+def test_quantized_rows_count_their_parameters():
+    smol = _config(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576)
+    rows = 2 * 30 * 3
+    assert kv_bytes_per_token(smol, "int8") == rows * (64 + 2)  # int8 elements + one fp16 scale
+    assert kv_bytes_per_token(smol, "fp8_e4m3") == rows * (64 + 2)
+    assert kv_bytes_per_token(smol, "int4") == rows * (32 + 2 * 2 * 2)  # packed nibbles + (scale, min) x 2 groups
+    assert "(64 x 1 B + 2 B scale)" in kv_spec(smol, "int8").formula()
+
+
 def test_unknown_dtype_is_rejected():
     with pytest.raises(InvalidRequestError, match="unsupported KV cache dtype 'int3'"):
         kv_spec(_config(), "int3")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "int4", "fp8_e4m3", "fp8_e5m2"])
 def test_paged_pool_allocates_what_the_spec_says(dtype):
     config = _config(num_layers=2, num_kv_heads=2, head_dim=16, num_heads=4, hidden_size=64)
     cache = PagedKVCache(kv_spec(config, dtype), num_blocks=5, block_size=4)

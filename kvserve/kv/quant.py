@@ -1,0 +1,124 @@
+"""KV-cache element codecs: how one (token, KV head) row of `head_dim` values is stored.
+
+Every codec stores `data` (the elements, possibly packed) and `params` (float16
+per-row quantization parameters, possibly none), both laid out per block like
+the cache itself, so a block's parameters move, are shared and are freed with
+it. Float codecs just convert.
+
+- int8: symmetric, one scale per (token, KV head): x ~ q * scale, q in [-127, 127].
+- int4: asymmetric per group of `INT4_GROUP` channels: x ~ q * scale + min,
+  q in [0, 15], two values per byte (even channel in the low nibble).
+- fp8 (e4m3 / e5m2): one scale per (token, KV head) mapping the row's absmax
+  to the format's largest finite value; values are clamped before the cast,
+  because an out-of-range cast to e4m3fn yields NaN rather than saturating.
+
+Scale codecs (int8, fp8) let attention fold the scale into the scores (K) and
+the probabilities (V) instead of rescaling every element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PARAM_DTYPE = torch.float16  # per-row scales / minimums
+INT4_GROUP = 32
+_TINY = 1e-6  # smallest scale: an all-zero row must not divide by zero
+_PARAM_MAX = torch.finfo(PARAM_DTYPE).max  # larger parameters saturate instead of becoming inf
+
+
+def _to_params(x: torch.Tensor, low: float) -> torch.Tensor:
+    return x.clamp(low, _PARAM_MAX).to(PARAM_DTYPE)
+
+
+@dataclass(frozen=True)
+class KVCodec:
+    name: str
+    storage_dtype: torch.dtype
+    bits: int  # per element
+    kind: str  # "float", "scale" (x = q * s) or "affine4" (int4 groups)
+    qmax: float = 0.0  # largest representable magnitude (scale codecs)
+
+    def data_width(self, head_dim: int) -> int:
+        """Stored elements per row (int4 packs two values per byte)."""
+        return head_dim // 2 if self.kind == "affine4" else head_dim
+
+    def num_params(self, head_dim: int) -> int:
+        """float16 parameters per row."""
+        if self.kind == "scale":
+            return 1
+        if self.kind == "affine4":
+            return 2 * (head_dim // int4_group(head_dim))
+        return 0
+
+    def bytes_per_row(self, head_dim: int) -> int:
+        """Bytes one (token, KV head) row takes, parameters included."""
+        return head_dim * self.bits // 8 + self.num_params(head_dim) * PARAM_DTYPE.itemsize
+
+    @property
+    def folds_scale(self) -> bool:
+        return self.kind == "scale"
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x `[..., head_dim]` float -> (data `[..., data_width]`, params `[..., num_params]` or None)."""
+        if self.kind == "float":
+            return x.to(self.storage_dtype), None
+        if self.kind == "scale":
+            scale = _to_params(x.abs().amax(dim=-1, keepdim=True) / self.qmax, _TINY)
+            scaled = x / scale.float()
+            if self.storage_dtype == torch.int8:
+                data = scaled.round_().clamp_(-self.qmax, self.qmax).to(torch.int8)
+            else:
+                data = scaled.clamp_(-self.qmax, self.qmax).to(self.storage_dtype)
+            return data, scale
+        return _encode_int4(x)
+
+    def decode(self, data: torch.Tensor, params: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """The inverse of `encode`, in `dtype`: `[..., data_width]` -> `[..., head_dim]`."""
+        if self.kind == "float":
+            return data.to(dtype)
+        if self.kind == "scale":
+            return data.to(dtype) * params.to(dtype)
+        return _decode_int4(data, params, dtype)
+
+
+def int4_group(head_dim: int) -> int:
+    return INT4_GROUP if head_dim % INT4_GROUP == 0 else head_dim
+
+
+def _encode_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    head_dim = x.shape[-1]
+    group = int4_group(head_dim)
+    grouped = x.float().reshape(*x.shape[:-1], head_dim // group, group)
+    low = _to_params(grouped.amin(dim=-1, keepdim=True), -_PARAM_MAX)
+    scale = _to_params((grouped.amax(dim=-1, keepdim=True) - low.float()) / 15, _TINY)
+    q = ((grouped - low.float()) / scale.float()).round_().clamp_(0, 15).to(torch.uint8)
+    q = q.reshape(*x.shape[:-1], head_dim)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)
+    params = torch.cat([scale, low], dim=-1).reshape(*x.shape[:-1], -1)  # [scale_g, min_g] per group
+    return packed, params
+
+
+def _decode_int4(data: torch.Tensor, params: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    head_dim = data.shape[-1] * 2
+    group = int4_group(head_dim)
+    q = torch.stack([data & 0x0F, data >> 4], dim=-1).reshape(*data.shape[:-1], head_dim // group, group)
+    scale_low = params.to(dtype).reshape(*data.shape[:-1], head_dim // group, 2)
+    values = q.to(dtype) * scale_low[..., :1] + scale_low[..., 1:]
+    return values.reshape(*data.shape[:-1], head_dim)
+
+
+def _float(name: str, dtype: torch.dtype) -> KVCodec:
+    return KVCodec(name, dtype, torch.finfo(dtype).bits, "float")
+
+
+CODECS: dict[str, KVCodec] = {
+    "float32": _float("float32", torch.float32),
+    "float16": _float("float16", torch.float16),
+    "bfloat16": _float("bfloat16", torch.bfloat16),
+    "int8": KVCodec("int8", torch.int8, 8, "scale", qmax=127.0),
+    "int4": KVCodec("int4", torch.uint8, 4, "affine4"),
+    "fp8_e4m3": KVCodec("fp8_e4m3", torch.float8_e4m3fn, 8, "scale", qmax=torch.finfo(torch.float8_e4m3fn).max),
+    "fp8_e5m2": KVCodec("fp8_e5m2", torch.float8_e5m2, 8, "scale", qmax=torch.finfo(torch.float8_e5m2).max),
+}
