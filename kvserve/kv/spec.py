@@ -19,15 +19,21 @@ _ALIASES = {"auto": "float32", "fp32": "float32", "fp16": "float16", "half": "fl
 
 
 def resolve_cache_dtype(name: str) -> str:
-    """Map a user-facing cache dtype name (`auto` included) to a canonical one."""
+    """Map a user-facing cache dtype (`auto` included) to a canonical one.
+
+    "K/V" gives keys and values different dtypes (llama.cpp's --cache-type-k /
+    --cache-type-v), e.g. "int8/int4": keys carry the attention pattern and
+    suffer more from coarse quantization than values.
+    """
+    if "/" in name:
+        k, _, v = name.partition("/")
+        k, v = resolve_cache_dtype(k), resolve_cache_dtype(v)
+        return k if k == v else f"{k}/{v}"
     resolved = _ALIASES.get(name, name)
     if resolved not in CODECS:
-        raise InvalidRequestError(f"unsupported KV cache dtype {name!r}; choose one of: auto, {', '.join(CODECS)}")
+        raise InvalidRequestError(f"unsupported KV cache dtype {name!r}; choose one of: auto, {', '.join(CODECS)} "
+                                  f"(or K/V, e.g. int8/int4)")
     return resolved
-
-
-def cache_codec(name: str) -> KVCodec:
-    return CODECS[resolve_cache_dtype(name)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,34 +43,38 @@ class KVSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str
+    dtype: str  # canonical: "int8", or "int8/int4" for different K and V dtypes
 
     @property
-    def codec(self) -> KVCodec:
-        return CODECS[self.dtype]
+    def k_codec(self) -> KVCodec:
+        return CODECS[self.dtype.partition("/")[0]]
 
     @property
-    def bytes_per_row(self) -> int:
-        """One token's K (or V) for one KV head: elements plus quantization parameters."""
-        return self.codec.bytes_per_row(self.head_dim)
+    def v_codec(self) -> KVCodec:
+        return CODECS[self.dtype.partition("/")[2] or self.dtype]
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        # 2 = one K row and one V row per KV head.
-        return 2 * self.num_kv_heads * self.bytes_per_row
+        # One K row and one V row per KV head: elements plus quantization parameters.
+        return self.num_kv_heads * (self.k_codec.bytes_per_row(self.head_dim)
+                                    + self.v_codec.bytes_per_row(self.head_dim))
 
     @property
     def bytes_per_token(self) -> int:
         return self.num_layers * self.bytes_per_token_per_layer
 
     def formula(self) -> str:
-        """The factors, e.g. '2 x 30 layers x 3 KV heads x (64 x 1 B + 2 B scale) = 12,240 bytes/token'."""
-        codec = self.codec
-        element = f"{self.head_dim} x {codec.bits / 8:g} B"
-        params = codec.num_params(self.head_dim)
-        row = f"({element} + {params * PARAM_DTYPE.itemsize} B {'scale' if params == 1 else 'scales/mins'})" if params \
-            else element
-        return (f"2 (K, V) x {self.num_layers} layers x {self.num_kv_heads} KV heads x {row} "
+        """The factors, e.g. '2 (K, V) x 30 layers x 3 KV heads x (64 x 1 B + 2 B scale) = 11,880 bytes/token'."""
+        def row(codec: KVCodec) -> str:
+            element = f"{self.head_dim} x {codec.bits / 8:g} B"
+            params = codec.num_params(self.head_dim)
+            if not params:
+                return element
+            return f"({element} + {params * PARAM_DTYPE.itemsize} B {'scale' if params == 1 else 'scales/mins'})"
+
+        k_row, v_row = row(self.k_codec), row(self.v_codec)
+        layout = f"2 (K, V) x {k_row}" if k_row == v_row else f"(K {k_row} + V {v_row})"
+        return (f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {layout} "
                 f"= {self.bytes_per_token:,} bytes/token")
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.kv.quant import PARAM_DTYPE
+from kvserve.kv.quant import PARAM_DTYPE, KVCodec
 from kvserve.kv.spec import KVSpec
 
 
@@ -39,28 +39,56 @@ class GatheredKV:
     v_scale: torch.Tensor | None = None
 
 
+class _PagedSide:
+    """One side of the pool (K or V): per layer, elements `[num_blocks, KVH, block_size, width]` and
+    parameters `[num_blocks, KVH, block_size, num_params]` (absent for float codecs)."""
+
+    def __init__(self, codec: KVCodec, spec: KVSpec, num_blocks: int, block_size: int) -> None:
+        self.codec = codec
+        # fp8 is held as raw bytes: CPU torch has no index_copy_/index_select for
+        # float8 types, and the bits are the same either way.
+        self.raw_fp8 = codec.storage_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        container = torch.uint8 if self.raw_fp8 else codec.storage_dtype
+        shape = (num_blocks, spec.num_kv_heads, block_size, codec.data_width(spec.head_dim))
+        self.data = [torch.empty(shape, dtype=container) for _ in range(spec.num_layers)]
+        num_params = codec.num_params(spec.head_dim)
+        params_shape = (num_blocks, spec.num_kv_heads, block_size, num_params)
+        self.params = [torch.empty(params_shape, dtype=PARAM_DTYPE) for _ in range(spec.num_layers)] \
+            if num_params else []
+
+    def write(self, layer: int, slot_indices: torch.Tensor, x: torch.Tensor) -> None:
+        data, params = self.codec.encode(x)
+        if self.raw_fp8:
+            data = data.view(torch.uint8)
+        # index_copy_ into a flat view: several times cheaper than advanced-index assignment.
+        self.data[layer].view(-1, data.shape[-1]).index_copy_(0, slot_indices, data)
+        if params is not None:
+            self.params[layer].view(-1, params.shape[-1]).index_copy_(0, slot_indices, params)
+
+    def read(self, layer: int, block_ids: torch.Tensor, dtype: torch.dtype,
+             fold_scales: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        data = self.data[layer].index_select(0, block_ids)  # index_select: 3x faster than []
+        if self.raw_fp8:
+            data = data.view(self.codec.storage_dtype)
+        if not self.params:
+            return data.to(dtype), None
+        params = self.params[layer].index_select(0, block_ids)
+        if fold_scales and self.codec.folds_scale:
+            return data.to(dtype), params[..., 0].to(dtype)
+        return self.codec.decode(data, params, dtype), None
+
+
 class PagedKVCache:
     ZERO_CHUNK_BLOCKS = 64
 
     def __init__(self, spec: KVSpec, num_blocks: int, block_size: int) -> None:
         self.spec = spec
-        self.codec = codec = spec.codec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        data_shape = (num_blocks, spec.num_kv_heads, block_size, codec.data_width(spec.head_dim))
-        # fp8 is held as raw bytes: CPU torch has no index_copy_/index_select for
-        # float8 types, and the bits are the same either way.
-        self._raw_fp8 = codec.storage_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        container = torch.uint8 if self._raw_fp8 else codec.storage_dtype
-        self.k = [torch.empty(data_shape, dtype=container) for _ in range(spec.num_layers)]
-        self.v = [torch.empty(data_shape, dtype=container) for _ in range(spec.num_layers)]
-        # Quantization parameters live beside their blocks, indexed by the same block id.
-        num_params = codec.num_params(spec.head_dim)
-        params_shape = (num_blocks, spec.num_kv_heads, block_size, num_params)
-        self.k_params = [torch.empty(params_shape, dtype=PARAM_DTYPE) for _ in range(spec.num_layers)] \
-            if num_params else []
-        self.v_params = [torch.empty(params_shape, dtype=PARAM_DTYPE) for _ in range(spec.num_layers)] \
-            if num_params else []
+        self.keys = _PagedSide(spec.k_codec, spec, num_blocks, block_size)
+        self.values = _PagedSide(spec.v_codec, spec, num_blocks, block_size)
+        self.k, self.v = self.keys.data, self.values.data
+        self.k_params, self.v_params = self.keys.params, self.values.params
         # Blocks [0, _zeroed_upto) have been zeroed. A fresh pool hands blocks
         # out in id order, so zeroing up to a high-water mark in contiguous
         # chunks costs one memset per chunk instead of per-block scatters.
@@ -94,26 +122,11 @@ class PagedKVCache:
     def write(self, layer: int, slot_indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store (encode) new tokens' K/V `[T, num_kv_heads, head_dim]` at their slots (see `slot_indices`)."""
         head_dim = self.spec.head_dim
-        for cache, params, x in ((self.k, self.k_params, k), (self.v, self.v_params, v)):
-            data, row_params = self.codec.encode(x.reshape(-1, head_dim))
-            if self._raw_fp8:
-                data = data.view(torch.uint8)
-            flat = cache[layer].view(-1, data.shape[-1])
-            # index_copy_ into a flat view: several times cheaper than advanced-index assignment.
-            flat.index_copy_(0, slot_indices, data)
-            if row_params is not None:
-                params[layer].view(-1, row_params.shape[-1]).index_copy_(0, slot_indices, row_params)
+        self.keys.write(layer, slot_indices, k.reshape(-1, head_dim))
+        self.values.write(layer, slot_indices, v.reshape(-1, head_dim))
 
     def gather(self, layer: int, block_ids: torch.Tensor, dtype: torch.dtype, fold_scales: bool = False) -> GatheredKV:
-        """Blocks `block_ids` of `layer` in `dtype`; scales left to the caller when `fold_scales` and the codec has them."""
-        k = self.k[layer].index_select(0, block_ids)  # index_select: 3x faster than []
-        v = self.v[layer].index_select(0, block_ids)
-        if self._raw_fp8:
-            k, v = k.view(self.codec.storage_dtype), v.view(self.codec.storage_dtype)
-        if not self.k_params:
-            return GatheredKV(k.to(dtype), v.to(dtype))
-        k_params = self.k_params[layer].index_select(0, block_ids)
-        v_params = self.v_params[layer].index_select(0, block_ids)
-        if fold_scales and self.codec.folds_scale:
-            return GatheredKV(k.to(dtype), v.to(dtype), k_params[..., 0].to(dtype), v_params[..., 0].to(dtype))
-        return GatheredKV(self.codec.decode(k, k_params, dtype), self.codec.decode(v, v_params, dtype))
+        """Blocks `block_ids` of `layer` in `dtype`; with `fold_scales`, per-row scales are left to the caller."""
+        k, k_scale = self.keys.read(layer, block_ids, dtype, fold_scales)
+        v, v_scale = self.values.read(layer, block_ids, dtype, fold_scales)
+        return GatheredKV(k, v, k_scale, v_scale)

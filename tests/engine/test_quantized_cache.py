@@ -12,7 +12,7 @@ from kvserve.kv.spec import kv_bytes_per_token
 from tests.engine.test_engine import make_engine, run_all, workload
 from tests.engine.test_prefix_caching import finish, shared_prompts
 
-DTYPES = ["float16", "bfloat16", "int8", "int4", "fp8_e4m3", "fp8_e5m2"]
+DTYPES = ["float16", "bfloat16", "int8", "int4", "fp8_e4m3", "fp8_e5m2", "int8/int4"]
 
 
 @pytest.fixture(scope="module")

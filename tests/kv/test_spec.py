@@ -28,8 +28,10 @@ def test_quantized_rows_count_their_parameters():
     rows = 2 * 30 * 3
     assert kv_bytes_per_token(smol, "int8") == rows * (64 + 2)  # int8 elements + one fp16 scale
     assert kv_bytes_per_token(smol, "fp8_e4m3") == rows * (64 + 2)
-    assert kv_bytes_per_token(smol, "int4") == rows * (32 + 2 * 2 * 2)  # packed nibbles + (scale, min) x 2 groups
-    assert "(64 x 1 B + 2 B scale)" in kv_spec(smol, "int8").formula()
+    assert kv_bytes_per_token(smol, "int4") == rows * (32 + 4 * 2 * 2)  # packed nibbles + (scale, min) x 4 groups
+    assert kv_bytes_per_token(smol, "int8/int4") == 30 * 3 * ((64 + 2) + (32 + 16))  # keys int8, values int4
+    assert kv_spec(smol, "int8").formula() == "30 layers x 3 KV heads x 2 (K, V) x (64 x 1 B + 2 B scale) = 11,880 bytes/token"
+    assert "(K (64 x 1 B + 2 B scale) + V (64 x 0.5 B + 16 B scales/mins))" in kv_spec(smol, "int8/int4").formula()
 
 
 def test_unknown_dtype_is_rejected():
@@ -37,7 +39,8 @@ def test_unknown_dtype_is_rejected():
         kv_spec(_config(), "int3")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "int4", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "int4", "fp8_e4m3", "fp8_e5m2",
+                                   "int8/int4", "float16/fp8_e5m2"])
 def test_paged_pool_allocates_what_the_spec_says(dtype):
     config = _config(num_layers=2, num_kv_heads=2, head_dim=16, num_heads=4, hidden_size=64)
     cache = PagedKVCache(kv_spec(config, dtype), num_blocks=5, block_size=4)

@@ -1,0 +1,158 @@
+"""What each KV-cache dtype costs in accuracy, on real English text, through the public API.
+
+Text: the prose paragraphs of the Python Language Reference that ship with
+every CPython as `pydoc_data.topics` (PSF License; code samples and grammar
+lines dropped), cut into windows of --window tokens.
+
+For each cache dtype, each window is run once with `prompt_logprobs` and
+prefill chunks of --chunk tokens, so every chunk attends over keys and values
+read back from the (quantized) cache:
+- perplexity of the text, and its change against the float32 cache;
+- mean KL(float32 || dtype) of the next-token distributions over the full
+  vocabulary, and how often the top-1 token agrees with float32's;
+- greedy agreement length: on a few chat prompts, how many of 64 greedy
+  tokens match the float32 cache's before the first difference.
+
+    .venv/bin/python bench/kv_quant_accuracy.py [--dtypes int8 int4 ...] [--windows 2] [--window 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from workloads import save  # noqa: E402
+
+import kvserve.engine.runner as runner_module  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
+
+DTYPES = ["float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"]
+CHAT_PROMPTS = [
+    "Explain why the sky is blue in three sentences.",
+    "Write a short poem about a lighthouse keeper.",
+    "What are the main differences between a list and a tuple in Python?",
+    "Give me a recipe for a simple tomato soup.",
+]
+
+
+def english_text() -> str:
+    """Prose paragraphs of the Python reference (no code, no grammar), in a fixed order."""
+    from pydoc_data.topics import topics
+
+    paragraphs = []
+    for name in sorted(topics):
+        for block in topics[name].split("\n\n"):
+            lines = block.splitlines()
+            if not lines or any(line.startswith((" ", "\t", "*", "=", "-", ">>>")) for line in lines):
+                continue
+            text = " ".join(line.strip() for line in lines)
+            if len(text.split()) >= 20:
+                paragraphs.append(text)
+    return "\n\n".join(paragraphs)
+
+
+class LogitsRecorder:
+    """Collects the full next-token logits the runner scores prompt tokens with (for KL / top-1)."""
+
+    def __init__(self) -> None:
+        self.rows: list[torch.Tensor] = []
+        self._original = runner_module.token_logprobs
+
+    def __enter__(self) -> "LogitsRecorder":
+        def recording(logits, targets, top_k):
+            self.rows.append(logits.float().log_softmax(-1))
+            return self._original(logits, targets, top_k)
+
+        runner_module.token_logprobs = recording
+        return self
+
+    def __exit__(self, *exc) -> None:
+        runner_module.token_logprobs = self._original
+
+    def take(self) -> torch.Tensor:
+        rows, self.rows = self.rows, []
+        return torch.cat(rows)
+
+
+def score(llm: LLM, windows: list[list[int]]) -> tuple[float, torch.Tensor]:
+    """(mean negative log-likelihood per token, log-probabilities [tokens, vocab])."""
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    nll, count, logprobs = 0.0, 0, []
+    with LogitsRecorder() as recorder:
+        for window in windows:  # one at a time: the recorder's rows stay in order
+            output = llm.generate([window], params, use_tqdm=False)[0]
+            values = [entry.logprob for entry in output.prompt_logprobs[1:]]
+            nll -= sum(values)
+            count += len(values)
+            logprobs.append(recorder.take())
+    return nll / count, torch.cat(logprobs)
+
+
+def greedy_chats(llm: LLM) -> list[list[int]]:
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def agreement_length(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=DTYPES)
+    parser.add_argument("--windows", type=int, default=2, help="text windows scored")
+    parser.add_argument("--window", type=int, default=1024, help="tokens per window")
+    parser.add_argument("--chunk", type=int, default=256, help="prefill chunk (max_num_batched_tokens)")
+    args = parser.parse_args()
+    dtypes = ["float32"] + [d for d in args.dtypes if d != "float32"]
+
+    reference_llm = LLM(kv_cache_dtype="float32", kv_cache_memory="1GiB", max_num_batched_tokens=args.chunk)
+    tokens = reference_llm.get_tokenizer().encode(english_text())
+    needed = args.windows * args.window
+    if len(tokens) < needed:
+        raise SystemExit(f"only {len(tokens)} tokens of text; lower --windows or --window")
+    windows = [tokens[i * args.window : (i + 1) * args.window] for i in range(args.windows)]
+    print(f"text: {needed} tokens of Python Language Reference prose in {args.windows} windows of {args.window}; "
+          f"prefill chunks of {args.chunk}", flush=True)
+
+    rows, reference, reference_chats = [], None, None
+    for dtype in dtypes:
+        llm = reference_llm if dtype == "float32" else LLM(
+            kv_cache_dtype=dtype, kv_cache_memory="1GiB", max_num_batched_tokens=args.chunk)
+        nll, logprobs = score(llm, windows)
+        chats = greedy_chats(llm)
+        if dtype == "float32":
+            reference, reference_chats = logprobs, chats
+        kl = (reference.exp() * (reference - logprobs)).sum(-1)  # KL(float32 || dtype) per position
+        top1 = (reference.argmax(-1) == logprobs.argmax(-1)).float().mean().item()
+        lengths = [agreement_length(r, c) for r, c in zip(reference_chats, chats)]
+        row = {
+            "dtype": dtype, "bytes_per_token": llm.engine.kv_spec.bytes_per_token, "perplexity": math.exp(nll),
+            "mean_kl": kl.mean().item(), "top1_agreement": top1, "greedy_agreement": lengths,
+        }
+        row["perplexity_change_pct"] = 100 * (row["perplexity"] / rows[0]["perplexity"] - 1) if rows else 0.0
+        rows.append(row)
+        print(f"{dtype:>9}: {row['bytes_per_token']:>6,} B/token  ppl {row['perplexity']:.4f} "
+              f"({row['perplexity_change_pct']:+.3f}%)  KL {row['mean_kl']:.2e}  top-1 {100 * top1:.2f}%  "
+              f"greedy agreement {lengths} of 64", flush=True)
+        if llm is not reference_llm:
+            del llm
+
+    print("\n| dtype | bytes/token | perplexity | vs float32 | mean KL | top-1 agree | greedy agreement (of 64) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['dtype']} | {r['bytes_per_token']:,} | {r['perplexity']:.4f} | {r['perplexity_change_pct']:+.3f}% "
+              f"| {r['mean_kl']:.2e} | {100 * r['top1_agreement']:.2f}% | {', '.join(map(str, r['greedy_agreement']))} |")
+    path = save("kv_quant_accuracy", {"tokens": needed, "window": args.window, "chunk": args.chunk, "rows": rows})
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
