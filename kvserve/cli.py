@@ -83,6 +83,33 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="requests allowed to wait for a batch slot; beyond that new ones get 429 (default 256)")
     serve.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
     add_engine_args(serve)
+
+    memory = commands.add_parser(
+        "memory", help="plan memory: KV bytes per token, per request, per batch; weights; what fits",
+        description="Size the KV cache before serving: the engine's own bytes-per-token formula, "
+                    "weights and overhead, and (with --memory) how many requests or how much context fit.")
+    memory.add_argument("model", nargs="?", default=None,
+                        help="a known model name (see --list), a .gguf file or a Hugging Face directory; "
+                             "or describe one with --layers/--kv-heads/--head-dim")
+    memory.add_argument("--list", action="store_true", help="list the known models and their shapes")
+    memory.add_argument("--layers", type=int, help="custom shape: decoder layers")
+    memory.add_argument("--kv-heads", type=int, help="custom shape: KV heads")
+    memory.add_argument("--head-dim", type=int, help="custom shape: head dimension")
+    memory.add_argument("--heads", type=int, help="custom shape: query heads (default: --kv-heads)")
+    memory.add_argument("--params", type=float, help="parameter count, e.g. 7e9 (default: from the shape)")
+    memory.add_argument("--context", type=int, default=None, help="tokens per request (default: the model's context)")
+    memory.add_argument("--batch", type=int, default=1, help="concurrent requests (default 1)")
+    memory.add_argument("--kv-dtype", default="float16",
+                        help="KV cache dtype (default float16): float32, float16, bfloat16, int8, int4, fp8_e4m3, "
+                             "fp8_e5m2, or K/V such as int8/int4")
+    memory.add_argument("--weights-dtype", default="float16",
+                        help="bytes per weight: float32, float16, bfloat16, int8, q8_0, q4_0, q4_k (default float16; "
+                             "kvserve itself holds float32 weights on CPU)")
+    memory.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
+    memory.add_argument("--memory", default=None, help="device memory to plan for, e.g. 80GiB")
+    memory.add_argument("--overhead", type=float, default=0.1,
+                        help="activations and runtime, as a fraction of weights + KV (default 0.1)")
+    memory.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return parser
 
 
@@ -183,6 +210,34 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _memory(args: argparse.Namespace) -> int:
+    import json
+
+    from kvserve.config import parse_memory
+    from kvserve.model.catalog import KNOWN_MODELS
+    from kvserve.planner import describe, plan, resolve_model
+
+    if args.list:
+        print(f"{'model':<15} {'layers':>6} {'heads':>5} {'KV heads':>8} {'head_dim':>8} {'attention':>9} {'context':>8}")
+        for name, c in KNOWN_MODELS.items():
+            print(f"{name:<15} {c.num_layers:>6} {c.num_heads:>5} {c.num_kv_heads:>8} {c.head_dim:>8} "
+                  f"{c.attention_kind:>9} {c.max_position_embeddings:>8,}")
+        return 0
+    name, config, num_params = resolve_model(args.model, args.layers, args.kv_heads, args.head_dim, args.heads,
+                                             args.params, args.context)
+    context = args.context or config.max_position_embeddings
+    if not context:
+        raise KVServeError("--context is required for a custom shape")
+    try:
+        memory = parse_memory(args.memory) if args.memory is not None else None
+    except ValueError as exc:
+        raise KVServeError(str(exc)) from None
+    result = plan(name, config, num_params, context, args.batch, args.kv_dtype, args.block_size, args.weights_dtype,
+                  memory, args.overhead)
+    print(json.dumps(result.to_json()) if args.json else describe(result))
+    return 0
+
+
 def _model_name(source: str) -> str:
     """'.../SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct'; a directory -> its name."""
     from pathlib import Path
@@ -202,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "memory":
+            return _memory(args)
     except KVServeError as exc:
         print(f"kvserve: error: {exc}", file=sys.stderr)
         return 2

@@ -95,7 +95,7 @@ def _config(meta: dict[str, Any], arch: str, vocab_rows: int) -> ModelConfig:
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        attention_bias=False,  # set by the loader from the tensors present
+        attention_bias=False,  # set by _open from the tensors present
         tie_word_embeddings=False,
     )
 
@@ -109,8 +109,8 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def load_gguf(path: str | Path) -> GGUFModel:
-    """Read a Llama-family GGUF file into fp32 torch weights named as in Hugging Face."""
+def _open(path: str | Path) -> tuple[GGUFFile, str, ModelConfig]:
+    """The file, its architecture, and the model's shape (from metadata and tensor names only)."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
@@ -125,8 +125,20 @@ def load_gguf(path: str | Path) -> GGUFModel:
     if "token_embd.weight" not in by_name:
         raise ModelLoadError(f"{path} has no token_embd.weight tensor")
     vocab_rows = int(by_name["token_embd.weight"].shape[0])
-    config = _config(meta, arch, vocab_rows)
+    config = replace(_config(meta, arch, vocab_rows), attention_bias="blk.0.attn_q.bias" in by_name,
+                     tie_word_embeddings="output.weight" not in by_name)
+    return file, arch, config
 
+
+def read_gguf_config(path: str | Path) -> ModelConfig:
+    """A GGUF model's shape without reading its weights (for memory planning)."""
+    return _open(path)[2]
+
+
+def load_gguf(path: str | Path) -> GGUFModel:
+    """Read a Llama-family GGUF file into fp32 torch weights named as in Hugging Face."""
+    file, arch, config = _open(path)
+    meta = file.metadata
     weights: dict[str, torch.Tensor] = {}
     tensor_types: dict[str, int] = {}
     rope_freqs: torch.Tensor | None = None
@@ -149,13 +161,9 @@ def load_gguf(path: str | Path) -> GGUFModel:
                 value = unpermute_qk(value, config.num_kv_heads)
         weights[hf_name] = value
 
-    changes: dict[str, Any] = {"attention_bias": "model.layers.0.self_attn.q_proj.bias" in weights}
-    if "lm_head.weight" not in weights:
-        changes["tie_word_embeddings"] = True
     if rope_freqs is not None:
         # llama.cpp stores Llama-3.1 style scaling as per-frequency divisors.
         weights["rope_freqs"] = rope_freqs.reshape(-1)
-    config = replace(config, **changes)
     tokenizer_metadata = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     return GGUFModel(config, weights, tokenizer_metadata, tensor_types)
 

@@ -1,0 +1,51 @@
+"""Shapes of popular models, for planning memory without their weights (`kvserve memory NAME`).
+
+Values from each model's published config.json. Only what sizing needs is
+meaningful here (layers, heads, KV heads, head_dim, hidden, intermediate,
+vocab, context); the rest are defaults.
+"""
+
+from __future__ import annotations
+
+from kvserve.config import ModelConfig
+
+
+def _shape(layers: int, heads: int, kv_heads: int, head_dim: int, hidden: int, intermediate: int, vocab: int,
+           context: int, tied: bool = False) -> ModelConfig:
+    return ModelConfig(
+        architecture="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+        num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=context, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied,
+    )
+
+
+KNOWN_MODELS: dict[str, ModelConfig] = {
+    "Llama-2-7B": _shape(32, 32, 32, 128, 4096, 11008, 32000, 4096),  # MHA
+    "Llama-2-13B": _shape(40, 40, 40, 128, 5120, 13824, 32000, 4096),
+    "Llama-3.1-8B": _shape(32, 32, 8, 128, 4096, 14336, 128256, 131072),
+    "Llama-3.1-70B": _shape(80, 64, 8, 128, 8192, 28672, 128256, 131072),
+    "Llama-3.2-1B": _shape(16, 32, 8, 64, 2048, 8192, 128256, 131072, tied=True),
+    "Mistral-7B": _shape(32, 32, 8, 128, 4096, 14336, 32768, 32768),  # v0.3
+    "Qwen2.5-7B": _shape(28, 28, 4, 128, 3584, 18944, 152064, 131072),
+    "Qwen2.5-0.5B": _shape(24, 14, 2, 64, 896, 4864, 151936, 32768, tied=True),
+    "SmolLM2-135M": _shape(30, 9, 3, 64, 576, 1536, 49152, 8192, tied=True),
+}
+
+
+def find_known_model(name: str) -> ModelConfig | None:
+    """Case-insensitive lookup by name."""
+    by_lower = {key.lower(): value for key, value in KNOWN_MODELS.items()}
+    return by_lower.get(name.lower())
+
+
+def num_parameters(config: ModelConfig) -> int:
+    """Weights of a Llama-family decoder from its shape (biases and norms included, rotary tables not)."""
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    attention = config.hidden_size * (q + 2 * kv) + q * config.hidden_size
+    if config.attention_bias:
+        attention += q + 2 * kv
+    mlp = 3 * config.hidden_size * config.intermediate_size
+    per_layer = attention + mlp + 2 * config.hidden_size  # two RMSNorm weights
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    return config.num_layers * per_layer + embeddings + config.hidden_size  # final norm

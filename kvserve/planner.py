@@ -1,0 +1,153 @@
+"""`kvserve memory`: the sizing formula as a tool.
+
+total = (weights + KV) x (1 + overhead), with
+KV per request = ceil(context / block_size) x block_size x bytes_per_token and
+bytes_per_token = layers x KV heads x (K row + V row), from `kv_spec`, the
+function the engine allocates its pool with. So the KV figures here are the
+bytes the engine would reserve for those requests, to the byte.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvserve.config import ModelConfig
+from kvserve.errors import InvalidRequestError
+from kvserve.kv.spec import KVSpec, kv_spec
+from kvserve.model.catalog import find_known_model, num_parameters
+
+WEIGHT_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "int8": 1.0, "q8_0": 34 / 32, "q4_0": 18 / 32,
+                "q4_k": 144 / 256}
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    context: int
+    batch: int
+    kv_dtype: str
+    block_size: int
+    bytes_per_token: int
+    formula: str
+    kv_bytes_per_request: int
+    kv_bytes_total: int
+    num_parameters: int
+    weights_dtype: str
+    weights_bytes: int
+    overhead_fraction: float
+    overhead_bytes: int
+    total_bytes: int
+    attention: str  # MHA / GQA / MQA
+    model_max_context: int
+    memory_bytes: int | None = None
+    max_concurrent_requests: int | None = None  # of `context` tokens, within `memory_bytes`
+    max_context_for_batch: int | None = None  # per request, for `batch` requests, within `memory_bytes`
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def resolve_model(model: str | None, layers: int | None = None, kv_heads: int | None = None,
+                  head_dim: int | None = None, heads: int | None = None, params: float | None = None,
+                  context: int | None = None) -> tuple[str, ModelConfig, int]:
+    """(name, shape, parameter count) from a known name, a GGUF file, an HF directory or custom flags."""
+    custom = (layers, kv_heads, head_dim)
+    if model is None:
+        if any(v is None for v in custom):
+            raise InvalidRequestError("give a model (known name, .gguf file or HF directory) "
+                                      "or all of --layers, --kv-heads and --head-dim")
+        heads = heads or kv_heads
+        config = ModelConfig(
+            architecture="custom", vocab_size=0, hidden_size=heads * head_dim, intermediate_size=0,
+            num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+            max_position_embeddings=context or 0, rms_norm_eps=1e-5, rope_theta=10000.0,
+        )
+        return "custom", config, int(params or 0)
+    config = find_known_model(model)
+    name = model
+    if config is None:
+        path = Path(model)
+        if path.is_dir():
+            from kvserve.model.checkpoint import read_config
+
+            config = read_config(path)
+        elif path.is_file():
+            from kvserve.model.gguf import read_gguf_config
+
+            config = read_gguf_config(path)
+        else:
+            from kvserve.model.catalog import KNOWN_MODELS
+
+            raise InvalidRequestError(f"unknown model {model!r}: not a known name ({', '.join(KNOWN_MODELS)}), "
+                                      f"a .gguf file or a Hugging Face directory")
+        name = path.name
+    return name, config, int(params) if params else num_parameters(config)
+
+
+def plan(name: str, config: ModelConfig, num_params: int, context: int, batch: int = 1, kv_dtype: str = "auto",
+         block_size: int = 16, weights_dtype: str = "float16", memory_bytes: int | None = None,
+         overhead_fraction: float = 0.1) -> MemoryPlan:
+    if context < 1 or batch < 1 or block_size < 1:
+        raise InvalidRequestError("context, batch and block size must be >= 1")
+    if weights_dtype not in WEIGHT_BYTES:
+        raise InvalidRequestError(f"unknown weights dtype {weights_dtype!r}; choose one of {', '.join(WEIGHT_BYTES)}")
+    if not 0 <= overhead_fraction < 10:
+        raise InvalidRequestError("overhead must be a fraction in [0, 10)")
+    spec = kv_spec(config, kv_dtype)
+    per_request = _kv_bytes(spec, context, block_size)
+    kv_total = batch * per_request
+    weights = math.ceil(num_params * WEIGHT_BYTES[weights_dtype])
+    overhead = math.ceil((weights + kv_total) * overhead_fraction)
+    result = MemoryPlan(
+        model=name, context=context, batch=batch, kv_dtype=spec.dtype, block_size=block_size,
+        bytes_per_token=spec.bytes_per_token, formula=spec.formula(), kv_bytes_per_request=per_request,
+        kv_bytes_total=kv_total, num_parameters=num_params, weights_dtype=weights_dtype, weights_bytes=weights,
+        overhead_fraction=overhead_fraction, overhead_bytes=overhead, total_bytes=weights + kv_total + overhead,
+        attention=config.attention_kind, model_max_context=config.max_position_embeddings,
+    )
+    if memory_bytes is not None:
+        # (weights + kv) x (1 + overhead) <= memory  ->  kv <= memory / (1 + overhead) - weights
+        kv_room = max(int(memory_bytes / (1 + overhead_fraction)) - weights, 0)
+        block_bytes = block_size * spec.bytes_per_token
+        result.memory_bytes = memory_bytes
+        result.max_concurrent_requests = kv_room // per_request
+        result.max_context_for_batch = kv_room // batch // block_bytes * block_size
+    return result
+
+
+def _kv_bytes(spec: KVSpec, tokens: int, block_size: int) -> int:
+    """What the engine reserves for `tokens` tokens: whole blocks."""
+    return -(-tokens // block_size) * block_size * spec.bytes_per_token
+
+
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:,.2f} {unit}"
+    return f"{num_bytes:,.0f} B"
+
+
+def describe(p: MemoryPlan) -> str:
+    lines = [
+        f"model: {p.model} ({p.attention}; {p.num_parameters / 1e9:.2f}B parameters; "
+        f"context up to {p.model_max_context:,} tokens)",
+        f"KV bytes per token ({p.kv_dtype}): {p.formula}",
+        f"KV per request ({p.context:,} tokens, blocks of {p.block_size}): {_size(p.kv_bytes_per_request)} "
+        f"({p.kv_bytes_per_request:,} bytes)",
+        f"KV for the batch ({p.batch} x): {_size(p.kv_bytes_total)} ({p.kv_bytes_total:,} bytes)",
+        f"weights ({p.weights_dtype}): {_size(p.weights_bytes)}",
+        f"overhead ({100 * p.overhead_fraction:g}% of weights + KV): {_size(p.overhead_bytes)}",
+        f"total: {_size(p.total_bytes)}",
+    ]
+    if p.model_max_context and p.context > p.model_max_context:
+        lines.append(f"note: {p.context:,} tokens is beyond the model's context of {p.model_max_context:,}")
+    if p.memory_bytes is not None:
+        fits = "fits" if p.total_bytes <= p.memory_bytes else "does NOT fit"
+        lines += [
+            f"in {_size(p.memory_bytes)}: this plan {fits}; KV room {_size(max(p.memory_bytes / (1 + p.overhead_fraction) - p.weights_bytes, 0))}",
+            f"  concurrent requests of {p.context:,} tokens: {p.max_concurrent_requests:,}",
+            f"  largest context for {p.batch} concurrent request(s): {p.max_context_for_batch:,} tokens",
+        ]
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""`kvserve memory`: the seeds' worked figures, and agreement with the engine's allocator to the byte."""
+
+import json
+
+import pytest
+
+from kvserve.cli import main
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.model.catalog import KNOWN_MODELS, num_parameters
+from kvserve.planner import plan, resolve_model
+
+GiB, MiB = 2**30, 2**20
+DTYPES = ["float32", "float16", "bfloat16", "int8", "int4", "fp8_e4m3", "fp8_e5m2", "int8/int4"]
+
+
+def test_seed_figures_gqa_8b_at_128k():
+    name, config, params = resolve_model("Llama-3.1-8B")
+    result = plan(name, config, params, context=128 * 1024, kv_dtype="float16")
+    assert result.bytes_per_token == 32 * 8 * 128 * 2 * 2 == 131_072
+    assert result.kv_bytes_per_request == 16 * GiB
+
+
+def test_seed_figures_7b_mha_hundred_requests_of_1k():
+    name, config, params = resolve_model(None, layers=32, kv_heads=32, head_dim=128, params=7e9, context=1024)
+    result = plan(name, config, params, context=1024, batch=100, kv_dtype="float16")
+    assert result.bytes_per_token == 512 * 1024  # 0.5 MiB per token
+    assert result.kv_bytes_total == 50 * GiB
+    assert result.weights_bytes == 14e9
+
+
+def test_known_models_have_their_published_sizes():
+    billions = {name: num_parameters(config) / 1e9 for name, config in KNOWN_MODELS.items()}
+    assert billions["Llama-2-7B"] == pytest.approx(6.74, abs=0.01)
+    assert billions["Llama-3.1-8B"] == pytest.approx(8.03, abs=0.01)
+    assert billions["Llama-3.1-70B"] == pytest.approx(70.55, abs=0.05)
+    assert billions["Mistral-7B"] == pytest.approx(7.25, abs=0.01)
+    assert billions["SmolLM2-135M"] == pytest.approx(0.1345, abs=0.0005)
+    assert KNOWN_MODELS["Llama-2-7B"].attention_kind == "MHA" and KNOWN_MODELS["Qwen2.5-7B"].num_kv_heads == 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_planner_and_allocator_agree_to_the_byte(tiny_models, dtype):
+    loaded = tiny_models("llama-gqa")
+    name, config, params = resolve_model(loaded.source)  # read back from the checkpoint directory
+    assert config == loaded.config
+    result = plan(name, config, params, context=37, batch=3, kv_dtype=dtype, block_size=16)
+    engine = Engine(EngineConfig(kv_cache_memory=result.kv_bytes_total, kv_cache_dtype=dtype, block_size=16),
+                    loaded=loaded)
+    assert engine.kv_spec.bytes_per_token == result.bytes_per_token
+    assert engine.kv_cache.bytes_allocated == result.kv_bytes_total
+    assert engine.kv_manager.num_blocks == 3 * 3  # ceil(37 / 16) blocks for each of the three requests
+
+
+def test_what_fits_in_a_memory_budget():
+    name, config, params = resolve_model("Llama-3.1-70B")
+    budget = 160 * GiB
+    result = plan(name, config, params, context=8192, batch=16, kv_dtype="int8", memory_bytes=budget)
+    n = result.max_concurrent_requests
+    fits = plan(name, config, params, context=8192, batch=n, kv_dtype="int8")
+    too_many = plan(name, config, params, context=8192, batch=n + 1, kv_dtype="int8")
+    assert fits.total_bytes <= budget < too_many.total_bytes
+    longest = plan(name, config, params, context=result.max_context_for_batch, batch=16, kv_dtype="int8")
+    assert longest.total_bytes <= budget
+    assert plan(name, config, params, context=result.max_context_for_batch + 16, batch=16,
+                kv_dtype="int8").total_bytes > budget
+
+
+def test_gguf_shape_is_read_without_the_weights(embedded):
+    name, config, params = resolve_model(embedded.source)
+    assert config == embedded.config and params == embedded.model.num_parameters()
+
+
+def test_cli_json_and_errors(capsys):
+    assert main(["memory", "SmolLM2-135M", "--context", "4096", "--batch", "8", "--kv-dtype", "int8", "--json",
+                 "--memory", "2GiB"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bytes_per_token"] == 30 * 3 * 2 * (64 + 2)
+    assert out["kv_bytes_per_request"] == 4096 * out["bytes_per_token"]
+    assert out["kv_bytes_total"] == 8 * out["kv_bytes_per_request"]
+    assert out["max_concurrent_requests"] > 8
+    assert main(["memory", "no-such-model"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+    assert main(["memory", "--layers", "4"]) == 2
+    assert main(["memory", "SmolLM2-135M", "--kv-dtype", "int3"]) == 2
