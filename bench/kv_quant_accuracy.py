@@ -13,25 +13,21 @@ read back from the (quantized) cache:
 - greedy agreement length: on a few chat prompts, how many of 64 greedy
   tokens match the float32 cache's before the first difference.
 
-    .venv/bin/python bench/kv_quant_accuracy.py [--dtypes int8 int4 ...] [--windows 2] [--window 1024]
+    .venv/bin/python bench/kv_quant_accuracy.py [--dtypes int8 int4 ...] [--windows 3] [--window 1024]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from workloads import save  # noqa: E402
+import kvserve.engine.runner as runner_module
+from kvserve import LLM, SamplingParams
+from workloads import save
 
-import kvserve.engine.runner as runner_module  # noqa: E402
-from kvserve import LLM, SamplingParams  # noqa: E402
-
-DTYPES = ["float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"]
+DTYPES = ["float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "int8/int4"]
 CHAT_PROMPTS = [
     "Explain why the sky is blue in three sentences.",
     "Write a short poem about a lighthouse keeper.",
@@ -107,7 +103,7 @@ def agreement_length(a: list[int], b: list[int]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=DTYPES)
-    parser.add_argument("--windows", type=int, default=2, help="text windows scored")
+    parser.add_argument("--windows", type=int, default=3, help="text windows scored")
     parser.add_argument("--window", type=int, default=1024, help="tokens per window")
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk (max_num_batched_tokens)")
     args = parser.parse_args()

@@ -25,8 +25,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from workloads import greedy, random_prompts, run_engine, save  # noqa: E402
+from workloads import greedy, random_prompts, run_engine, save
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -205,16 +205,35 @@ def split_kv_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale
 
 
 def union_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale: float) -> torch.Tensor:
-    """q `[B, H, D]` -> `[B, H * D]`: one SDPA over the union of the requests' blocks (`kv`), each read once."""
+    """q `[B, H, D]` -> `[B, H * D]`: attention over the union of the requests' blocks (`kv`), each read once.
+
+    Float blocks go through SDPA. Blocks with per-row scales (int8/fp8) use the
+    same math written out, with the scales folded into the scores and the
+    probabilities rather than multiplied into every element of K and V.
+    """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv.k.shape[1]
     keys = kv.k.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
     values = kv.v.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=meta.union_mask,
-        scale=scale, enable_gqa=num_heads != num_kv_heads,
-    )  # [1, H, B, D]
-    return out[0].transpose(0, 1).reshape(num_seqs, num_heads * head_dim)
+    if kv.k_scale is None and kv.v_scale is None:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=meta.union_mask,
+            scale=scale, enable_gqa=num_heads != num_kv_heads,
+        )  # [1, H, B, D]
+        return out[0].transpose(0, 1).reshape(num_seqs, num_heads * head_dim)
+    group = num_heads // num_kv_heads
+    # Rows ordered (head in group, request): [KVH, G * B, D]
+    queries = q.view(num_seqs, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_dim)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)  # [KVH, G * B, U * bs]
+    if kv.k_scale is not None:
+        scores.mul_(kv.k_scale.transpose(0, 1).reshape(num_kv_heads, 1, -1))
+    mask = meta.union_mask.repeat(group, 1)  # [G * B, U * bs], same row order
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if kv.v_scale is not None:
+        probs.mul_(kv.v_scale.transpose(0, 1).reshape(num_kv_heads, 1, -1))
+    out = torch.matmul(probs, values)  # [KVH, G * B, D]
+    return out.view(num_kv_heads, group, num_seqs, head_dim).permute(2, 0, 1, 3).reshape(num_seqs, -1)
 
 
 class PagedKVContext:
@@ -236,7 +255,7 @@ class PagedKVContext:
         if meta.decode is not None:
             queries = q[: meta.num_decode_tokens]
             if meta.decode.union_block_ids is not None:
-                kv = cache.gather(layer, meta.decode.union_block_ids, q.dtype)
+                kv = cache.gather(layer, meta.decode.union_block_ids, q.dtype, fold_scales=True)
                 outputs.append(union_decode(queries, kv, meta.decode, scale))
             else:
                 kv = cache.gather(layer, meta.decode.block_ids, q.dtype, fold_scales=True)

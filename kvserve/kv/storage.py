@@ -74,7 +74,7 @@ class _PagedSide:
             return data.to(dtype), None
         params = self.params[layer].index_select(0, block_ids)
         if fold_scales and self.codec.folds_scale:
-            return data.to(dtype), params[..., 0].to(dtype)
+            return self.codec.elements(data, dtype), params[..., 0].to(dtype)
         return self.codec.decode(data, params, dtype), None
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 
 # Strict numbers: "0.7" (a string) is a type error, as in OpenAI's API; ints are accepted as floats.
-Number = float | StrictInt
+Number = StrictFloat | StrictInt
 
 
 class StreamOptions(BaseModel):

@@ -8,7 +8,7 @@ from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import PagedKVCache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
-CACHE_DTYPES = ["float32", "float16", "bfloat16", "int8", "int4", "fp8_e4m3", "fp8_e5m2"]
+CACHE_DTYPES = ["float32", "float16", "bfloat16", "int8", "int4", "fp8_e4m3", "fp8_e5m2", "int8/int4"]
 
 
 def poison(cache: PagedKVCache) -> None:
@@ -17,10 +17,10 @@ def poison(cache: PagedKVCache) -> None:
         t.fill_(float("nan") if t.is_floating_point() else 0x7F)  # 0x7F: NaN as fp8 bytes
 
 
-def round_trip(cache: PagedKVCache, x: torch.Tensor) -> torch.Tensor:
-    """What the cache gives back for `x`: attention over these values is the reference."""
-    codec = cache.keys.codec  # K and V share the dtype in these tests
-    return codec.decode(*codec.encode(x), torch.float32)
+def stored(side, x: torch.Tensor) -> torch.Tensor:
+    """What one side of the cache (cache.keys / cache.values) gives back for `x`: attention over
+    these values is the reference."""
+    return side.codec.decode(*side.codec.encode(x), torch.float32)
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -54,7 +54,7 @@ def test_mixed_batch_matches_per_sequence_attention(window, cache_dtype):
 
     row = 0
     for (cached, new), k, v in zip(shapes, full_k, full_v):
-        k, v = round_trip(cache, k), round_trip(cache, v)
+        k, v = stored(cache.keys, k), stored(cache.values, v)
         expected = attend(q[row : row + new].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                           torch.arange(cached, cached + new), HEAD_DIM**-0.5, window)
         torch.testing.assert_close(out[row : row + new], expected, atol=1e-5, rtol=1e-5)
@@ -85,7 +85,7 @@ def test_initialize_blocks_zeroes_each_block_once():
 
 
 @pytest.mark.parametrize("window", [None, 6])
-@pytest.mark.parametrize("cache_dtype", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8", "int4", "fp8_e4m3", "int8/int4"])
 def test_decodes_sharing_a_prefix_use_the_union_and_match(window, cache_dtype):
     gen = torch.Generator().manual_seed(1)
     cache = PagedKVCache(KVSpec(1, KV_HEADS, HEAD_DIM, cache_dtype), num_blocks=40, block_size=BLOCK)
@@ -116,7 +116,7 @@ def test_decodes_sharing_a_prefix_use_the_union_and_match(window, cache_dtype):
     new_v = torch.stack([v[-1] for v in full_v])
     out = PagedKVContext(cache, meta).attend(0, q, new_k, new_v, HEAD_DIM**-0.5, window)
     for i, (k, v) in enumerate(zip(full_k, full_v)):
-        k, v = round_trip(cache, k), round_trip(cache, v)
+        k, v = stored(cache.keys, k), stored(cache.values, v)
         expected = attend(q[i : i + 1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                           torch.tensor([k.shape[0] - 1]), HEAD_DIM**-0.5, window)
         torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)

@@ -140,6 +140,8 @@ def assert_error(response, status, fragment):
     ({"messages": "hi"}, "messages"),
     ({"model": "x"}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "0.7"}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature must be >= 0"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
