@@ -1,8 +1,8 @@
 """The engine driven from asyncio: a step loop that never blocks the event loop.
 
 One task owns the Engine. Between steps it applies what handlers asked for
-(add, abort, inspect) in arrival order; each step itself runs on a dedicated
-worker thread (torch releases the GIL while it computes), so the event loop
+(add, abort, inspect) in arrival order; each step itself runs on the compute
+thread (torch releases the GIL while it computes), so the event loop
 keeps accepting connections and streaming tokens while the model runs. (Build
 the Engine on that same thread, `runtime.run_on_compute_thread`: see there why.)
 Because every engine call happens either in that task between steps or in the
@@ -106,6 +106,9 @@ class AsyncEngine:
         def add() -> None:
             try:
                 self.engine.add_request(prompt_token_ids, params, request_id, cache_salt, arrival_time=arrival)
+            except Exception:
+                self._streams.pop(request_id, None)  # even if nobody ever reads the stream
+                raise
             finally:
                 self.num_pending_adds -= 1
 

@@ -44,6 +44,18 @@ def test_chat_non_streaming_and_streaming_agree(client, model):
     assert not chunks[-1].choices and usage.completion_tokens == full.usage.completion_tokens
 
 
+def test_completions_streaming_matches_non_streaming(client, model):
+    kwargs = dict(model=model, prompt="The three primary colors are", max_tokens=12, temperature=0, logprobs=1)
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    pieces = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.text for p in pieces) == full.choices[0].text
+    assert [p.finish_reason for p in pieces if p.finish_reason] == [full.choices[0].finish_reason]
+    streamed_logprobs = [lp for p in pieces if p.logprobs for lp in p.logprobs.token_logprobs]
+    assert streamed_logprobs == pytest.approx(full.choices[0].logprobs.token_logprobs)
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
 def test_repeated_chat_reports_cached_prompt_tokens(client, model):
     messages = [{"role": "user", "content": "Explain in one sentence why the sky looks blue during the day, "
                                             "and mention the name of the scattering involved."}]
