@@ -32,9 +32,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+import kvserve.kv.quant as quant
 import kvserve.model.llama as llama_module
 from kvserve.kv.attention import attention_mask
-from kvserve.kv.quant import CODECS
 from kvserve.model.loader import load_model
 from kv_quant_accuracy import english_text
 from workloads import save
@@ -43,13 +43,13 @@ FakeQuant = Callable[[torch.Tensor], torch.Tensor]  # [KVH, L, D] -> same, as st
 
 
 def per_token(dtype: str, group: int | None = None) -> FakeQuant:
-    import kvserve.kv.quant as quant
+    """The engine's own codec; `group` overrides INT4_GROUP for the call (an experiment-only switch)."""
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         saved = quant.INT4_GROUP
         quant.INT4_GROUP = group or saved
         try:
-            codec = CODECS[dtype]
+            codec = quant.CODECS[dtype]
             return codec.decode(*codec.encode(x), torch.float32)
         finally:
             quant.INT4_GROUP = saved
