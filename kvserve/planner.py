@@ -16,7 +16,7 @@ from pathlib import Path
 from kvserve.config import ModelConfig
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.spec import KVSpec, kv_spec
-from kvserve.model.catalog import find_known_model, num_parameters
+from kvserve.model.catalog import KNOWN_MODELS, find_known_model, num_parameters
 
 WEIGHT_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "int8": 1.0, "q8_0": 34 / 32, "q4_0": 18 / 32,
                 "q4_k": 144 / 256}
@@ -42,6 +42,7 @@ class MemoryPlan:
     attention: str  # MHA / GQA / MQA
     model_max_context: int
     memory_bytes: int | None = None
+    kv_room_bytes: int | None = None  # what `memory_bytes` leaves for KV after weights and overhead
     max_concurrent_requests: int | None = None  # of `context` tokens, within `memory_bytes`
     max_context_for_batch: int | None = None  # per request, for `batch` requests, within `memory_bytes`
 
@@ -78,8 +79,6 @@ def resolve_model(model: str | None, layers: int | None = None, kv_heads: int | 
 
             config = read_gguf_config(path)
         else:
-            from kvserve.model.catalog import KNOWN_MODELS
-
             raise InvalidRequestError(f"unknown model {model!r}: not a known name ({', '.join(KNOWN_MODELS)}), "
                                       f"a .gguf file or a Hugging Face directory")
         name = path.name
@@ -112,6 +111,7 @@ def plan(name: str, config: ModelConfig, num_params: int, context: int, batch: i
         kv_room = max(int(memory_bytes / (1 + overhead_fraction)) - weights, 0)
         block_bytes = block_size * spec.bytes_per_token
         result.memory_bytes = memory_bytes
+        result.kv_room_bytes = kv_room
         result.max_concurrent_requests = kv_room // per_request
         result.max_context_for_batch = kv_room // batch // block_bytes * block_size
     return result
@@ -146,7 +146,7 @@ def describe(p: MemoryPlan) -> str:
     if p.memory_bytes is not None:
         fits = "fits" if p.total_bytes <= p.memory_bytes else "does NOT fit"
         lines += [
-            f"in {_size(p.memory_bytes)}: this plan {fits}; KV room {_size(max(p.memory_bytes / (1 + p.overhead_fraction) - p.weights_bytes, 0))}",
+            f"in {_size(p.memory_bytes)}: this plan {fits}; KV room {_size(p.kv_room_bytes)}",
             f"  concurrent requests of {p.context:,} tokens: {p.max_concurrent_requests:,}",
             f"  largest context for {p.batch} concurrent request(s): {p.max_context_for_batch:,} tokens",
         ]

@@ -57,7 +57,7 @@ class Engine:
             self.kv_spec.dtype, self.kv_cache.bytes_allocated / 2**20, "on" if self.prefix_caching else "off",
             "" if config.enable_kv_cache else "; KV cache DISABLED: every step recomputes every sequence",
         )
-        if self.kv_spec.dtype.startswith("fp8"):
+        if self.kv_spec.k_codec.is_fp8 or self.kv_spec.v_codec.is_fp8:
             log.warning("%s KV cache: this CPU has no fp8 arithmetic, so every read converts the gathered blocks "
                         "to float32 in software (works; int8 is as small and faster here)", self.kv_spec.dtype)
 

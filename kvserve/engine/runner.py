@@ -67,7 +67,7 @@ class ModelRunner:
         slices: list[SequenceSlice] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
-        prompt_rows: list[tuple[str, int, list[int]]] = []  # (request, first position, rows)
+        prompt_rows: list[tuple[str, int, int, int]] = []  # (request, first position, first row, rows)
         for item in out.scheduled:
             count = len(item.token_ids)
             first_row = len(input_ids)
@@ -82,24 +82,24 @@ class ModelRunner:
                 # Position p's logits score prompt token p + 1.
                 end = min(item.num_computed_tokens + count, len(prompt) - 1)
                 if end > item.num_computed_tokens:
-                    rows = list(range(first_row, first_row + end - item.num_computed_tokens))
-                    prompt_rows.append((item.request_id, item.num_computed_tokens, rows))
+                    prompt_rows.append((item.request_id, item.num_computed_tokens, first_row,
+                                        end - item.num_computed_tokens))
         metadata = build_attention_metadata(slices, self.kv_cache.block_size, self.model.config.sliding_window)
         self.kv_cache.initialize_blocks_through(max(max(item.block_ids) for item in out.scheduled))
-        logits_rows = sample_rows + [row for _, _, rows in prompt_rows for row in rows]
+        logits_rows = torch.cat([torch.tensor(sample_rows, dtype=torch.long)]
+                                + [torch.arange(row, row + count) for _, _, row, count in prompt_rows])
         logits = self.model(
-            torch.tensor(input_ids), torch.cat(positions), PagedKVContext(self.kv_cache, metadata),
-            torch.tensor(logits_rows, dtype=torch.long),
+            torch.tensor(input_ids), torch.cat(positions), PagedKVContext(self.kv_cache, metadata), logits_rows,
         )
         result = StepResult(tokens=self._sample(sample_ids, logits[: len(sample_rows)]))
         self._logprobs(result, sample_ids, logits[: len(sample_rows)])
         offset = len(sample_rows)
-        for request_id, first, rows in prompt_rows:
-            prompt = self._states[request_id].prompt_token_ids
-            targets = prompt[first + 1 : first + 1 + len(rows)]
+        for request_id, first, _, count in prompt_rows:
+            state = self._states[request_id]
+            targets = state.prompt_token_ids[first + 1 : first + 1 + count]
             result.prompt_logprobs[request_id] = (first + 1, token_logprobs(
-                logits[offset : offset + len(rows)], targets, self._states[request_id].params.prompt_logprobs))
-            offset += len(rows)
+                logits[offset : offset + count], targets, state.params.prompt_logprobs))
+            offset += count
         return result
 
     def _sample(self, request_ids: list[str], logits: torch.Tensor) -> dict[str, int]:

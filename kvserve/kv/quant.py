@@ -59,6 +59,11 @@ class KVCodec:
         return head_dim * self.bits // 8 + self.num_params(head_dim) * PARAM_DTYPE.itemsize
 
     @property
+    def is_fp8(self) -> bool:
+        """fp8 elements: no fast CPU arithmetic, and no index_copy_/index_select on CPU."""
+        return self.storage_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    @property
     def folds_scale(self) -> bool:
         return self.kind == "scale"
 

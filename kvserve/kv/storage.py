@@ -47,7 +47,7 @@ class _PagedSide:
         self.codec = codec
         # fp8 is held as raw bytes: CPU torch has no index_copy_/index_select for
         # float8 types, and the bits are the same either way.
-        self.raw_fp8 = codec.storage_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        self.raw_fp8 = codec.is_fp8
         container = torch.uint8 if self.raw_fp8 else codec.storage_dtype
         shape = (num_blocks, spec.num_kv_heads, block_size, codec.data_width(spec.head_dim))
         self.data = [torch.empty(shape, dtype=container) for _ in range(spec.num_layers)]

@@ -96,8 +96,7 @@ class CompletionRequest(_SamplingRequest):
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo and self.logprobs is not None:
             prompt_logprobs = self.logprobs  # echo with logprobs scores the prompt too
-        return self._sampling_params(self.max_tokens, 16 if default_max_tokens > 16 else default_max_tokens,
-                                     self.logprobs, prompt_logprobs)
+        return self._sampling_params(self.max_tokens, min(16, default_max_tokens), self.logprobs, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string, token ids, or a list of either."""

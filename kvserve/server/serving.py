@@ -256,11 +256,14 @@ def _sse_event(payload: dict) -> str:
 def _usage(jobs: list[_Job], finals: dict[int, RequestOutput]) -> dict:
     """Prompt tokens once per prompt (not per choice); cached tokens of each prompt's first choice."""
     prompt_tokens = cached = 0
-    for job in jobs:
-        if job.index == min(j.index for j in jobs if j.prompt_index == job.prompt_index):
-            prompt_tokens += len(job.token_ids)
-            output = finals.get(job.index)
-            cached += output.num_cached_tokens if output is not None else 0
+    counted: set[int] = set()
+    for job in jobs:  # jobs run prompt by prompt, choice by choice: the first of each prompt counts
+        if job.prompt_index in counted:
+            continue
+        counted.add(job.prompt_index)
+        prompt_tokens += len(job.token_ids)
+        output = finals.get(job.index)
+        cached += output.num_cached_tokens if output is not None else 0
     completion_tokens = sum(len(o.outputs[0].token_ids) for o in finals.values())
     return {
         "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -323,7 +326,7 @@ class _CompletionFormat(_Format):
         if completion.logprobs is not None:
             entries: list[TokenLogprob | None] = list(completion.logprobs)
             if self.echo:
-                entries = list(output.prompt_logprobs or [None] * len(job.token_ids)) + entries
+                entries = _prompt_entries(job, output) + entries
             logprobs = self._logprobs(entries, 0)
         return {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
 
@@ -335,7 +338,7 @@ class _CompletionFormat(_Format):
             self._echoed.add(job.index)
             text = job.prompt_text + text
             if entries is not None:
-                entries = list(output.prompt_logprobs or [None] * len(job.token_ids)) + entries
+                entries = _prompt_entries(job, output) + entries
         if not text and not output.finished and not entries:
             return None
         start = self._offsets.get(job.index, 0)
@@ -363,6 +366,11 @@ class _CompletionFormat(_Format):
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": text_offset}
+
+
+def _prompt_entries(job: _Job, output: RequestOutput) -> list[TokenLogprob | None]:
+    """The echoed prompt's logprob entries (None where the engine has none, as for the first token)."""
+    return list(output.prompt_logprobs or [None] * len(job.token_ids))
 
 
 class _ChatFormat(_Format):

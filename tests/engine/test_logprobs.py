@@ -6,6 +6,7 @@ import torch
 from kvserve.engine.sampling import SamplingParams, sample
 from kvserve.errors import InvalidRequestError
 from tests.engine.test_engine import make_engine, run_all
+from tests.engine.test_prefix_caching import finish
 from tests.helpers import build_hf_model, reference_logits
 
 PROMPT = [5, 17, 33, 2, 90, 41, 7, 7, 120, 64, 3, 150, 11]
@@ -16,21 +17,10 @@ def reference():
     return build_hf_model("llama-gqa")
 
 
-def finished_output(engine, prompt, params):
-    engine.add_request(prompt, params)
-    final = None
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                final = output
-        engine.check_integrity()
-    return final
-
-
 @pytest.mark.parametrize("budget", [2048, 5])  # one-shot prefill and 5-token chunks
 def test_prompt_logprobs_match_reference(tiny_models, reference, budget):
     engine = make_engine(tiny_models("llama-gqa"), max_num_batched_tokens=budget)
-    out = finished_output(engine, PROMPT, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3))
+    out = finish(engine, PROMPT, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3))
     expected = reference_logits(reference, PROMPT).log_softmax(-1)
     assert out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(PROMPT)
@@ -43,15 +33,15 @@ def test_prompt_logprobs_match_reference(tiny_models, reference, budget):
 
 def test_prompt_logprobs_are_computed_even_when_the_prefix_is_cached(tiny_models):
     engine = make_engine(tiny_models("llama-gqa"))
-    finished_output(engine, PROMPT, SamplingParams(max_tokens=1, temperature=0))  # fills the cache
-    out = finished_output(engine, PROMPT, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    finish(engine, PROMPT, SamplingParams(max_tokens=1, temperature=0))  # fills the cache
+    out = finish(engine, PROMPT, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
     assert out.num_cached_tokens == 0
     assert all(entry is not None for entry in out.prompt_logprobs[1:])
 
 
 def test_sampled_token_logprobs_match_reference(tiny_models, reference):
     engine = make_engine(tiny_models("llama-gqa"))
-    out = finished_output(engine, PROMPT, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))
+    out = finish(engine, PROMPT, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))
     completion = out.outputs[0]
     assert [lp.token_id for lp in completion.logprobs] == completion.token_ids
     expected = reference_logits(reference, PROMPT + completion.token_ids).log_softmax(-1)
