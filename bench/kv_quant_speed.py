@@ -32,7 +32,7 @@ def main() -> None:
         engine = Engine(EngineConfig(kv_cache_memory="2GiB", kv_cache_dtype=dtype), loaded=loaded)
         capacity = Engine(EngineConfig(kv_cache_memory="512MiB", kv_cache_dtype=dtype), loaded=loaded)
         row = {"dtype": engine.kv_spec.dtype, "bytes_per_token": engine.kv_spec.bytes_per_token,
-               "tokens_in_512MiB": capacity.kv_manager.num_blocks * capacity.config.block_size}
+               "tokens_in_512MiB": capacity.stats().num_blocks * capacity.config.block_size}
         del capacity
         run_engine(engine, random_prompts(2, 64, seed=1), greedy(4))  # warm-up
         if "W1" in args.workloads:

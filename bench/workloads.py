@@ -36,10 +36,10 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams)
             if output.finished:
                 finished[output.request_id] = output
         steps += 1
-        peak_blocks = max(peak_blocks, engine.kv_manager.num_used_blocks)
+        peak_blocks = max(peak_blocks, engine.stats().num_used_blocks)
     return [finished[i] for i in ids], {
         "wall_s": time.perf_counter() - started, "steps": steps, "peak_blocks": peak_blocks,
-        "preemptions": engine.scheduler.num_preemptions,
+        "preemptions": engine.stats().num_preemptions,
     }
 
 

@@ -22,6 +22,13 @@ class TokenizerUnavailableError(KVServeError):
     """Text input or output was requested from a model loaded without a tokenizer."""
 
 
+class KVIntegrityError(KVServeError):
+    """The KV block accounting is inconsistent (a leak, a double free, a stale hash): a bug, never user error.
+
+    Raised by the `check_integrity()` methods instead of `assert`, so `python -O` cannot silence them.
+    """
+
+
 class InvalidRequestError(KVServeError, ValueError):
     """A request or its sampling parameters are invalid; `param` names the offending field when known."""
 

@@ -71,7 +71,7 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests accepted but not running yet (for the bounded queue)."""
-        return self.num_pending_adds + len(self.engine.scheduler.waiting)
+        return self.num_pending_adds + self.engine.stats().num_waiting
 
     def call(self, fn: Callable[[], T]) -> asyncio.Future:
         """Run `fn()` on the engine between steps; the future gets its result or exception.
@@ -179,7 +179,7 @@ class AsyncEngine:
                     future.set_result(result)
 
     def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self.engine.scheduler.requests):
+        for request_id in self.engine.unfinished_request_ids():
             queue = self._streams.pop(request_id, None)
             self._abort_now(request_id)
             if queue is not None:

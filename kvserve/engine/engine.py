@@ -11,7 +11,8 @@ from kvserve.engine.request import Request
 from kvserve.engine.runner import ModelRunner, StepResult
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
-from kvserve.errors import InvalidRequestError, KVServeError
+from kvserve.engine.stats import EngineStats, take_stats, with_added
+from kvserve.errors import InvalidRequestError, KVIntegrityError, KVServeError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import kv_spec
 from kvserve.kv.storage import PagedKVCache
@@ -27,7 +28,8 @@ class Engine:
     `add_request` validates and queues; each `step()` runs one batched model
     forward and returns a RequestOutput for every request that produced a
     token (with `delta_text` for streaming) or finished. Not thread-safe: one
-    caller drives it (the server's async engine owns that loop).
+    caller drives it (the server's async engine owns that loop); only
+    `stats()` may be called from another thread at any time.
     """
 
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
@@ -51,6 +53,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv_manager)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache)
         self._ids = itertools.count()
+        self._num_steps = self._num_generated_tokens = 0
+        self._stats = self._take_stats()
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %s bytes/token (%s), %.1f MiB, prefix caching %s%s",
             num_blocks, config.block_size, num_blocks * config.block_size, f"{self.kv_spec.bytes_per_token:,}",
@@ -88,11 +92,13 @@ class Engine:
         token_ids = self.loaded.require_tokenizer().encode(prompt) if text is not None else list(prompt)
         self.validate_request(token_ids, params)
         tracker = OutputTracker(params, self.loaded.tokenizer)
-        request = Request(request_id, token_ids, params, tracker, prompt=text, cache_salt=cache_salt)
+        request = Request(request_id, token_ids, params, tracker, prompt=text, cache_salt=cache_salt,
+                          block_size=self.config.block_size if self.prefix_caching else None)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
         self.runner.add_request(request_id, params, token_ids)
         self.scheduler.add(request)
+        self._stats = with_added(self._stats, request, self.kv_manager)
         return request_id
 
     def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -130,13 +136,28 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def unfinished_request_ids(self) -> list[str]:
+        """Every request added and not yet finished or aborted (call it between steps)."""
+        return list(self.scheduler.requests)
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken at the end of the last step, add or abort. Safe from any thread, even mid-step."""
+        return self._stats
+
+    def _take_stats(self) -> EngineStats:
+        return take_stats(self.scheduler, self._num_steps, self._num_generated_tokens)
+
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         if scheduled.empty:
+            self._stats = self._take_stats()  # a request may have been preempted without anything running
             return []
         result = self.runner.execute(scheduled)
         self._record_logprobs(result)
         touched = self.scheduler.update(scheduled, result.tokens)
+        self._num_steps += 1
+        self._num_generated_tokens += len(touched)
+        self._stats = self._take_stats()
         outputs = []
         for request in touched:
             outputs.append(self._output(request, [request.all_token_ids[-1]]))
@@ -160,6 +181,7 @@ class Engine:
             return None
         self.scheduler.finish(request, "abort")
         self.runner.remove_request(request_id)
+        self._stats = self._take_stats()
         return self._output(request, [])
 
     def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
@@ -211,17 +233,24 @@ class Engine:
         return report
 
     def _held_bytes(self, request: Request) -> int:
+        """KV memory the request holds now (when finished: what it held when it finished)."""
         if not self.config.enable_kv_cache:  # blocks were scratch for one step, not a cache
             return 0
-        return request.kv_blocks_held * self.config.block_size * self.kv_spec.bytes_per_token
+        blocks = request.kv_blocks_held if request.finished else self.kv_manager.num_blocks_held(request.request_id)
+        return blocks * self.config.block_size * self.kv_spec.bytes_per_token
 
     def check_integrity(self) -> None:
-        """Block accounting holds (DESIGN §4); raises AssertionError otherwise."""
+        """Block accounting holds (DESIGN §4); raises KVIntegrityError otherwise."""
         self.kv_manager.check_integrity()
+        block_size = self.config.block_size
         for request in self.scheduler.running:
-            held = len(self.kv_manager.block_ids(request.request_id))
-            assert held * self.config.block_size >= request.num_computed_tokens, f"{request.request_id} lost blocks"
+            held = self.kv_manager.num_blocks_held(request.request_id)
+            if held * block_size < request.num_computed_tokens:
+                raise KVIntegrityError(f"running request {request.request_id} holds {held} blocks for "
+                                       f"{request.num_computed_tokens} computed tokens")
         for request in self.scheduler.waiting:
-            assert not self.kv_manager.block_ids(request.request_id), f"waiting {request.request_id} holds blocks"
-        if not self.has_unfinished():
-            assert self.kv_manager.num_free_blocks == self.kv_manager.num_blocks, "blocks leaked"
+            if self.kv_manager.num_blocks_held(request.request_id):
+                raise KVIntegrityError(f"waiting request {request.request_id} holds blocks")
+        if not self.has_unfinished() and self.kv_manager.num_free_blocks != self.kv_manager.num_blocks:
+            raise KVIntegrityError(f"blocks leaked: {self.kv_manager.num_used_blocks} of {self.kv_manager.num_blocks} "
+                                   f"are held with no request unfinished")

@@ -6,6 +6,7 @@ import enum
 
 from kvserve.engine.output import OutputTracker, RequestMetrics, TokenLogprob
 from kvserve.engine.sampling import SamplingParams
+from kvserve.kv.hashing import BlockHashChain
 
 
 class RequestStatus(enum.Enum):
@@ -20,6 +21,11 @@ class Request:
     Every step the scheduler gives a request tokens so that num_computed_tokens
     catches up with num_tokens; once it has, the last position's logits give
     the next token.
+
+    `block_hashes` holds the stable hashes of its full blocks (prefix
+    caching), computed once as tokens arrive: the prompt's at creation, an
+    output block's when its last token is appended. Without a `block_size`
+    (prefix caching off) it stays empty.
     """
 
     def __init__(
@@ -30,6 +36,7 @@ class Request:
         tracker: OutputTracker,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        block_size: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -44,6 +51,8 @@ class Request:
         self.kv_blocks_held = 0  # blocks held when it finished (for reporting)
         self.finish_reason: str | None = None
         self.cache_salt = cache_salt
+        self.block_hashes = BlockHashChain(block_size, cache_salt)
+        self.block_hashes.extend(self.all_token_ids)
         # Prefix cache outcome at first admission: prompt tokens served from the
         # cache, and where the prompt left the closest cached chain (or None).
         self.num_cached_tokens: int | None = None
@@ -72,5 +81,6 @@ class Request:
     def append_output_token(self, token_id: int) -> str | None:
         """Record a sampled token; returns the finish reason if this token ends the request."""
         self.all_token_ids.append(token_id)
+        self.block_hashes.extend(self.all_token_ids)
         self.metrics.record_token()
         return self.tracker.append(token_id)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
 from kvserve.engine.request import Request, RequestStatus
+from kvserve.kv.hashing import BlockHash
 from kvserve.kv.manager import KVCacheManager
 
 
@@ -90,11 +91,11 @@ class Scheduler:
 
         # Blocks that requests still prefilling are about to compute: a waiting
         # request that would compute the same block waits a step and then hits.
-        in_flight: set[int] = set()
+        in_flight: set[BlockHash] = set()
         for request in prefilling if self.waiting else ():
             if request.status is RequestStatus.RUNNING:
-                in_flight |= self.kv.pending_block_keys(request.request_id, request.all_token_ids,
-                                                        request.num_prompt_tokens, request.cache_salt)
+                in_flight |= self.kv.pending_block_keys(request.request_id, request.block_hashes,
+                                                        request.num_prompt_tokens)
 
         # Waiting requests, FCFS, only in a step without preemption.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -103,8 +104,8 @@ class Scheduler:
             # requests too: their recompute is mostly hits).
             match = None
             if not request.sampling_params.skip_reading_prefix_cache:
-                match = self.kv.find_cached_prefix(request.all_token_ids, request.cache_salt)
-                if self.kv.next_block_key(request.all_token_ids, match) in in_flight:
+                match = self.kv.find_cached_prefix(request.all_token_ids, request.block_hashes)
+                if self.kv.next_block_key(request.all_token_ids, request.block_hashes, match) in in_flight:
                     break  # FCFS: nobody overtakes it; it is admitted once the block is cached
             num_hit = match.num_tokens if match is not None else 0
             count = min(request.num_tokens - num_hit, budget)
@@ -115,8 +116,8 @@ class Scheduler:
                 break
             request.num_computed_tokens = num_hit
             if match is not None:
-                in_flight |= self.kv.pending_block_keys(request.request_id, request.all_token_ids,
-                                                        request.num_prompt_tokens, request.cache_salt)
+                in_flight |= self.kv.pending_block_keys(request.request_id, request.block_hashes,
+                                                        request.num_prompt_tokens)
             if request.num_cached_tokens is None:  # first admission: account the prompt
                 request.num_cached_tokens = num_hit
                 self.prefix_cache_queries += request.num_prompt_tokens
@@ -159,8 +160,8 @@ class Scheduler:
         for item in out.scheduled:
             request = self.requests[item.request_id]
             request.num_computed_tokens += len(item.token_ids)
-            self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens,
-                                      request.cache_salt)
+            self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.block_hashes,
+                                      request.num_computed_tokens)
             if item.request_id not in sampled:
                 continue
             reason = request.append_output_token(sampled[item.request_id])
@@ -181,7 +182,7 @@ class Scheduler:
             self.waiting.remove(request)
         else:
             return
-        request.kv_blocks_held = len(self.kv.block_ids(request.request_id))
+        request.kv_blocks_held = self.kv.num_blocks_held(request.request_id)
         self.kv.free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -10,7 +10,10 @@ its contents and can be claimed back before it is reused) needs exactly that.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
+
+from kvserve.errors import KVIntegrityError
+from kvserve.kv.hashing import BlockHash
 
 
 @dataclass(eq=False, slots=True)
@@ -20,8 +23,8 @@ class KVBlock:
     prev_free: "KVBlock | None" = None
     next_free: "KVBlock | None" = None
     # Set once the block is full and its K/V computed (prefix caching):
-    block_hash: int | None = None
-    parent_hash: int | None = None  # hash of the previous block of the chain (None: first block)
+    block_hash: BlockHash | None = None
+    parent_hash: BlockHash | None = None  # hash of the previous block of the chain (the salt's root: first block)
     token_ids: tuple[int, ...] = ()  # kept so a hash collision can never serve the wrong K/V
 
 
@@ -81,9 +84,10 @@ class BlockPool:
         self.block_size = block_size
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[int, KVBlock] = {}
+        self.cached: dict[BlockHash, KVBlock] = {}
         # parent hash -> cached children: what lets a miss be explained to the token.
-        self.children: dict[int | None, dict[int, KVBlock]] = {}
+        self.children: dict[BlockHash | None, dict[BlockHash, KVBlock]] = {}
+        self.num_cached_free_blocks = 0  # free blocks still holding a reusable prefix (kept up to date: O(1) stats)
 
     @property
     def num_blocks(self) -> int:
@@ -99,7 +103,9 @@ class BlockPool:
             raise ValueError(f"asked for {count} blocks, {self.num_free_blocks} are free")
         taken = [self.free_queue.popleft() for _ in range(count)]
         for block in taken:
-            self._evict(block)
+            if block.block_hash is not None:
+                self.num_cached_free_blocks -= 1
+                self._evict(block)
             block.ref_cnt = 1
         return taken
 
@@ -108,6 +114,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks -= 1
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -122,25 +130,28 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks += 1
 
-    def cache_block(self, block: KVBlock, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]) -> None:
-        """Register a full, computed block under its hash. If another block already
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash | None,
+                    token_ids: tuple[int, ...]) -> None:
+        """Register a full, computed (held) block under its hash. If another block already
         holds the same content, that one stays the cached copy."""
         if block.block_hash is not None or block_hash in self.cached:
             return
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self.cached[block_hash] = block
         self.children.setdefault(parent_hash, {})[block_hash] = block
+        if block.ref_cnt == 0:
+            self.num_cached_free_blocks += 1
 
-    def lookup(self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]) -> KVBlock | None:
+    def lookup(self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: Sequence[int]) -> KVBlock | None:
         block = self.cached.get(block_hash)
-        if block is None or block.parent_hash != parent_hash or block.token_ids != token_ids:
+        if block is None or block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
             return None  # absent, or a hash collision: never serve other tokens' K/V
         return block
 
     def _evict(self, block: KVBlock) -> None:
-        if block.block_hash is None:
-            return
         del self.cached[block.block_hash]
         siblings = self.children[block.parent_hash]
         del siblings[block.block_hash]
@@ -149,17 +160,31 @@ class BlockPool:
         block.block_hash, block.parent_hash, block.token_ids = None, None, ()
 
     def check_integrity(self) -> None:
+        """Raise KVIntegrityError (never a bare assert: `python -O` must not silence it) if the pool is inconsistent."""
         free = list(self.free_queue)
-        assert len(free) == len(self.free_queue), "free queue length is wrong"
+        if len(free) != len(self.free_queue):
+            raise KVIntegrityError(f"free queue length is {len(self.free_queue)} but it links {len(free)} blocks")
         free_ids = {b.block_id for b in free}
-        assert len(free_ids) == len(free), "a block is in the free queue twice"
+        if len(free_ids) != len(free):
+            raise KVIntegrityError("a block is in the free queue twice")
+        cached_free = 0
         for block in self.blocks:
             if block.block_id in free_ids:
-                assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
-            else:
-                assert block.ref_cnt > 0, f"block {block.block_id} is neither free nor referenced (leak)"
+                if block.ref_cnt != 0:
+                    raise KVIntegrityError(f"free block {block.block_id} has ref_cnt {block.ref_cnt}")
+                cached_free += block.block_hash is not None
+            elif block.ref_cnt <= 0:
+                raise KVIntegrityError(f"block {block.block_id} is neither free nor referenced (leak)")
             if block.block_hash is not None:
-                assert len(block.token_ids) == self.block_size, f"hashed block {block.block_id} is not full"
-                assert self.cached.get(block.block_hash) is block, f"hashed block {block.block_id} not in the map"
-        assert all(b.block_hash == h for h, b in self.cached.items()), "hash map points at a re-used block"
-        assert sum(len(c) for c in self.children.values()) == len(self.cached), "children index out of sync"
+                if len(block.token_ids) != self.block_size:
+                    raise KVIntegrityError(f"hashed block {block.block_id} holds {len(block.token_ids)} tokens, "
+                                           f"not a full block of {self.block_size}")
+                if self.cached.get(block.block_hash) is not block:
+                    raise KVIntegrityError(f"hashed block {block.block_id} is not in the hash map")
+        if not all(b.block_hash == h for h, b in self.cached.items()):
+            raise KVIntegrityError("the hash map points at a re-used block")
+        if sum(len(c) for c in self.children.values()) != len(self.cached):
+            raise KVIntegrityError("the children index is out of sync with the hash map")
+        if cached_free != self.num_cached_free_blocks:
+            raise KVIntegrityError(f"{cached_free} free blocks hold a cached prefix, "
+                                   f"the counter says {self.num_cached_free_blocks}")

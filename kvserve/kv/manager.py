@@ -4,10 +4,12 @@ The scheduler asks only yes/no questions (`allocate_slots`, `can_fit`) and
 gets opaque prefix matches; it never sees a block. The runner gets block ids
 to address the paged tensors.
 
-Prefix hashing (DESIGN §3): a full block's hash chains its parent block's
-hash and its token ids. The chain's root is derived from the request's cache
-salt, so requests with different salts never share a block, and a miss is
-only ever explained against the same salt's blocks.
+Prefix hashing (DESIGN §3, kv/hashing.py): a full block's hash chains its
+parent block's hash and its token ids. The chain's root is derived from the
+request's cache salt, so requests with different salts never share a block,
+and a miss is only ever explained against the same salt's blocks. Each
+request computes its chain once, as its tokens arrive (`BlockHashChain`);
+the manager only indexes it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
+from kvserve.errors import KVIntegrityError
 from kvserve.kv.block_pool import BlockPool, KVBlock
+from kvserve.kv.hashing import BlockHash, BlockHashChain
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +29,7 @@ class PrefixMatch:
 
     blocks: tuple[KVBlock, ...]
     num_tokens: int
-    last_hash: int  # hash of the last matched block (the chain root if none matched)
+    last_hash: BlockHash  # hash of the last matched block (the chain root if none matched)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,21 +41,13 @@ class Divergence:
     block_start: int
 
 
-def _chain_root(salt: str | None) -> int:
-    return hash(("kvserve-prefix-root", salt))
-
-
-def _block_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
-    """The one prefix-hash formula: a block's hash chains its parent's and its own token ids."""
-    return hash((parent_hash, token_ids))
-
-
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_caching: bool = False) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, block_size)
-        self._hashes: dict[str, list[int]] = {}  # per request: hashes of its full, computed blocks
+        # Per request: how many leading blocks of its table are registered in the cache (shared or cached).
+        self._num_cached: dict[str, int] = {}
         # Admissions keep this many blocks free, so running requests can grow
         # a little before anyone has to be preempted.
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 and num_blocks > 1 else 0
@@ -74,6 +70,11 @@ class KVCacheManager:
         """Blocks holding a reusable prefix (in use or free but not yet evicted)."""
         return len(self.pool.cached)
 
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a reusable prefix (evicted only when handed out again)."""
+        return self.pool.num_cached_free_blocks
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -81,46 +82,41 @@ class KVCacheManager:
         """Whether a request of `num_tokens` could ever fit, with the whole pool to itself."""
         return self.blocks_for(num_tokens) <= self.num_blocks
 
-    def find_cached_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> PrefixMatch:
-        """The longest chain of cached blocks `token_ids` starts with.
+    def find_cached_prefix(self, token_ids: Sequence[int], block_hashes: BlockHashChain) -> PrefixMatch:
+        """The longest chain of cached blocks `token_ids` (hashed as `block_hashes`) starts with.
 
         Capped at len(token_ids) - 1 tokens: at least one token is always
         computed, so there are logits to sample from.
         """
-        root = _chain_root(salt)
         if not self.enable_caching:
-            return PrefixMatch((), 0, root)
-        bs = self.block_size
-        parent, blocks = root, []
-        for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
-            chunk = tuple(token_ids[start : start + bs])
-            block_hash = _block_hash(parent, chunk)
-            block = self.pool.lookup(block_hash, parent, chunk)
+            return PrefixMatch((), 0, block_hashes.root)
+        self._check_chain(block_hashes)
+        bs, hashes = self.block_size, block_hashes.hashes
+        parent, blocks = block_hashes.root, []
+        for index in range(min(len(hashes), (len(token_ids) - 1) // bs)):
+            block_hash = hashes[index]
+            block = self.pool.lookup(block_hash, parent, token_ids[index * bs : (index + 1) * bs])
             if block is None:
                 break
             blocks.append(block)
             parent = block_hash
         return PrefixMatch(tuple(blocks), len(blocks) * bs, parent)
 
-    def pending_block_keys(self, request_id: str, token_ids: Sequence[int], end: int,
-                           salt: str | None = None) -> set[int]:
+    def pending_block_keys(self, request_id: str, block_hashes: BlockHashChain, end: int) -> set[BlockHash]:
         """Hashes of the request's full blocks up to token `end` not yet computed: what it is about
         to compute and cache. Another request whose next block is among them need not compute it too."""
         if not self.enable_caching:
             return set()
-        hashes = self._hashes.get(request_id, [])
-        parent, bs, keys = (hashes[-1] if hashes else _chain_root(salt)), self.block_size, set()
-        for start in range(len(hashes) * bs, end // bs * bs, bs):
-            parent = _block_hash(parent, tuple(token_ids[start : start + bs]))
-            keys.add(parent)
-        return keys
+        return set(block_hashes.hashes[self._num_cached.get(request_id, 0) : end // self.block_size])
 
-    def next_block_key(self, token_ids: Sequence[int], match: PrefixMatch) -> int | None:
+    def next_block_key(self, token_ids: Sequence[int], block_hashes: BlockHashChain,
+                       match: PrefixMatch) -> BlockHash | None:
         """Hash of the first block after `match`, if the tokens fill it and it is not the last token's block."""
         start, bs = match.num_tokens, self.block_size
-        if not self.enable_caching or start + bs > len(token_ids) - 1:
+        index = start // bs
+        if not self.enable_caching or start + bs > len(token_ids) - 1 or index >= len(block_hashes):
             return None
-        return _block_hash(match.last_hash, tuple(token_ids[start : start + bs]))
+        return block_hashes.hashes[index]
 
     def find_divergence(self, token_ids: Sequence[int], match: PrefixMatch) -> Divergence | None:
         """Compare the block after the match with every cached block that continues the same
@@ -156,46 +152,59 @@ class KVCacheManager:
             return False
         if shared:
             self.pool.touch(shared)
-            self._hashes[request_id] = [block.block_hash for block in shared]
+            self._num_cached[request_id] = len(shared)
         table = self._tables.setdefault(request_id, table)
         table.extend(shared)
         if needed > 0:
             table.extend(self.pool.allocate(needed))
         return True
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
-                          salt: str | None = None) -> None:
-        """Hash the request's blocks that are now full and computed, so later requests can share them."""
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], block_hashes: BlockHashChain,
+                          num_computed_tokens: int) -> None:
+        """Register the request's blocks that are now full and computed, so later requests can share them."""
         if not self.enable_caching:
             return
         table = self._tables.get(request_id)
         if not table:
             return
-        hashes = self._hashes.setdefault(request_id, [])
-        bs = self.block_size
-        for index in range(len(hashes), min(num_computed_tokens // bs, len(table))):
-            parent = hashes[-1] if hashes else _chain_root(salt)
+        done = self._num_cached.get(request_id, 0)
+        end = min(num_computed_tokens // self.block_size, len(table), len(block_hashes))
+        if end <= done:
+            return
+        bs, hashes = self.block_size, block_hashes.hashes
+        for index in range(done, end):
             chunk = tuple(token_ids[index * bs : (index + 1) * bs])
-            block_hash = _block_hash(parent, chunk)
-            self.pool.cache_block(table[index], block_hash, parent, chunk)
-            hashes.append(block_hash)
+            self.pool.cache_block(table[index], hashes[index], block_hashes.parent(index), chunk)
+        self._num_cached[request_id] = end
 
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._tables.get(request_id, ())]
 
+    def num_blocks_held(self, request_id: str) -> int:
+        table = self._tables.get(request_id)
+        return len(table) if table else 0
+
     def free(self, request_id: str) -> None:
         """Return all of a request's blocks (tail first). Freeing an unknown id is a no-op."""
-        self._hashes.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
         table = self._tables.pop(request_id, None)
         if table:
             self.pool.free(reversed(table))
 
+    def _check_chain(self, block_hashes: BlockHashChain) -> None:
+        if block_hashes.block_size not in (None, self.block_size):
+            raise ValueError(f"block hashes were computed over {block_hashes.block_size}-token blocks; "
+                             f"this cache uses {self.block_size}")
+
     def check_integrity(self) -> None:
-        """free + used == total; every held block's ref_cnt equals the number of tables holding it."""
+        """free + used == total; every held block's ref_cnt equals the number of tables holding it.
+        Raises KVIntegrityError otherwise."""
         self.pool.check_integrity()
         holders = Counter(block.block_id for table in self._tables.values() for block in table)
         for block in self.pool.blocks:
-            assert block.ref_cnt == holders.get(block.block_id, 0), (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {holders.get(block.block_id, 0)} tables"
-            )
-        assert self.num_free_blocks + len(holders) == self.num_blocks
+            held_by = holders.get(block.block_id, 0)
+            if block.ref_cnt != held_by:
+                raise KVIntegrityError(f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {held_by} tables")
+        if self.num_free_blocks + len(holders) != self.num_blocks:
+            raise KVIntegrityError(f"{self.num_free_blocks} free + {len(holders)} held blocks != "
+                                   f"{self.num_blocks} in the pool")

@@ -14,7 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.async_engine import AsyncEngine, EngineFailedError
 from kvserve.engine.engine import Engine
-from kvserve.errors import InvalidRequestError, KVServeError, TokenizerUnavailableError, UnsupportedModelError
+from kvserve.errors import (InvalidRequestError, KVIntegrityError, KVServeError, TokenizerUnavailableError,
+                            UnsupportedModelError)
 from kvserve.server.errors import APIError, bad_request, internal, unauthorized
 from kvserve.server.metrics import ServerMetrics, log_request
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -83,20 +84,21 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
 
 def _kv_cache_report(engine: Engine) -> dict:
-    kv = engine.kv_manager
+    """Run between steps: the snapshot is then the pool as it is now."""
+    stats = engine.stats()
     try:
         engine.check_integrity()
         integrity = "ok"
-    except AssertionError as exc:
+    except KVIntegrityError as exc:
         integrity = f"FAILED: {exc}"
     return {
-        "block_size": kv.block_size, "num_blocks": kv.num_blocks, "num_used_blocks": kv.num_used_blocks,
-        "num_free_blocks": kv.num_free_blocks, "num_cached_blocks": kv.num_cached_blocks,
-        "capacity_tokens": kv.num_blocks * kv.block_size, "bytes_per_token": engine.kv_spec.bytes_per_token,
+        "block_size": stats.block_size, "num_blocks": stats.num_blocks, "num_used_blocks": stats.num_used_blocks,
+        "num_free_blocks": stats.num_free_blocks, "num_cached_blocks": stats.num_cached_blocks,
+        "capacity_tokens": stats.num_blocks * stats.block_size, "bytes_per_token": engine.kv_spec.bytes_per_token,
         "dtype": engine.kv_spec.dtype, "pool_bytes": engine.kv_cache.bytes_allocated,
-        "num_requests_running": len(engine.scheduler.running), "num_requests_waiting": len(engine.scheduler.waiting),
-        "prefix_cache_queries": engine.prefix_cache_queries, "prefix_cache_hits": engine.prefix_cache_hits,
-        "num_preemptions": engine.scheduler.num_preemptions, "integrity": integrity,
+        "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
+        "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits,
+        "num_preemptions": stats.num_preemptions, "integrity": integrity,
     }
 
 

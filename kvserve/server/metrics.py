@@ -1,8 +1,9 @@
 """Prometheus metrics, named after vLLM's (`vllm:` -> `kvserve:`).
 
 Engine state (requests running / waiting, KV blocks, prefix-cache and
-preemption counters) is read when scraped, so it is never stale; latencies and
-token counts are observed from each RequestOutput as the step loop emits it.
+preemption counters) is read when scraped from the engine's stats snapshot
+(taken after the last step); latencies and token counts are observed from
+each RequestOutput as the step loop emits it.
 """
 
 from __future__ import annotations
@@ -24,15 +25,14 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class _EngineCollector:
-    """Gauges and counters read from the engine at scrape time."""
+    """Gauges and counters read from the engine's stats snapshot at scrape time."""
 
     def __init__(self, async_engine: AsyncEngine, model_name: str) -> None:
         self.async_engine = async_engine
         self.model_name = model_name
 
     def collect(self):
-        engine = self.async_engine.engine
-        kv = engine.kv_manager
+        stats = self.async_engine.engine.stats()
         labels = [self.model_name]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -45,22 +45,22 @@ class _EngineCollector:
             family.add_metric(labels, value)
             return family
 
-        used, total = kv.num_used_blocks, kv.num_blocks
-        yield gauge("kvserve:num_requests_running", "Requests in the running batch.", len(engine.scheduler.running))
+        used, total = stats.num_used_blocks, stats.num_blocks
+        yield gauge("kvserve:num_requests_running", "Requests in the running batch.", stats.num_running)
         yield gauge("kvserve:num_requests_waiting", "Requests accepted and waiting to be scheduled.",
                     self.async_engine.num_waiting)
         yield gauge("kvserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", used / total)
         yield gauge("kvserve:kv_cache_blocks_used", "KV-cache blocks held by requests.", used)
         yield gauge("kvserve:kv_cache_blocks_total", "KV-cache blocks in the pool.", total)
         yield gauge("kvserve:kv_cache_blocks_cached", "Blocks holding a reusable prefix (in use or free).",
-                    kv.num_cached_blocks)
-        yield gauge("kvserve:kv_cache_block_size", "Tokens per KV-cache block.", kv.block_size)
+                    stats.num_cached_blocks)
+        yield gauge("kvserve:kv_cache_block_size", "Tokens per KV-cache block.", stats.block_size)
         yield counter("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      engine.prefix_cache_queries)
+                      stats.prefix_cache_queries)
         yield counter("kvserve:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                      engine.prefix_cache_hits)
+                      stats.prefix_cache_hits)
         yield counter("kvserve:num_preemptions", "Requests preempted to free KV blocks.",
-                      engine.scheduler.num_preemptions)
+                      stats.num_preemptions)
 
 
 class ServerMetrics:

@@ -17,7 +17,8 @@ def make_scheduler(num_blocks=64, block_size=4, **config):
 
 def add(scheduler, request_id, prompt_len, max_tokens=4):
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    request = Request(request_id, list(range(1, prompt_len + 1)), params, OutputTracker(params, None))
+    request = Request(request_id, list(range(1, prompt_len + 1)), params, OutputTracker(params, None),
+                      block_size=scheduler.kv.block_size)
     scheduler.add(request)
     return request
 

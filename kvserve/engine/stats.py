@@ -1,0 +1,107 @@
+"""One snapshot of the engine's state, taken between steps, for readers on other threads.
+
+Metrics, `/v1/kv_cache`, the async engine (and later the lab) read this
+instead of reaching into the scheduler or the KV manager. The engine builds a
+new snapshot at the end of every step, add and abort (O(requests), no tensor
+work) and swaps it in with one attribute assignment; a reader holding the
+previous one keeps a consistent, immutable view while the next step runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.scheduler import Scheduler
+from kvserve.kv.manager import KVCacheManager
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    """One unfinished request as of the snapshot."""
+
+    request_id: str
+    status: str  # "waiting", "preempted" (waiting again), "prefilling" or "decoding"
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache at first admission (0 before)
+    num_computed_tokens: int  # tokens whose K/V are in the cache now
+    num_output_tokens: int
+    num_blocks: int  # KV blocks it holds now
+    num_preemptions: int
+    ttft: float | None  # seconds, once the first token is out
+    tpot: float | None  # mean seconds per output token after the first, so far
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine between two steps: pool usage, counters, and every unfinished request."""
+
+    taken_at: float  # time.perf_counter() when taken
+    block_size: int
+    num_blocks: int
+    num_used_blocks: int  # held by requests
+    num_free_blocks: int  # includes the cached-but-free ones
+    num_cached_blocks: int  # holding a reusable prefix, in use or free
+    num_cached_free_blocks: int  # free, but still holding a reusable prefix until handed out again
+    prefix_cache_queries: int  # prompt tokens looked up (monotonic)
+    prefix_cache_hits: int  # prompt tokens served from the cache (monotonic)
+    num_preemptions: int  # monotonic
+    num_steps: int  # steps that ran a batch (monotonic)
+    num_generated_tokens: int  # output tokens sampled (monotonic)
+    running: tuple[RequestStats, ...]  # admission order
+    waiting: tuple[RequestStats, ...]  # queue order
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the pool's blocks held by requests (1 = full)."""
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def requests(self) -> tuple[RequestStats, ...]:
+        return self.running + self.waiting
+
+    def request(self, request_id: str) -> RequestStats | None:
+        return next((r for r in self.requests if r.request_id == request_id), None)
+
+
+def request_stats(request: Request, kv: KVCacheManager) -> RequestStats:
+    if request.status is RequestStatus.RUNNING:
+        status = "decoding" if request.num_tokens - request.num_computed_tokens <= 1 else "prefilling"
+    else:
+        status = "preempted" if request.num_preemptions else request.status.value
+    metrics = request.metrics
+    return RequestStats(
+        request.request_id, status, request.num_prompt_tokens, request.num_cached_tokens or 0,
+        request.num_computed_tokens, metrics.num_output_tokens, kv.num_blocks_held(request.request_id),
+        request.num_preemptions, metrics.ttft, metrics.tpot,
+    )
+
+
+def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int) -> EngineStats:
+    """A snapshot of the pool and of every unfinished request. Call it between steps, on the engine's thread."""
+    kv = scheduler.kv
+    num_free = kv.num_free_blocks
+    return EngineStats(
+        taken_at=time.perf_counter(), block_size=kv.block_size, num_blocks=kv.num_blocks,
+        num_used_blocks=kv.num_blocks - num_free, num_free_blocks=num_free, num_cached_blocks=kv.num_cached_blocks,
+        num_cached_free_blocks=kv.num_cached_free_blocks, prefix_cache_queries=scheduler.prefix_cache_queries,
+        prefix_cache_hits=scheduler.prefix_cache_hits, num_preemptions=scheduler.num_preemptions,
+        num_steps=num_steps, num_generated_tokens=num_generated_tokens,
+        running=tuple(request_stats(r, kv) for r in scheduler.running),
+        waiting=tuple(request_stats(r, kv) for r in scheduler.waiting),
+    )
+
+
+def with_added(stats: EngineStats, request: Request, kv: KVCacheManager) -> EngineStats:
+    """`stats` plus a newly queued request (at the back of the queue): an add changes nothing else,
+    and copying the snapshot's tuples is cheaper than rebuilding every entry when thousands are queued."""
+    return replace(stats, taken_at=time.perf_counter(), waiting=stats.waiting + (request_stats(request, kv),))
