@@ -42,11 +42,12 @@ def hash_block(parent_hash: BlockHash, token_ids: Sequence[int], extra_keys: byt
     return _hash_encoded(parent_hash, len(token_ids), _token_bytes(token_ids), extra_keys)
 
 
+_BLOCK_HASHER = hashlib.blake2b(digest_size=_DIGEST_SIZE, person=_BLOCK_PERSON)  # copied: cheaper than building one
+
+
 def _hash_encoded(parent_hash: BlockHash, num_tokens: int, tokens: bytes | memoryview, extra_keys: bytes) -> BlockHash:
-    digest = hashlib.blake2b(parent_hash, digest_size=_DIGEST_SIZE, person=_BLOCK_PERSON)
-    digest.update(num_tokens.to_bytes(4, "little"))
-    digest.update(tokens)
-    digest.update(extra_keys)
+    digest = _BLOCK_HASHER.copy()
+    digest.update(parent_hash + num_tokens.to_bytes(4, "little") + tokens + extra_keys)
     return digest.digest()
 
 

@@ -1,9 +1,15 @@
 """Block pool and manager invariants under random operation sequences (hypothesis)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.errors import KVIntegrityError
 from kvserve.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from kvserve.kv.manager import KVCacheManager
 
@@ -59,6 +65,30 @@ def test_watermark_applies_to_admissions_only():
     assert manager.allocate_slots("a", 95)
     assert not manager.allocate_slots("b", 1, keep_watermark=True)
     assert manager.allocate_slots("a", 100)  # a running request may use the reserve
+
+
+def test_corruption_raises_kv_integrity_error():
+    pool = BlockPool(4)
+    pool.free_queue.popleft().ref_cnt = 0  # out of the queue, yet held by nobody: a leak
+    with pytest.raises(KVIntegrityError, match="neither free nor referenced"):
+        pool.check_integrity()
+    manager = KVCacheManager(num_blocks=4, block_size=4)
+    assert manager.allocate_slots("a", 5)
+    manager.pool.blocks[0].ref_cnt = 2  # one table holds it
+    with pytest.raises(KVIntegrityError, match="ref_cnt 2, held by 1"):
+        manager.check_integrity()
+
+
+def test_integrity_errors_survive_python_O():
+    """`python -O` strips asserts; the integrity checks must still raise."""
+    code = ("from kvserve.errors import KVIntegrityError; from kvserve.kv.block_pool import BlockPool\n"
+            "assert False, 'asserts are on'\n"
+            "pool = BlockPool(4); pool.blocks[1].ref_cnt = 3\n"
+            "try:\n    pool.check_integrity()\nexcept KVIntegrityError as exc:\n    print('raised:', exc)\n")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-O", "-c", code], env={**os.environ, "PYTHONPATH": str(root)}, cwd=root,
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "raised: free block 1 has ref_cnt 3"
 
 
 operations = st.lists(
