@@ -157,3 +157,12 @@ def paged_logits(model, token_ids: list[int], chunks: list[int], block_size: int
         rows.append(model(ids, torch.arange(computed, computed + count), context))
         computed += count
     return torch.cat(rows)
+
+
+def write_tokens(cache, layer: int, block_ids: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """What earlier steps wrote: K/V of positions start.. of a request with these blocks, into `layer`."""
+    from kvserve.kv.attention import SequenceSlice, build_attention_metadata
+    from kvserve.kv.attention.cpu import slot_indices
+
+    meta = build_attention_metadata([SequenceSlice(block_ids, start, k.shape[0])], cache.block_size)
+    cache.write(layer, slot_indices(meta.slot_blocks, meta.slot_rows, cache.spec.num_kv_heads, cache.block_size), k, v)

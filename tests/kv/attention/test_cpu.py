@@ -5,19 +5,13 @@ import torch
 
 from kvserve.kv.attention import (CpuAttentionBackend, PagedKVContext, SequenceSlice, attend, attention_mask,
                                   build_attention_metadata)
-from kvserve.kv.attention.cpu import slot_indices
 from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import PagedKVCache
+from tests.helpers import write_tokens
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
 CACHE_DTYPES = ["float32", "float16", "bfloat16", "int8", "int4", "fp8_e4m3", "fp8_e5m2", "int8/int4"]
 CPU = CpuAttentionBackend()
-
-
-def write_tokens(cache: PagedKVCache, table: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """What earlier steps wrote: K/V of positions start.. of a request with block table `table`."""
-    meta = build_attention_metadata([SequenceSlice(table, start, k.shape[0])], cache.block_size)
-    cache.write(0, slot_indices(meta.slot_blocks, meta.slot_rows, cache.spec.num_kv_heads, cache.block_size), k, v)
 
 
 def poison(cache: PagedKVCache) -> None:
@@ -49,7 +43,7 @@ def test_mixed_batch_matches_per_sequence_attention(window, cache_dtype):
         k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
         v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
         if cached:  # what earlier steps wrote
-            write_tokens(cache, table, 0, k[:cached], v[:cached])
+            write_tokens(cache, 0, table, 0, k[:cached], v[:cached])
         full_k.append(k)
         full_v.append(v)
         slices.append(SequenceSlice(table, cached, new))
@@ -103,7 +97,7 @@ def test_decodes_sharing_a_prefix_use_the_union_and_match(window, cache_dtype):
     cache.initialize_blocks_through(max(shared + [11, 12, 13, 14, 15, 16]))
     cache.k[0].fill_(100)  # stale, finite garbage in rows not written below
     cache.v[0].fill_(-100)
-    write_tokens(cache, shared, 0, prefix_k, prefix_v)
+    write_tokens(cache, 0, shared, 0, prefix_k, prefix_v)
     # six requests: the shared prefix + 1..6 tokens of their own in one private block each
     slices, full_k, full_v = [], [], []
     for i, own in enumerate([1, 2, 3, 4, 2, 1]):
@@ -111,7 +105,7 @@ def test_decodes_sharing_a_prefix_use_the_union_and_match(window, cache_dtype):
         v = torch.cat([prefix_v, torch.randn(own, KV_HEADS, HEAD_DIM, generator=gen)])
         table = shared + [11 + i]
         if own > 1:
-            write_tokens(cache, table, 16, k[16:-1], v[16:-1])
+            write_tokens(cache, 0, table, 16, k[16:-1], v[16:-1])
         slices.append(SequenceSlice(table, 16 + own - 1, 1))
         full_k.append(k)
         full_v.append(v)
