@@ -1,8 +1,9 @@
 """Which int4 KV scheme costs how much perplexity: an experiment on the attention math, not the engine.
 
-The model runs each text window as one sequence without a cache, and every
-attention call sees its keys and values the way an int4 cache would give them
-back (fake quantization), under several schemes:
+The model runs each text window as one sequence without a cache, through a
+contiguous attention context whose every attention call sees its keys and
+values the way an int4 cache would give them back (fake quantization), under
+several schemes:
 
 - per-token groups of 32 / 16 channels (what `kv_cache_dtype="int4"` stores,
   with INT4_GROUP = 32 / 16);
@@ -26,6 +27,7 @@ that margin.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections.abc import Callable
 
@@ -33,8 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import kvserve.kv.quant as quant
-import kvserve.model.llama as llama_module
-from kvserve.kv.attention import attention_mask
+from kvserve.kv.attention import ContiguousContext, attention_mask
 from kvserve.model.loader import load_model
 from kv_quant_accuracy import english_text
 from workloads import save
@@ -72,13 +73,19 @@ def per_channel_int4(block: int = 16) -> FakeQuant:
     return apply
 
 
-def attention_with(k_quant: FakeQuant, v_quant: FakeQuant, recent: int):
-    """An `attend` replacement: keys/values older than `recent` tokens (per query) are read quantized."""
+class FakeQuantContext(ContiguousContext):
+    """The no-cache context, but keys/values older than `recent` tokens (per query) are read quantized."""
 
-    def attend(q, k, v, q_positions, scale, sliding_window=None):
+    def __init__(self, positions: torch.Tensor, layer_windows, k_quant: FakeQuant, v_quant: FakeQuant,
+                 recent: int) -> None:
+        super().__init__(positions, layer_windows)
+        self.k_quant, self.v_quant, self.recent = k_quant, v_quant, recent
+
+    def attend_sequence(self, q, k, v, scale, sliding_window):
+        q_positions, recent = self.positions, self.recent
         num_heads, num_kv_heads = q.shape[0], k.shape[0]
         group = num_heads // num_kv_heads
-        kq, vq = k_quant(k), v_quant(v)
+        kq, vq = self.k_quant(k), self.v_quant(v)
         if recent:
             distance = q_positions[:, None] - torch.arange(k.shape[1])[None, :]
             fresh = distance < recent  # [T, L]: read in full precision
@@ -98,14 +105,17 @@ def attention_with(k_quant: FakeQuant, v_quant: FakeQuant, recent: int):
             out.append(result)
         return torch.cat(out).transpose(0, 1).reshape(q.shape[1], -1)
 
-    return attend
+
+# (positions, layer windows) -> the attention context a window is scored with; None: the plain contiguous one
+ContextFactory = Callable[[torch.Tensor, tuple], ContiguousContext]
 
 
-def perplexity(model, windows: list[list[int]]) -> float:
+def perplexity(model, windows: list[list[int]], make_context: ContextFactory | None = None) -> float:
     nll, count = 0.0, 0
     for window in windows:
-        ids = torch.tensor(window)
-        logits = model(ids, torch.arange(len(window)), None, torch.arange(len(window) - 1))
+        ids, positions = torch.tensor(window), torch.arange(len(window))
+        context = None if make_context is None else make_context(positions, model.layer_windows)
+        logits = model(ids, positions, context, torch.arange(len(window) - 1))
         logprobs = logits.float().log_softmax(-1)
         nll -= logprobs.gather(1, ids[1:, None]).sum().item()
         count += len(window) - 1
@@ -133,17 +143,14 @@ def main() -> None:
         f"K int4 per channel / V g16 + newest {args.recent} fp32": (per_channel_int4(), per_token("int4", 16),
                                                                     args.recent),
     }
-    original = llama_module.attend
     rows = []
-    try:
-        for name, (k_quant, v_quant, recent) in schemes.items():
-            llama_module.attend = attention_with(k_quant, v_quant, recent) if name != "float32" else original
-            ppl = perplexity(loaded.model, windows)
-            change = 100 * (ppl / rows[0]["perplexity"] - 1) if rows else 0.0
-            rows.append({"scheme": name, "perplexity": ppl, "change_pct": change})
-            print(f"{name:<48} ppl {ppl:.4f} ({change:+.2f}%)", flush=True)
-    finally:
-        llama_module.attend = original
+    for name, (k_quant, v_quant, recent) in schemes.items():
+        make_context = None if name == "float32" else functools.partial(
+            FakeQuantContext, k_quant=k_quant, v_quant=v_quant, recent=recent)
+        ppl = perplexity(loaded.model, windows, make_context)
+        change = 100 * (ppl / rows[0]["perplexity"] - 1) if rows else 0.0
+        rows.append({"scheme": name, "perplexity": ppl, "change_pct": change})
+        print(f"{name:<48} ppl {ppl:.4f} ({change:+.2f}%)", flush=True)
     print(f"saved {save('int4_variants', {'tokens': args.windows * args.window, 'rows': rows})}")
 
 

@@ -42,12 +42,25 @@ class ModelConfig:
     # Mistral-style sliding window: a query attends to the last `sliding_window`
     # positions (itself included). None means full attention.
     sliding_window: int | None = None
+    # Per-layer windows where layers differ (Gemma 3: five local layers, then a
+    # global one); None means every layer uses `sliding_window`.
+    layer_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.layer_windows is not None:
+            if len(self.layer_windows) != self.num_layers:
+                raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+            bad = next((w for w in self.layer_windows if w is not None and (not isinstance(w, int) or w < 1)), None)
+            if bad is not None:
+                raise ValueError(f"a layer window must be a positive token count or None, got {bad!r}")
+
+    def window_for_layer(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None = full attention)."""
+        return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
 
     @property
     def attention_kind(self) -> str:
@@ -114,12 +127,17 @@ class EngineConfig:
     enable_kv_cache: bool = True
     # Share the K/V of identical prompt prefixes across requests (DESIGN §3).
     enable_prefix_caching: bool = True
+    # Attention backend by name (kvserve.kv.attention.registry); "auto" picks
+    # the one for the model's device. Unknown names fail when the Engine starts.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.attention_backend, str) or not self.attention_backend:
+            raise ValueError(f"attention_backend must be a backend name such as 'auto', got {self.attention_backend!r}")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
 

@@ -137,12 +137,12 @@ def paged_logits(model, token_ids: list[int], chunks: list[int], block_size: int
     The block table is a scrambled subset of the pool, so wrong addressing
     cannot pass by luck. Returns the logits of every position, step by step.
     """
-    from kvserve.kv.attention import PagedKVContext, SequenceSlice, build_attention_metadata
+    from kvserve.kv.attention import CpuAttentionBackend, SequenceSlice
     from kvserve.kv.spec import kv_spec
-    from kvserve.kv.storage import PagedKVCache
 
+    backend = CpuAttentionBackend()
     num_blocks = -(-len(token_ids) // block_size)
-    cache = PagedKVCache(kv_spec(model.config), num_blocks * 2 + 1, block_size)
+    cache = backend.allocate_kv_cache(kv_spec(model.config), num_blocks * 2 + 1, block_size)
     block_ids = torch.randperm(num_blocks * 2 + 1, generator=torch.Generator().manual_seed(3))[:num_blocks].tolist()
     cache.initialize_blocks_through(max(block_ids))
     for tensor in cache.k + cache.v:
@@ -152,8 +152,17 @@ def paged_logits(model, token_ids: list[int], chunks: list[int], block_size: int
     rows, computed = [], 0
     steps = list(chunks) + [1] * (len(token_ids) - sum(chunks))
     for count in steps:
-        meta = build_attention_metadata([SequenceSlice(block_ids, computed, count)], block_size, model.config.sliding_window)
+        context = backend.build_context(cache, [SequenceSlice(block_ids, computed, count)], model.layer_windows)
         ids = torch.tensor(token_ids[computed : computed + count])
-        rows.append(model(ids, torch.arange(computed, computed + count), PagedKVContext(cache, meta)))
+        rows.append(model(ids, torch.arange(computed, computed + count), context))
         computed += count
     return torch.cat(rows)
+
+
+def write_tokens(cache, layer: int, block_ids: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """What earlier steps wrote: K/V of positions start.. of a request with these blocks, into `layer`."""
+    from kvserve.kv.attention import SequenceSlice, build_attention_metadata
+    from kvserve.kv.attention.cpu import slot_indices
+
+    meta = build_attention_metadata([SequenceSlice(block_ids, start, k.shape[0])], cache.block_size)
+    cache.write(layer, slot_indices(meta.slot_blocks, meta.slot_rows, cache.spec.num_kv_heads, cache.block_size), k, v)

@@ -13,9 +13,9 @@ from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.stats import EngineStats, take_stats, with_added
 from kvserve.errors import InvalidRequestError, KVIntegrityError, KVServeError
+from kvserve.kv.attention import get_attention_backend
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import kv_spec
-from kvserve.kv.storage import PagedKVCache
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.runtime import keep_freed_memory
 
@@ -35,6 +35,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         self.config = config = config or EngineConfig()
         keep_freed_memory()
+        self.attention_backend = get_attention_backend(config.attention_backend)  # fails before the model loads
         self.loaded = loaded or load_model(config.model, config.kv_cache_dtype)
         model_config = self.loaded.config
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
@@ -46,12 +47,12 @@ class Engine:
         if num_blocks < 1:
             raise KVServeError(f"kv_cache_memory of {budget:,} bytes holds no block of {block_bytes:,} bytes "
                                f"({config.block_size} tokens x {self.kv_spec.bytes_per_token:,} bytes/token)")
-        self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, config.block_size)
+        self.kv_cache = self.attention_backend.allocate_kv_cache(self.kv_spec, num_blocks, config.block_size)
         # Without a KV cache there is nothing to share: a hit would skip the recompute.
         self.prefix_caching = config.enable_prefix_caching and config.enable_kv_cache
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=self.prefix_caching)
         self.scheduler = Scheduler(config, self.kv_manager)
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.attention_backend)
         self._ids = itertools.count()
         self._num_steps = self._num_generated_tokens = 0
         self._stats = self._take_stats()

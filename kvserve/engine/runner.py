@@ -13,7 +13,7 @@ import torch
 from kvserve.engine.output import TokenLogprob
 from kvserve.engine.sampling import SamplingParams, make_generator, sample
 from kvserve.engine.scheduler import SchedulerOutput
-from kvserve.kv.attention import PagedKVContext, SequenceSlice, build_attention_metadata
+from kvserve.kv.attention import AttentionBackend, SequenceSlice
 from kvserve.kv.storage import PagedKVCache
 from kvserve.model.llama import LlamaForCausalLM
 
@@ -42,9 +42,11 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, attention: AttentionBackend) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.attention = attention  # the backend that allocated kv_cache
+        self.layer_windows = model.layer_windows  # each layer's attention kind, fixed for the model's life
         self._states: dict[str, _SamplingState] = {}
 
     def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int]) -> None:
@@ -68,7 +70,8 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         prompt_rows: list[tuple[str, int, int, int]] = []  # (request, first position, first row, rows)
-        for item in out.scheduled:
+        order = self.attention.batch_order([len(item.token_ids) for item in out.scheduled])
+        for item in (out.scheduled[i] for i in order):
             count = len(item.token_ids)
             first_row = len(input_ids)
             input_ids.extend(item.token_ids)
@@ -84,12 +87,12 @@ class ModelRunner:
                 if end > item.num_computed_tokens:
                     prompt_rows.append((item.request_id, item.num_computed_tokens, first_row,
                                         end - item.num_computed_tokens))
-        metadata = build_attention_metadata(slices, self.kv_cache.block_size, self.model.config.sliding_window)
+        context = self.attention.build_context(self.kv_cache, slices, self.layer_windows)
         self.kv_cache.initialize_blocks_through(max(max(item.block_ids) for item in out.scheduled))
         logits_rows = torch.cat([torch.tensor(sample_rows, dtype=torch.long)]
                                 + [torch.arange(row, row + count) for _, _, row, count in prompt_rows])
         logits = self.model(
-            torch.tensor(input_ids), torch.cat(positions), PagedKVContext(self.kv_cache, metadata), logits_rows,
+            torch.tensor(input_ids), torch.cat(positions), context, logits_rows,
         )
         result = StepResult(tokens=self._sample(sample_ids, logits[: len(sample_rows)]))
         self._logprobs(result, sample_ids, logits[: len(sample_rows)])

@@ -35,7 +35,7 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # in scheduling order
     preempted: list[str] = field(default_factory=list)
 
     @property
@@ -130,9 +130,8 @@ class Scheduler:
             scheduled[request.request_id] = count
             budget -= count
 
-        # Decodes first in the batch: the runner's attention expects them there.
-        ordered = sorted(scheduled.items(), key=lambda item: item[1] > 1)
-        for request_id, count in ordered:
+        # In scheduling order: the runner lays the batch out in the order its attention backend needs.
+        for request_id, count in scheduled.items():
             request = self.requests[request_id]
             start = request.num_computed_tokens
             out.scheduled.append(ScheduledRequest(

@@ -1,34 +1,43 @@
-"""The paged K/V tensors: per layer `[num_blocks, num_kv_heads, block_size, head_dim]`.
+"""The paged K/V tensors: per layer, one tensor for K and one for V, in the attention backend's layout.
 
-Quantized dtypes store their elements in the same layout (int4 packed, so the
-last dimension is head_dim / 2) plus per-row parameters (scales, minimums)
-in `[num_blocks, num_kv_heads, block_size, num_params]` tensors indexed by the
-same block ids. K/V are encoded on write and decoded only when attention
-gathers the blocks it reads (`gather`).
+The backend chooses the shape (`AttentionBackend.kv_cache_shape`; the cpu
+backend's is `[num_blocks, num_kv_heads, block_size, head_dim]`) with the
+block first and the row width last. Quantized dtypes store their elements in
+the same layout (int4 packed, so the last dimension is head_dim / 2) plus
+per-row parameters (scales, minimums) in tensors of the same layout whose
+last dimension is the number of parameters, indexed by the same block ids.
+K/V are encoded on write and decoded only when attention gathers the blocks
+it reads (`gather`).
 
 Allocated once with torch.empty, so pages are committed only as they are
 used. Never-written memory may hold NaN/inf, and attention multiplies masked
 rows of a partly filled block by a zero probability (0 x NaN = NaN), so every
 block is zeroed before a step first uses it (`initialize_blocks_through`).
 A token at position p of a request lives in block `table[p // block_size]`,
-row `p % block_size`; its flat slot is `block_id * block_size + row`.
+row `p % block_size`; which flat row of a layer's tensor that is depends on
+the layout, so the backend computes the slots it writes to.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from kvserve.kv.quant import PARAM_DTYPE, KVCodec
 from kvserve.kv.spec import KVSpec
 
+# (num_blocks, num_kv_heads, block_size, row_width) -> the shape of one layer's tensor.
+LayerShape = Callable[[int, int, int, int], tuple[int, ...]]
+
 
 @dataclass
 class GatheredKV:
-    """Some blocks of one layer, read for attention: `[NB, num_kv_heads, block_size, head_dim]` each.
+    """Some blocks of one layer, read for attention, in the cache's layout (cpu: `[NB, num_kv_heads,
+    block_size, head_dim]` each).
 
-    With `k_scale`/`v_scale` (`[NB, num_kv_heads, block_size]`), `k`/`v` are
+    With `k_scale`/`v_scale` (that layout without the last dimension), `k`/`v` are
     not yet scaled: attention multiplies the scores by `k_scale` and the
     probabilities by `v_scale`, which is cheaper than rescaling every element.
     """
@@ -40,19 +49,19 @@ class GatheredKV:
 
 
 class _PagedSide:
-    """One side of the pool (K or V): per layer, elements `[num_blocks, KVH, block_size, width]` and
-    parameters `[num_blocks, KVH, block_size, num_params]` (absent for float codecs)."""
+    """One side of the pool (K or V): per layer, elements (row width: the codec's data width) and
+    parameters (row width: the codec's parameter count; absent for float codecs)."""
 
-    def __init__(self, codec: KVCodec, spec: KVSpec, num_blocks: int, block_size: int) -> None:
+    def __init__(self, codec: KVCodec, spec: KVSpec, num_blocks: int, block_size: int, layer_shape: LayerShape) -> None:
         self.codec = codec
         # fp8 is held as raw bytes: CPU torch has no index_copy_/index_select for
         # float8 types, and the bits are the same either way.
         self.raw_fp8 = codec.is_fp8
         container = torch.uint8 if self.raw_fp8 else codec.storage_dtype
-        shape = (num_blocks, spec.num_kv_heads, block_size, codec.data_width(spec.head_dim))
+        shape = layer_shape(num_blocks, spec.num_kv_heads, block_size, codec.data_width(spec.head_dim))
         self.data = [torch.empty(shape, dtype=container) for _ in range(spec.num_layers)]
         num_params = codec.num_params(spec.head_dim)
-        params_shape = (num_blocks, spec.num_kv_heads, block_size, num_params)
+        params_shape = layer_shape(num_blocks, spec.num_kv_heads, block_size, num_params)
         self.params = [torch.empty(params_shape, dtype=PARAM_DTYPE) for _ in range(spec.num_layers)] \
             if num_params else []
 
@@ -79,14 +88,16 @@ class _PagedSide:
 
 
 class PagedKVCache:
+    """The pool; `layer_shape` is the attention backend's layout (`AttentionBackend.allocate_kv_cache`)."""
+
     ZERO_CHUNK_BLOCKS = 64
 
-    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int) -> None:
+    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, layer_shape: LayerShape) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.keys = _PagedSide(spec.k_codec, spec, num_blocks, block_size)
-        self.values = _PagedSide(spec.v_codec, spec, num_blocks, block_size)
+        self.keys = _PagedSide(spec.k_codec, spec, num_blocks, block_size, layer_shape)
+        self.values = _PagedSide(spec.v_codec, spec, num_blocks, block_size, layer_shape)
         self.k, self.v = self.keys.data, self.values.data
         self.k_params, self.v_params = self.keys.params, self.values.params
         # Blocks [0, _zeroed_upto) have been zeroed. A fresh pool hands blocks
@@ -111,16 +122,9 @@ class PagedKVCache:
     def bytes_allocated(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())
 
-    def slot_indices(self, slot_blocks: torch.Tensor, slot_rows: torch.Tensor) -> torch.Tensor:
-        """Rows of the flat `[num_blocks * num_kv_heads * block_size, width]` views for new tokens.
-
-        `[T * num_kv_heads]`, token-major, computed once per step for all layers.
-        """
-        heads = torch.arange(self.spec.num_kv_heads)
-        return ((slot_blocks[:, None] * self.spec.num_kv_heads + heads[None, :]) * self.block_size + slot_rows[:, None]).reshape(-1)
-
     def write(self, layer: int, slot_indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store (encode) new tokens' K/V `[T, num_kv_heads, head_dim]` at their slots (see `slot_indices`)."""
+        """Store (encode) new tokens' K/V `[T, num_kv_heads, head_dim]` at flat rows `slot_indices`
+        (`[T * num_kv_heads]`, token-major, in the backend's layout)."""
         head_dim = self.spec.head_dim
         self.keys.write(layer, slot_indices, k.reshape(-1, head_dim))
         self.values.write(layer, slot_indices, v.reshape(-1, head_dim))

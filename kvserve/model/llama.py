@@ -3,7 +3,7 @@
 Weights arrive with Hugging Face names; Q/K/V and gate/up are fused into one
 matmul each at load time (fewer, larger GEMMs: the decode step is dominated by
 per-call overhead at small batch). Attention reaches the KV cache only through
-the step's `PagedKVContext.attend` (kvserve.kv.attention).
+the forward's `AttentionContext.attend` (kvserve.kv.attention).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError
-from kvserve.kv.attention import PagedKVContext, attend
+from kvserve.kv.attention import AttentionContext, ContiguousContext
 
 
 def rope_inv_freq(config: ModelConfig, freq_divisors: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,13 +56,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        self.sliding_window = config.sliding_window
+        self.sliding_window = config.window_for_layer(layer_index)  # this layer's attention kind
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
@@ -73,7 +73,7 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv: PagedKVContext | None,
+        kv: AttentionContext,
         layer: int,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -83,11 +83,7 @@ class Attention(nn.Module):
         q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if kv is not None:
-            out = kv.attend(layer, q, k, v, self.scale, self.sliding_window)
-        else:  # the input is one whole sequence: attend over its own K/V, keep nothing
-            out = attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), positions, self.scale, self.sliding_window)
-        return self.o_proj(out)
+        return self.o_proj(kv.attend(layer, q, k, v, self.scale))
 
 
 class MLP(nn.Module):
@@ -102,12 +98,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
         self.input_layernorm = nn.Parameter(torch.ones(config.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_index)
         self.mlp = MLP(config)
 
     def forward(self, x, positions, cos, sin, kv, layer) -> torch.Tensor:
@@ -121,16 +117,17 @@ class LlamaForCausalLM(nn.Module):
     """Decoder-only transformer.
 
     `forward(input_ids, positions, kv)` runs a step's N new tokens (of one or
-    many requests) at `positions`; `kv` stores their K/V in the paged cache and
-    attends over what each request has cached. With `kv=None` the tokens must
-    be one whole sequence (the no-cache path).
+    many requests) at `positions`; `kv`, the step's attention context (from the
+    engine's attention backend), stores their K/V and attends over what each
+    request has cached. With `kv=None` the tokens must be one whole sequence,
+    attended over by the contiguous context (nothing stored).
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -193,6 +190,11 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"checkpoint has {len(remaining)} unexpected weights, e.g. {names}")
         return state
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None = full): what an attention context is built for."""
+        return tuple(layer.self_attn.sliding_window for layer in self.layers)
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
@@ -204,12 +206,12 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv: PagedKVContext | None = None,
+        kv: AttentionContext | None = None,
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids/positions `[N]` -> logits `[N, vocab]` (or only the rows in `logits_indices`)."""
-        if kv is None and int(positions[0]) != 0:
-            raise ValueError("without a KV cache the input must be the whole sequence")
+        if kv is None:
+            kv = ContiguousContext(positions, self.layer_windows)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()

@@ -1,8 +1,8 @@
 import pytest
 from kvserve.config import ModelConfig
 from kvserve.errors import InvalidRequestError
+from kvserve.kv.attention import CpuAttentionBackend
 from kvserve.kv.spec import kv_bytes_per_token, kv_spec
-from kvserve.kv.storage import PagedKVCache
 
 
 def _config(**overrides) -> ModelConfig:
@@ -43,5 +43,5 @@ def test_unknown_dtype_is_rejected():
                                    "int8/int4", "float16/fp8_e5m2"])
 def test_paged_pool_allocates_what_the_spec_says(dtype):
     config = _config(num_layers=2, num_kv_heads=2, head_dim=16, num_heads=4, hidden_size=64)
-    cache = PagedKVCache(kv_spec(config, dtype), num_blocks=5, block_size=4)
+    cache = CpuAttentionBackend().allocate_kv_cache(kv_spec(config, dtype), num_blocks=5, block_size=4)
     assert cache.bytes_allocated == 5 * 4 * kv_bytes_per_token(config, dtype)

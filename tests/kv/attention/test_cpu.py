@@ -1,14 +1,17 @@
-"""Paged attention for a mixed batch (several decodes + prefill chunks) against per-sequence SDPA."""
+"""The cpu backend: paged attention for a mixed batch (several decodes + prefill chunks) against per-sequence SDPA."""
 
 import pytest
 import torch
 
-from kvserve.kv.attention import PagedKVContext, SequenceSlice, attend, attention_mask, build_attention_metadata
+from kvserve.kv.attention import (CpuAttentionBackend, PagedKVContext, SequenceSlice, attend, attention_mask,
+                                  build_attention_metadata)
 from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import PagedKVCache
+from tests.helpers import write_tokens
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
 CACHE_DTYPES = ["float32", "float16", "bfloat16", "int8", "int4", "fp8_e4m3", "fp8_e5m2", "int8/int4"]
+CPU = CpuAttentionBackend()
 
 
 def poison(cache: PagedKVCache) -> None:
@@ -29,7 +32,7 @@ def test_mixed_batch_matches_per_sequence_attention(window, cache_dtype):
     gen = torch.Generator().manual_seed(0)
     # (tokens already cached, tokens computed this step): three decodes, then two prefill chunks.
     shapes = [(0, 1), (9, 1), (16, 1), (0, 7), (6, 5)]
-    cache = PagedKVCache(KVSpec(1, KV_HEADS, HEAD_DIM, cache_dtype), num_blocks=40, block_size=BLOCK)
+    cache = CPU.allocate_kv_cache(KVSpec(1, KV_HEADS, HEAD_DIM, cache_dtype), num_blocks=40, block_size=BLOCK)
     poison(cache)
     free = torch.randperm(40, generator=gen).tolist()
     full_k, full_v, slices = [], [], []
@@ -40,8 +43,7 @@ def test_mixed_batch_matches_per_sequence_attention(window, cache_dtype):
         k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
         v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
         if cached:  # what earlier steps wrote
-            prior = build_attention_metadata([SequenceSlice(table, 0, cached)], BLOCK)
-            cache.write(0, cache.slot_indices(prior.slot_blocks, prior.slot_rows), k[:cached], v[:cached])
+            write_tokens(cache, 0, table, 0, k[:cached], v[:cached])
         full_k.append(k)
         full_v.append(v)
         slices.append(SequenceSlice(table, cached, new))
@@ -50,7 +52,7 @@ def test_mixed_batch_matches_per_sequence_attention(window, cache_dtype):
     q = torch.randn(sum(n for _, n in shapes), HEADS, HEAD_DIM, generator=gen)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes)])
-    out = PagedKVContext(cache, meta).attend(0, q, new_k, new_v, HEAD_DIM**-0.5, window)
+    out = PagedKVContext(cache, [meta]).attend(0, q, new_k, new_v, HEAD_DIM**-0.5)
 
     row = 0
     for (cached, new), k, v in zip(shapes, full_k, full_v):
@@ -74,7 +76,7 @@ def test_block_table_too_short_is_refused():
 
 
 def test_initialize_blocks_zeroes_each_block_once():
-    cache = PagedKVCache(KVSpec(2, KV_HEADS, HEAD_DIM, "float32"), num_blocks=200, block_size=BLOCK)
+    cache = CPU.allocate_kv_cache(KVSpec(2, KV_HEADS, HEAD_DIM, "float32"), num_blocks=200, block_size=BLOCK)
     for t in cache.k + cache.v:
         t.fill_(float("nan"))
     cache.initialize_blocks_through(3)  # blocks 1 and 3 are about to be used
@@ -88,15 +90,14 @@ def test_initialize_blocks_zeroes_each_block_once():
 @pytest.mark.parametrize("cache_dtype", ["float32", "int8", "int4", "fp8_e4m3", "int8/int4"])
 def test_decodes_sharing_a_prefix_use_the_union_and_match(window, cache_dtype):
     gen = torch.Generator().manual_seed(1)
-    cache = PagedKVCache(KVSpec(1, KV_HEADS, HEAD_DIM, cache_dtype), num_blocks=40, block_size=BLOCK)
+    cache = CPU.allocate_kv_cache(KVSpec(1, KV_HEADS, HEAD_DIM, cache_dtype), num_blocks=40, block_size=BLOCK)
     shared = [5, 9, 2, 30]  # a 16-token prefix in four blocks
     prefix_k = torch.randn(16, KV_HEADS, HEAD_DIM, generator=gen)
     prefix_v = torch.randn(16, KV_HEADS, HEAD_DIM, generator=gen)
     cache.initialize_blocks_through(max(shared + [11, 12, 13, 14, 15, 16]))
     cache.k[0].fill_(100)  # stale, finite garbage in rows not written below
     cache.v[0].fill_(-100)
-    prior = build_attention_metadata([SequenceSlice(shared, 0, 16)], BLOCK)
-    cache.write(0, cache.slot_indices(prior.slot_blocks, prior.slot_rows), prefix_k, prefix_v)
+    write_tokens(cache, 0, shared, 0, prefix_k, prefix_v)
     # six requests: the shared prefix + 1..6 tokens of their own in one private block each
     slices, full_k, full_v = [], [], []
     for i, own in enumerate([1, 2, 3, 4, 2, 1]):
@@ -104,8 +105,7 @@ def test_decodes_sharing_a_prefix_use_the_union_and_match(window, cache_dtype):
         v = torch.cat([prefix_v, torch.randn(own, KV_HEADS, HEAD_DIM, generator=gen)])
         table = shared + [11 + i]
         if own > 1:
-            done = build_attention_metadata([SequenceSlice(table, 16, own - 1)], BLOCK)
-            cache.write(0, cache.slot_indices(done.slot_blocks, done.slot_rows), k[16:-1], v[16:-1])
+            write_tokens(cache, 0, table, 16, k[16:-1], v[16:-1])
         slices.append(SequenceSlice(table, 16 + own - 1, 1))
         full_k.append(k)
         full_v.append(v)
@@ -114,7 +114,7 @@ def test_decodes_sharing_a_prefix_use_the_union_and_match(window, cache_dtype):
     q = torch.randn(6, HEADS, HEAD_DIM, generator=gen)
     new_k = torch.stack([k[-1] for k in full_k])
     new_v = torch.stack([v[-1] for v in full_v])
-    out = PagedKVContext(cache, meta).attend(0, q, new_k, new_v, HEAD_DIM**-0.5, window)
+    out = PagedKVContext(cache, [meta]).attend(0, q, new_k, new_v, HEAD_DIM**-0.5)
     for i, (k, v) in enumerate(zip(full_k, full_v)):
         k, v = stored(cache.keys, k), stored(cache.values, v)
         expected = attend(q[i : i + 1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),

@@ -1,0 +1,95 @@
+"""The attention seam: what a backend owns and what the model sees.
+
+The model's attention layers see only an `AttentionContext` (one per
+forward): `attend(layer, q, k, v, scale)`. Everything about where K/V live
+and how a step's mixed batch is attended over belongs to the
+`AttentionBackend` that built the context: the KV cache layout it wants, the
+order of requests in the batch, the step's metadata and the kernels.
+
+Layers differ only in their attention *kind*, i.e. their sliding window
+(None = full attention). A backend builds the window-dependent part of a
+step's metadata once per distinct window, never once per layer, and each
+layer attends with its own kind's.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+import torch
+
+from kvserve.kv.spec import KVSpec
+from kvserve.kv.storage import PagedKVCache
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceSlice:
+    """One request's part of a step: its block table, tokens already cached, tokens computed now."""
+
+    block_ids: Sequence[int]
+    num_computed_tokens: int
+    num_new_tokens: int
+
+
+class AttentionContext(ABC):
+    """What the model's attention layers see for one forward.
+
+    Built by a backend for one step; valid for that forward only.
+    """
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """The forward's N new tokens of `layer`: q `[N, H, D]`, k/v `[N, KVH, D]` (RoPE applied) -> `[N, H * D]`.
+
+        Stores the new K/V wherever the backend keeps them (if anywhere), then
+        attends each token over its own sequence's keys up to and including its
+        position, within `layer`'s sliding window. Rows come back in the order
+        of the batch. GQA: H is a multiple of KVH; K/V are never repeated.
+        """
+
+
+class AttentionBackend(ABC):
+    """One way of storing K/V and attending over them (the `cpu` kernels; later `cuda`).
+
+    Contract, per step: the runner orders the scheduled requests with
+    `batch_order`, lays their new tokens out in that order, builds the
+    context with `build_context` from the requests' slices (same order) and
+    the model's per-layer windows, and hands the context to the model's
+    forward. The cache it attends over was allocated by `allocate_kv_cache`.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, block_size: int, row_width: int) -> tuple[int, ...]:
+        """Shape of one layer's K (or V, or quantization-parameter) tensor in the pool.
+
+        `row_width` is the stored width of one (token, KV head) row: elements
+        (packed for int4) or parameters. Dimension 0 must be the block and the
+        last one the row width (storage writes flat rows and reads whole blocks).
+        """
+
+    def allocate_kv_cache(self, spec: KVSpec, num_blocks: int, block_size: int) -> PagedKVCache:
+        """The paged pool, laid out as this backend wants it."""
+        return PagedKVCache(spec, num_blocks, block_size, self.kv_cache_shape)
+
+    def batch_order(self, num_new_tokens: Sequence[int]) -> list[int]:
+        """A permutation of the scheduled requests (given by their new-token counts): the batch order.
+
+        The default keeps the scheduler's order. Correctness never depends on
+        it; a backend that batches some requests together (decodes) asks for
+        them to be adjacent.
+        """
+        return list(range(len(num_new_tokens)))
+
+    @abstractmethod
+    def build_context(
+        self, cache: PagedKVCache, slices: Sequence[SequenceSlice], layer_windows: Sequence[int | None]
+    ) -> AttentionContext:
+        """The step's context: `slices` in batch order, `layer_windows[i]` = layer i's window (None = full).
+
+        Block tables must cover every token computed this step. The
+        window-dependent metadata is built once per distinct window.
+        """

@@ -1,0 +1,36 @@
+"""The contiguous backend: the forward's tokens are one whole sequence that attends over its own K/V.
+
+Nothing is stored, so there is no cache layout, batch order or block
+metadata to own: the context is all there is. The model uses it when its
+forward gets no context (tests, perplexity scripts); subclasses may replace
+`attend_sequence` to study the attention math (bench/int4_variants.py reads
+K/V back as a quantized cache would give them).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvserve.kv.attention.base import AttentionContext
+from kvserve.kv.attention.reference import attend
+
+
+class ContiguousContext(AttentionContext):
+    """`positions` `[N]` (0..N-1: the whole sequence); `layer_windows[i]` = layer i's window (None = full)."""
+
+    def __init__(self, positions: torch.Tensor, layer_windows: Sequence[int | None]) -> None:
+        if positions.numel() == 0 or int(positions[0]) != 0:
+            raise ValueError("without a KV cache the input must be the whole sequence")
+        self.positions = positions
+        self.layer_windows = layer_windows
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.attend_sequence(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale,
+                                    self.layer_windows[layer])
+
+    def attend_sequence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        sliding_window: int | None) -> torch.Tensor:
+        """q `[H, N, D]`, k/v `[KVH, N, D]` of one layer -> `[N, H * D]`."""
+        return attend(q, k, v, self.positions, scale, sliding_window)

@@ -1,0 +1,81 @@
+"""The `cpu` attention backend: paged K/V, split-KV / union decode, SDPA prefill chunks.
+
+Cache layout per layer: `[num_blocks, num_kv_heads, block_size, row_width]`,
+so one (block, KV head) is a contiguous `[block_size, head_dim]` matrix that
+the decode kernels multiply directly. Batch order: decodes first, so all of
+them run as one batched decode (cpu_decode.py); prefill chunks (compute-bound)
+gather their request's blocks and run SDPA with a bottom-right-aligned causal
+mask (reference.py).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvserve.kv.attention.base import AttentionBackend, AttentionContext, SequenceSlice
+from kvserve.kv.attention.cpu_decode import split_kv_decode, union_decode
+from kvserve.kv.attention.cpu_metadata import AttentionMetadata, build_step_metadata
+from kvserve.kv.attention.reference import attend
+from kvserve.kv.storage import PagedKVCache
+
+
+def slot_indices(slot_blocks: torch.Tensor, slot_rows: torch.Tensor, num_kv_heads: int, block_size: int) -> torch.Tensor:
+    """Rows of the flat `[num_blocks * num_kv_heads * block_size, width]` views for new tokens.
+
+    `[T * num_kv_heads]`, token-major (as `k.reshape(-1, head_dim)`), computed
+    once per step for all layers.
+    """
+    heads = torch.arange(num_kv_heads)
+    return ((slot_blocks[:, None] * num_kv_heads + heads[None, :]) * block_size + slot_rows[:, None]).reshape(-1)
+
+
+class PagedKVContext(AttentionContext):
+    """The paged cache plus this step's metadata, one `AttentionMetadata` per layer (shared within a kind)."""
+
+    def __init__(self, cache: PagedKVCache, layer_metadata: Sequence[AttentionMetadata]) -> None:
+        self.cache = cache
+        self.layer_metadata = layer_metadata
+        # Every kind of a step shares the same slots.
+        first = layer_metadata[0]
+        self._slots = slot_indices(first.slot_blocks, first.slot_rows, cache.spec.num_kv_heads, cache.block_size)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        meta = self.layer_metadata[layer]
+        cache = self.cache
+        cache.write(layer, self._slots, k, v)
+        outputs = []
+        if meta.decode is not None:
+            queries = q[: meta.num_decode_tokens]
+            if meta.decode.union_block_ids is not None:
+                kv = cache.gather(layer, meta.decode.union_block_ids, q.dtype, fold_scales=True)
+                outputs.append(union_decode(queries, kv, meta.decode, scale))
+            else:
+                kv = cache.gather(layer, meta.decode.block_ids, q.dtype, fold_scales=True)
+                outputs.append(split_kv_decode(queries, kv, meta.decode, scale))
+        for p in meta.prefills:
+            kv = cache.gather(layer, p.block_ids, q.dtype)
+            num_kv_heads, head_dim = kv.k.shape[1], kv.k.shape[3]
+            keys = kv.k.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, : p.seq_len]
+            values = kv.v.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, : p.seq_len]
+            queries = q[p.query_start : p.query_end].transpose(0, 1)
+            outputs.append(attend(queries, keys, values, p.positions, scale, meta.sliding_window))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+class CpuAttentionBackend(AttentionBackend):
+    name = "cpu"
+
+    def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, block_size: int, row_width: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, row_width)
+
+    def batch_order(self, num_new_tokens: Sequence[int]) -> list[int]:
+        """Decodes (one new token) first, the rest after; stable within each group."""
+        return sorted(range(len(num_new_tokens)), key=lambda i: num_new_tokens[i] > 1)
+
+    def build_context(
+        self, cache: PagedKVCache, slices: Sequence[SequenceSlice], layer_windows: Sequence[int | None]
+    ) -> PagedKVContext:
+        kinds = build_step_metadata(slices, cache.block_size, layer_windows)
+        return PagedKVContext(cache, [kinds[window] for window in layer_windows])

@@ -1,0 +1,82 @@
+"""The `cpu` backend's decode kernels: one query token per request, over its cached blocks.
+
+Split-KV ("flash-decoding") over only the valid blocks of every request at
+once: scores per (request, block), a per-block max and sum, then a max/sum
+merge per request. No padding to the longest request, no per-request Python
+loop; DESIGN §3 records it ~1.5x faster than a per-sequence SDPA loop on this
+CPU. When the decoding requests share many blocks (a common prefix, or a
+single request), one SDPA runs over the union of their blocks, each read
+once, with a per-request mask: split-KV would gather a shared prefix once per
+request (W3 with caching: 17.9 s -> 12.0 s).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kv.attention.cpu_metadata import DecodeMetadata
+from kvserve.kv.storage import GatheredKV
+
+
+def split_kv_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale: float) -> torch.Tensor:
+    """q `[B, H, D]` (one token per request) -> `[B, H * D]`, over the gathered valid blocks `kv`.
+
+    Per-row K/V scales of a quantized cache are folded in: into the scores for
+    K, into the probabilities for V (after the softmax sums, which they do not
+    change).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv.k.shape[1]
+    group = num_heads // num_kv_heads
+    queries = q.view(num_seqs, num_kv_heads, group, head_dim).index_select(0, meta.seq_index)  # [NB, KVH, G, D]
+    scores = torch.matmul(queries, kv.k.transpose(-1, -2)).mul_(scale)  # [NB, KVH, G, bs]
+    if kv.k_scale is not None:
+        scores.mul_(kv.k_scale[:, :, None, :])
+    scores.masked_fill_(~meta.key_valid[:, None, None, :], float("-inf"))
+    block_max = scores.amax(dim=-1, keepdim=True)  # finite: every listed block has a valid key
+    probs = torch.exp(scores - block_max)
+    block_sum = probs.sum(dim=-1, keepdim=True)
+    if kv.v_scale is not None:
+        probs.mul_(kv.v_scale[:, :, None, :])
+    block_out = torch.matmul(probs, kv.v)  # [NB, KVH, G, D]
+    # Merge the blocks of each request: rescale to the request's global max.
+    seq_max = torch.full((num_seqs, num_kv_heads, group, 1), float("-inf"))
+    index = meta.seq_index.view(-1, 1, 1, 1).expand_as(block_max)
+    seq_max.scatter_reduce_(0, index, block_max, reduce="amax")
+    weight = torch.exp(block_max - seq_max[meta.seq_index])
+    out = torch.zeros(num_seqs, num_kv_heads, group, head_dim).index_add_(0, meta.seq_index, block_out * weight)
+    norm = torch.zeros(num_seqs, num_kv_heads, group, 1).index_add_(0, meta.seq_index, block_sum * weight)
+    return (out / norm).view(num_seqs, num_heads * head_dim)
+
+
+def union_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale: float) -> torch.Tensor:
+    """q `[B, H, D]` -> `[B, H * D]`: attention over the union of the requests' blocks (`kv`), each read once.
+
+    Float blocks go through SDPA. Blocks with per-row scales (int8/fp8) use the
+    same math written out, with the scales folded into the scores and the
+    probabilities rather than multiplied into every element of K and V.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv.k.shape[1]
+    keys = kv.k.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+    values = kv.v.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+    if kv.k_scale is None and kv.v_scale is None:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=meta.union_mask,
+            scale=scale, enable_gqa=num_heads != num_kv_heads,
+        )  # [1, H, B, D]
+        return out[0].transpose(0, 1).reshape(num_seqs, num_heads * head_dim)
+    group = num_heads // num_kv_heads
+    # Rows ordered (head in group, request): [KVH, G * B, D]
+    queries = q.view(num_seqs, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_dim)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)  # [KVH, G * B, U * bs]
+    if kv.k_scale is not None:
+        scores.mul_(kv.k_scale.transpose(0, 1).reshape(num_kv_heads, 1, -1))
+    mask = meta.union_mask.repeat(group, 1)  # [G * B, U * bs], same row order
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if kv.v_scale is not None:
+        probs.mul_(kv.v_scale.transpose(0, 1).reshape(num_kv_heads, 1, -1))
+    out = torch.matmul(probs, values)  # [KVH, G * B, D]
+    return out.view(num_kv_heads, group, num_seqs, head_dim).permute(2, 0, 1, 3).reshape(num_seqs, -1)

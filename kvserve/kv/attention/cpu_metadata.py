@@ -1,0 +1,136 @@
+"""The `cpu` backend's step metadata: where new K/V go and which blocks each request reads.
+
+A step's batch is a flat list of tokens from several requests, decode tokens
+first (one per request), then prefill chunks. The window-independent part
+(slots, prefill chunks) is built once per step; the decode part depends on
+the attention kind (sliding window) and is built once per distinct window.
+Prefill chunks apply their kind's window in the mask at attention time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from kvserve.kv.attention.base import SequenceSlice
+
+
+@dataclass
+class DecodeMetadata:
+    num_seqs: int
+    block_ids: torch.Tensor  # [NB] every valid block of every decoding request, request by request
+    seq_index: torch.Tensor  # [NB] which decoding request each block belongs to
+    key_valid: torch.Tensor  # [NB, block_size] which rows of each block the query may see
+    # When requests share many blocks (a common prefix), attention runs over
+    # the union of their blocks, each read once, with a per-request mask.
+    union_block_ids: torch.Tensor | None = None  # [U]
+    union_mask: torch.Tensor | None = None  # [num_seqs, U * block_size]
+
+
+# Use the union when it is at most this many times smaller than the
+# (request, block) pairs times requests: the dense scores cost num_seqs x U
+# blocks, split-KV costs one gathered block per pair.
+UNION_SHARING_FACTOR = 4
+
+
+def _with_union(meta: DecodeMetadata, block_size: int) -> DecodeMetadata:
+    union, inverse = torch.unique(meta.block_ids, return_inverse=True)
+    if union.numel() * meta.num_seqs > UNION_SHARING_FACTOR * meta.block_ids.numel():
+        return meta  # little sharing: split-KV reads less
+    mask = torch.zeros(meta.num_seqs, union.numel(), block_size, dtype=torch.bool)
+    mask[meta.seq_index, inverse] = meta.key_valid
+    meta.union_block_ids, meta.union_mask = union, mask.view(meta.num_seqs, -1)
+    return meta
+
+
+@dataclass
+class PrefillMetadata:
+    query_start: int  # rows of the step's token batch
+    query_end: int
+    block_ids: torch.Tensor  # the request's blocks covering keys 0..seq_len-1
+    seq_len: int
+    positions: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """One attention kind's view of a step. Kinds of one step share the slots and prefill list."""
+
+    slot_blocks: torch.Tensor  # [N] block of each new token
+    slot_rows: torch.Tensor  # [N] row within that block
+    num_decode_tokens: int
+    decode: DecodeMetadata | None
+    prefills: list[PrefillMetadata] = field(default_factory=list)
+    sliding_window: int | None = None  # this kind's window (None = full attention)
+
+
+def _decode_metadata(
+    decodes: Sequence[tuple[Sequence[int], int]], block_size: int, sliding_window: int | None
+) -> DecodeMetadata | None:
+    """Decode metadata for (block table, query position) pairs, reading only blocks inside the window."""
+    if not decodes:
+        return None
+    dec_blocks: list[int] = []
+    dec_seq: list[int] = []
+    dec_block_start: list[int] = []
+    dec_lo: list[int] = []
+    dec_qpos: list[int] = []
+    for seq, (block_ids, q_pos) in enumerate(decodes):
+        lo = max(0, q_pos - sliding_window + 1) if sliding_window else 0
+        for index in range(lo // block_size, q_pos // block_size + 1):
+            dec_blocks.append(block_ids[index])
+            dec_seq.append(seq)
+            dec_block_start.append(index * block_size)
+            dec_lo.append(lo)
+            dec_qpos.append(q_pos)
+    key_pos = torch.tensor(dec_block_start)[:, None] + torch.arange(block_size)[None, :]
+    key_valid = (key_pos <= torch.tensor(dec_qpos)[:, None]) & (key_pos >= torch.tensor(dec_lo)[:, None])
+    return _with_union(DecodeMetadata(len(decodes), torch.tensor(dec_blocks), torch.tensor(dec_seq), key_valid),
+                       block_size)
+
+
+def build_step_metadata(
+    slices: Sequence[SequenceSlice], block_size: int, windows: Iterable[int | None]
+) -> dict[int | None, AttentionMetadata]:
+    """Metadata per distinct window in `windows`, for a step whose token batch is `slices` in order.
+
+    Single-token slices before the first longer one are decodes (the batch
+    order puts them there); any later one is attended as a one-token prefill.
+    """
+    slot_blocks: list[int] = []
+    slot_rows: list[int] = []
+    decodes: list[tuple[Sequence[int], int]] = []  # (block table, query position)
+    prefills: list[PrefillMetadata] = []
+    row = 0
+    for s in slices:
+        start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+        if len(s.block_ids) * block_size < end:
+            raise ValueError(f"block table of {len(s.block_ids)} blocks cannot hold {end} tokens")
+        for position in range(start, end):
+            slot_blocks.append(s.block_ids[position // block_size])
+            slot_rows.append(position % block_size)
+        if s.num_new_tokens == 1 and not prefills:
+            decodes.append((s.block_ids, start))
+        else:
+            prefills.append(PrefillMetadata(
+                row, row + s.num_new_tokens,
+                torch.tensor(list(s.block_ids[: -(-end // block_size)]), dtype=torch.long),
+                end, torch.arange(start, end),
+            ))
+        row += s.num_new_tokens
+    slot_blocks_t = torch.tensor(slot_blocks, dtype=torch.long)
+    slot_rows_t = torch.tensor(slot_rows, dtype=torch.long)
+    return {
+        window: AttentionMetadata(slot_blocks_t, slot_rows_t, len(decodes),
+                                  _decode_metadata(decodes, block_size, window), prefills, window)
+        for window in dict.fromkeys(windows)  # distinct, in order
+    }
+
+
+def build_attention_metadata(
+    slices: Sequence[SequenceSlice], block_size: int, sliding_window: int | None = None
+) -> AttentionMetadata:
+    """Metadata of one attention kind (see `build_step_metadata`)."""
+    return build_step_metadata(slices, block_size, (sliding_window,))[sliding_window]

@@ -1,0 +1,119 @@
+"""Per-layer attention kinds: a layer whose window differs from its neighbours attends with its own, on decode too."""
+
+import pytest
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.kv.attention import CpuAttentionBackend, SequenceSlice, attend
+from kvserve.kv.spec import KVSpec
+from kvserve.model.loader import load_model
+from tests.helpers import TINY_VOCAB, build_hf_model, paged_logits, save_hf_model, write_tokens
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
+LAYER_WINDOWS = (None, 5, None)
+SCALE = HEAD_DIM**-0.5
+CPU = CpuAttentionBackend()
+
+
+def run_layers(cache_dtype: str, tables: list[list[int]], lengths: list[tuple[int, int]], layer_windows=LAYER_WINDOWS):
+    """Requests with block `tables` and (tokens cached, tokens new) `lengths`: every layer's output and reference."""
+    gen = torch.Generator().manual_seed(0)
+    spec = KVSpec(len(layer_windows), KV_HEADS, HEAD_DIM, cache_dtype)
+    cache = CPU.allocate_kv_cache(spec, num_blocks=40, block_size=BLOCK)
+    cache.initialize_blocks_through(39)
+    full_k, full_v = [], []  # [layer][request]
+    for layer in range(len(layer_windows)):
+        ks = [torch.randn(c + n, KV_HEADS, HEAD_DIM, generator=gen) for c, n in lengths]
+        vs = [torch.randn(c + n, KV_HEADS, HEAD_DIM, generator=gen) for c, n in lengths]
+        # Shared blocks hold the same keys for every request that lists them.
+        for i in range(1, len(tables)):
+            shared = 0
+            while shared < min(len(tables[0]), len(tables[i])) and tables[i][shared] == tables[0][shared]:
+                shared += 1
+            ks[i][: shared * BLOCK] = ks[0][: shared * BLOCK]
+            vs[i][: shared * BLOCK] = vs[0][: shared * BLOCK]
+        for table, (cached, _), k, v in zip(tables, lengths, ks, vs):
+            if cached:
+                write_tokens(cache, layer, table, 0, k[:cached], v[:cached])
+        full_k.append(ks)
+        full_v.append(vs)
+    slices = [SequenceSlice(table, c, n) for table, (c, n) in zip(tables, lengths)]
+    context = CPU.build_context(cache, slices, layer_windows)
+    num_tokens = sum(n for _, n in lengths)
+    outputs, expected = [], []
+    for layer, window in enumerate(layer_windows):
+        q = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=gen)
+        new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k[layer], lengths)])
+        new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v[layer], lengths)])
+        outputs.append(context.attend(layer, q, new_k, new_v, SCALE))
+        row, reference = 0, []
+        for (cached, new), k, v in zip(lengths, full_k[layer], full_v[layer]):
+            k = cache.keys.codec.decode(*cache.keys.codec.encode(k), torch.float32)
+            v = cache.values.codec.decode(*cache.values.codec.encode(v), torch.float32)
+            reference.append(attend(q[row : row + new].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                    torch.arange(cached, cached + new), SCALE, window))
+            row += new
+        expected.append(torch.cat(reference))
+    return context, outputs, expected
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8", "int4"])
+def test_split_kv_decode_uses_each_layers_window(cache_dtype):
+    # Six decodes in private blocks (split-KV: no sharing) and a prefill chunk; positions reach past the window.
+    lengths = [(13, 1), (9, 1), (6, 1), (15, 1), (4, 1), (11, 1), (10, 4)]
+    free = torch.randperm(40, generator=torch.Generator().manual_seed(2)).tolist()
+    tables = [[free.pop() for _ in range(-(-(c + n) // BLOCK))] for c, n in lengths]
+    context, outputs, expected = run_layers(cache_dtype, tables, lengths)
+    assert all(m.decode.union_block_ids is None for m in context.layer_metadata)  # the split-KV path
+    for out, ref in zip(outputs, expected):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # The windowed layer reads fewer blocks, so the window decides its result.
+    assert context.layer_metadata[1].decode.block_ids.numel() < context.layer_metadata[0].decode.block_ids.numel()
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+def test_union_decode_uses_each_layers_window(cache_dtype):
+    # Six decodes sharing a 16-token prefix (the union path), each with a private last block.
+    shared = [5, 9, 2, 30]
+    tables = [shared + [11 + i] for i in range(6)]
+    lengths = [(16 + own - 1, 1) for own in [1, 2, 3, 4, 2, 1]]
+    context, outputs, expected = run_layers(cache_dtype, tables, lengths)
+    assert context.layer_metadata[0].decode.union_block_ids is not None
+    for out, ref in zip(outputs, expected):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_metadata_is_built_once_per_window_kind():
+    context = CPU.build_context(CPU.allocate_kv_cache(KVSpec(4, KV_HEADS, HEAD_DIM, "float32"), 8, BLOCK),
+                                [SequenceSlice([0, 1, 2], 9, 1), SequenceSlice([3, 4], 0, 6)], (None, 5, None, 5))
+    first, second, third, fourth = context.layer_metadata
+    assert first is third and second is fourth and first is not second
+    assert (first.sliding_window, second.sliding_window) == (None, 5)
+    assert first.slot_blocks is second.slot_blocks and first.prefills is second.prefills  # shared, not rebuilt
+
+
+def test_a_model_layer_with_its_own_window_decodes_like_the_recompute(tmp_path):
+    # The middle layer of a 3-layer model gets a 5-token window; its neighbours attend to everything.
+    model = load_model(save_hf_model(build_hf_model("llama-gqa"), tmp_path)).model
+    token_ids = torch.randint(0, TINY_VOCAB, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    full = paged_logits(model, token_ids, [8])
+    model.layers[1].self_attn.sliding_window = 5
+    assert model.layer_windows == (None, 5, None)
+    cached = paged_logits(model, token_ids, [8])  # one prefill, then 16 decode steps through the cache
+    recomputed = model(torch.tensor(token_ids), torch.arange(len(token_ids)))  # the contiguous context
+    assert (cached - recomputed).abs().max().item() <= 1e-4
+    assert torch.allclose(cached[:5], full[:5], atol=1e-5)  # inside the window nothing changes
+    assert not torch.allclose(cached[-1], full[-1], atol=1e-3)  # past it the window is applied
+
+
+def test_model_config_gives_each_layer_its_window():
+    base = dict(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=3,
+                num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+                rope_theta=10000.0)
+    assert [ModelConfig(**base, sliding_window=8).window_for_layer(i) for i in range(3)] == [8, 8, 8]
+    mixed = ModelConfig(**base, sliding_window=8, layer_windows=(4, 4, None))
+    assert [mixed.window_for_layer(i) for i in range(3)] == [4, 4, None]
+    with pytest.raises(ValueError, match="layer_windows has 2 entries for 3 layers"):
+        ModelConfig(**base, layer_windows=(4, None))
+    with pytest.raises(ValueError, match="positive token count or None, got 0"):
+        ModelConfig(**base, layer_windows=(4, 0, None))
