@@ -1,8 +1,9 @@
-"""Hugging Face checkpoint directory (config.json + *.safetensors) -> ModelConfig + fp32 weights."""
+"""Hugging Face checkpoint directory (config.json + *.safetensors) -> ModelConfig + a stream of named tensors."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +11,7 @@ import torch
 
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.errors import ModelLoadError, UnsupportedModelError
-
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from kvserve.model.registry import HF, find_architecture
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
@@ -44,11 +44,7 @@ def read_config(directory: Path) -> ModelConfig:
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
     architectures = cfg.get("architectures") or []
-    arch = architectures[0] if architectures else None
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    arch = find_architecture(architectures[0] if architectures else None, HF).name
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"activation {cfg['hidden_act']!r} is not supported (only silu)")
     num_heads = int(cfg["num_attention_heads"])
@@ -82,20 +78,25 @@ def read_config(directory: Path) -> ModelConfig:
     )
 
 
-def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
+def read_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every *.safetensors file, read one at a time, in the file's dtype."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{directory} has no *.safetensors weight files")
-    weights: dict[str, torch.Tensor] = {}
+    return _stream_safetensors(files)
+
+
+def _stream_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
     for file in files:
-        for name, tensor in load_file(str(file)).items():
-            weights[name] = tensor.float()
-    return weights
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
 
 
-def load_checkpoint(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_checkpoint(directory: str | Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """The model's config and its weights as a stream (nothing is read until it is iterated)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ModelLoadError(f"model directory not found: {directory}")

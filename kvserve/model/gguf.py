@@ -1,13 +1,14 @@
-"""GGUF file -> ModelConfig + fp32 weights (Hugging Face names) + tokenizer metadata.
+"""GGUF file -> ModelConfig + a stream of fp32 tensors (Hugging Face names) + tokenizer metadata.
 
 The container is read by `gguf_file` (a memory map; nothing is copied until a
-tensor is dequantized). Dequantization is ours (`gguf_quants`), per tensor,
-because files often mix types (SmolLM2's Q4_1 file keeps its embedding in Q8_0
-and its norms in F32).
+tensor is dequantized). Dequantization is ours (`gguf_quants`), per tensor, as
+the loader streams it into the model, because files often mix types
+(SmolLM2's Q4_1 file keeps its embedding in Q8_0 and its norms in F32).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,7 @@ from kvserve.config import ModelConfig, RopeScaling
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.model.gguf_file import GGUFFile
 from kvserve.model.gguf_quants import dequantize, ggml_type_name, tensor_nbytes
-
-# GGUF architectures we run, and whether llama.cpp's converter permuted the
-# rows of Q and K for them (it does for "llama", whose ggml RoPE is the
-# interleaved kind; Qwen2 uses NEOX RoPE and is stored unpermuted).
-_ARCHITECTURES: dict[str, bool] = {"llama": True, "qwen2": False}
+from kvserve.model.registry import GGUF, Architecture, find_architecture
 
 _LAYER_TENSORS: dict[str, str] = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -48,10 +45,30 @@ _GLOBAL_TENSORS: dict[str, str] = {
 @dataclass
 class GGUFModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    file: GGUFFile
+    permuted_qk: bool  # llama.cpp permuted the rows of Q and K (see registry)
     # tokenizer.* metadata keys, for kvserve.model.tokenizer
     tokenizer_metadata: dict[str, Any] = field(default_factory=dict)
     tensor_types: dict[str, int] = field(default_factory=dict)  # quant type -> tensor count
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, fp32 tensor), dequantized one at a time as the consumer asks for it.
+
+        GGUF's `rope_freqs` (Llama 3.1-style scaling) comes as ("rope_freqs", divisors).
+        """
+        for tensor in self.file.tensors:
+            type_name = ggml_type_name(tensor.ggml_type)
+            raw = self.file.tensor_bytes(tensor, tensor_nbytes(type_name, tensor.shape))
+            value = dequantize(raw, type_name, tensor.shape)
+            if tensor.name == "rope_freqs.weight":
+                yield "rope_freqs", value.reshape(-1)
+                continue
+            hf_name = _hf_name(tensor.name)
+            if self.permuted_qk and ".q_proj." in hf_name:
+                value = unpermute_qk(value, self.config.num_heads)
+            elif self.permuted_qk and ".k_proj." in hf_name:
+                value = unpermute_qk(value, self.config.num_kv_heads)
+            yield hf_name, value
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -109,23 +126,19 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _open(path: str | Path) -> tuple[GGUFFile, str, ModelConfig]:
+def _open(path: str | Path) -> tuple[GGUFFile, Architecture, ModelConfig]:
     """The file, its architecture, and the model's shape (from metadata and tensor names only)."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
     file = GGUFFile(path)
     meta = file.metadata
-    arch = meta.get("general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(_ARCHITECTURES)}"
-        )
+    arch = find_architecture(meta.get("general.architecture"), GGUF)
     by_name = {t.name: t for t in file.tensors}
     if "token_embd.weight" not in by_name:
         raise ModelLoadError(f"{path} has no token_embd.weight tensor")
     vocab_rows = int(by_name["token_embd.weight"].shape[0])
-    config = replace(_config(meta, arch, vocab_rows), attention_bias="blk.0.attn_q.bias" in by_name,
+    config = replace(_config(meta, arch.name, vocab_rows), attention_bias="blk.0.attn_q.bias" in by_name,
                      tie_word_embeddings="output.weight" not in by_name)
     return file, arch, config
 
@@ -136,34 +149,15 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
 
 
 def load_gguf(path: str | Path) -> GGUFModel:
-    """Read a Llama-family GGUF file into fp32 torch weights named as in Hugging Face."""
+    """Open a Llama-family GGUF file: its config, tokenizer metadata and tensor types now; weights as streamed."""
     file, arch, config = _open(path)
-    meta = file.metadata
-    weights: dict[str, torch.Tensor] = {}
     tensor_types: dict[str, int] = {}
-    rope_freqs: torch.Tensor | None = None
     for tensor in file.tensors:
-        type_name = ggml_type_name(tensor.ggml_type)
-        shape = tensor.shape
-        raw = file.tensor_bytes(tensor, tensor_nbytes(type_name, shape))
         if tensor.name == "rope_freqs.weight":
-            rope_freqs = dequantize(raw, type_name, shape)
             continue
-        hf_name = _hf_name(tensor.name)
-        if hf_name is None:
+        if _hf_name(tensor.name) is None:
             raise UnsupportedModelError(f"GGUF tensor {tensor.name!r} is not part of a supported Llama-family model")
+        type_name = ggml_type_name(tensor.ggml_type)
         tensor_types[type_name] = tensor_types.get(type_name, 0) + 1
-        value = dequantize(raw, type_name, shape)
-        if _ARCHITECTURES[arch]:
-            if ".q_proj." in hf_name:
-                value = unpermute_qk(value, config.num_heads)
-            elif ".k_proj." in hf_name:
-                value = unpermute_qk(value, config.num_kv_heads)
-        weights[hf_name] = value
-
-    if rope_freqs is not None:
-        # llama.cpp stores Llama-3.1 style scaling as per-frequency divisors.
-        weights["rope_freqs"] = rope_freqs.reshape(-1)
-    tokenizer_metadata = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
-    return GGUFModel(config, weights, tokenizer_metadata, tensor_types)
-
+    tokenizer_metadata = {k: v for k, v in file.metadata.items() if k.startswith("tokenizer.")}
+    return GGUFModel(config, file, arch.gguf_permuted_qk, tokenizer_metadata, tensor_types)

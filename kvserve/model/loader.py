@@ -5,16 +5,21 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError, TokenizerUnavailableError
 from kvserve.kv.spec import kv_spec
 from kvserve.model.checkpoint import load_checkpoint
 from kvserve.model.gguf import load_gguf
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.registry import model_class
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.model.weights import materialize, parameter_bytes
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +48,7 @@ def embedded_model_path() -> Path:
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    model: LlamaForCausalLM
+    model: nn.Module  # the registry's class for config.architecture
     tokenizer: Tokenizer | None
     source: str  # what was loaded, for logs
     weight_format: str  # e.g. "GGUF Q4_1 x210, F32 x61, Q8_0 x1" or "safetensors"
@@ -55,6 +60,11 @@ class LoadedModel:
             )
         return self.tokenizer
 
+    @property
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes the parameters really hold, by dtype name (largest first)."""
+        return parameter_bytes(self.model)
+
     def summary(self, cache_dtype: str = "auto") -> str:
         cfg = self.config
         spec = kv_spec(cfg, cache_dtype)
@@ -64,7 +74,7 @@ class LoadedModel:
             f"  architecture {cfg.architecture}: {cfg.num_layers} layers, {cfg.num_heads} heads / "
             f"{cfg.num_kv_heads} KV heads ({cfg.attention_kind}) / head_dim {cfg.head_dim}, "
             f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, context {cfg.max_position_embeddings}{window}",
-            f"  parameters {self.model.num_parameters() / 1e6:.1f}M, weights {self.model.weight_bytes() / 2**20:.1f} MiB fp32",
+            f"  parameters {self.model.num_parameters() / 1e6:.1f}M, weights {_describe_bytes(self.weight_bytes)}",
             f"  KV cache ({spec.dtype}): {spec.formula()}",
             f"  tokenizer: {'yes' if self.tokenizer else 'none (token ids only)'}",
         ])
@@ -87,15 +97,37 @@ def load_model(path: str | Path | None = None, cache_dtype: str = "auto") -> Loa
             tokenizer = None
     elif path.is_file():
         gguf_model = load_gguf(path)
-        config, weights = gguf_model.config, gguf_model.weights
+        config, weights = gguf_model.config, gguf_model.weights()
         weight_format = "GGUF " + ", ".join(f"{t} x{n}" for t, n in sorted(gguf_model.tensor_types.items(), key=lambda kv: -kv[1]))
         tokenizer = _gguf_tokenizer(gguf_model.tokenizer_metadata, path)
     else:
         raise ModelLoadError(f"model not found: {path} (expected a .gguf file or a Hugging Face checkpoint directory)")
-    model = LlamaForCausalLM.from_weights(config, weights)
+    model = build_model(config, weights)
     loaded = LoadedModel(config, model, tokenizer, str(path), weight_format)
     log.info("loaded in %.1fs\n%s", time.perf_counter() - started, loaded.summary(cache_dtype))
     return loaded
+
+
+def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]) -> nn.Module:
+    """The registry's model for `config`, built on the meta device, its weights streamed in one tensor at a time.
+
+    Parameters get uninitialized CPU storage and each checkpoint tensor is
+    written into its parameter by that parameter's weight loader, so the
+    only copy of the weights is the model's own (plus one tensor in flight).
+    """
+    with torch.device("meta"):
+        model = model_class(config.architecture)(config)
+    materialize(model)
+    model.load_weights(weights)
+    return model.eval()
+
+
+def _describe_bytes(by_dtype: dict[str, int]) -> str:
+    total = sum(by_dtype.values()) / 2**20
+    if len(by_dtype) == 1:
+        return f"{total:.1f} MiB {next(iter(by_dtype))}"
+    parts = ", ".join(f"{dtype} {size / 2**20:.1f} MiB" for dtype, size in by_dtype.items())
+    return f"{total:.1f} MiB ({parts})"
 
 
 def _gguf_tokenizer(metadata: dict, path: Path) -> Tokenizer | None:

@@ -1,0 +1,258 @@
+"""Building blocks the model families share: linear layers, RMSNorm, rotary embedding, gated MLP.
+
+Every parameter that comes from a checkpoint carries a
+`weight_loader(param, tensor, shard_id=None)`: the loader streams each
+checkpoint tensor into its parameter through it (kvserve.model.weights).
+Fused layers (Q/K/V, gate/up) take one checkpoint tensor per shard and write
+it into the shard's rows, so fusion costs no concatenated copy at load time.
+
+A linear layer owns a `LinearMethod` that decides how its weight is stored
+(created), filled (loaded) and multiplied (applied). fp32 is the only method
+today; a quantized one (int8, packed int4) replaces the method on a model
+built on the meta device, before its parameters get storage, and the model
+code does not change.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.config import RopeScaling
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor does not fit the parameter (rows) it is loaded into."""
+
+    def __init__(self, actual: tuple[int, ...], expected: tuple[int, ...]) -> None:
+        super().__init__(f"shape {actual}, expected {expected}")
+        self.actual = actual
+        self.expected = expected
+
+
+def copy_checked(target: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy `loaded` into `target` (casting to its dtype) after checking the shapes agree."""
+    if tuple(loaded.shape) != tuple(target.shape):
+        raise WeightShapeError(tuple(loaded.shape), tuple(target.shape))
+    target.copy_(loaded)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    """The whole parameter from one checkpoint tensor."""
+    if shard_id is not None:
+        raise ValueError(f"this parameter has no shards (got shard {shard_id!r})")
+    copy_checked(param.data, loaded)
+
+
+def new_parameter(*shape: int, dtype: torch.dtype = torch.float32,
+                  weight_loader: Callable[..., None] | None = default_weight_loader) -> nn.Parameter:
+    """An uninitialized (inference-only) parameter; with a weight loader it is filled from the checkpoint.
+
+    A parameter without one (e.g. a quantized weight's scales) is filled by
+    the loader of the parameter it belongs to, and is not a checkpoint name.
+    """
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    if weight_loader is not None:
+        param.weight_loader = weight_loader
+    return param
+
+
+# --- linear layers -----------------------------------------------------------------------------
+
+
+class LinearMethod:
+    """How a linear layer holds and multiplies its weight. Stateless: the tensors live on the layer."""
+
+    def create_weights(self, layer: Linear, input_size: int, output_size: int, bias: bool) -> None:
+        """Register `layer.weight` (and `layer.bias`, or None) plus any tensors the format needs."""
+        raise NotImplementedError
+
+    def load(self, layer: Linear, param: nn.Parameter, loaded: torch.Tensor, rows: slice) -> None:
+        """Write checkpoint tensor `loaded` (logical rows `rows` of `param`) in this format."""
+        raise NotImplementedError
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """x `[N, input_size]` -> `[N, output_size]`."""
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """fp32 weights multiplied by `F.linear`: exactly what `nn.Linear` does, no copy, no cast."""
+
+    def create_weights(self, layer: Linear, input_size: int, output_size: int, bias: bool) -> None:
+        layer.weight = new_parameter(output_size, input_size, weight_loader=None)
+        layer.bias = new_parameter(output_size, weight_loader=None) if bias else None
+
+    def load(self, layer: Linear, param: nn.Parameter, loaded: torch.Tensor, rows: slice) -> None:
+        copy_checked(param.data[rows], loaded)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), with W held as `method` decides (fp32 by default)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 method: LinearMethod | None = None) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.has_bias = bias
+        self.set_method(method or UnquantizedLinearMethod())
+
+    def set_method(self, method: LinearMethod) -> None:
+        """(Re)create the weights in `method`'s format: on a meta-built model, before loading."""
+        self.method = method
+        self._parameters.clear()  # the previous method's tensors (a linear layer owns no others)
+        method.create_weights(self, self.input_size, self.output_size, self.has_bias)
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self.weight_loader
+
+    def shard_rows(self, shard_id: Any) -> slice:
+        """The output rows a checkpoint shard fills."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no shards (got shard {shard_id!r})")
+        return slice(0, self.output_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        self.method.load(self, param, loaded, self.shard_rows(shard_id))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+
+class MergedLinear(Linear):
+    """Projections of the same input stacked along the output rows: one GEMM instead of several.
+
+    Shard i (0-based) is loaded into rows `sum(output_sizes[:i])` onwards.
+    """
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False,
+                 method: LinearMethod | None = None) -> None:
+        super().__init__(input_size, sum(output_sizes), bias, method)
+        self.output_sizes = tuple(output_sizes)
+
+    def shard_rows(self, shard_id: Any) -> slice:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"{type(self).__name__} has shards 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
+        start = sum(self.output_sizes[:shard_id])
+        return slice(start, start + self.output_sizes[shard_id])
+
+
+class QKVLinear(MergedLinear):
+    """Q, K and V projections in one GEMM; shards "q", "k", "v" (K and V have the KV heads)."""
+
+    SHARDS = ("q", "k", "v")
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 method: LinearMethod | None = None) -> None:
+        kv_size = num_kv_heads * head_dim
+        super().__init__(hidden_size, [num_heads * head_dim, kv_size, kv_size], bias, method)
+
+    def shard_rows(self, shard_id: Any) -> slice:
+        if shard_id not in self.SHARDS:
+            raise ValueError(f"QKVLinear has shards q, k, v, got {shard_id!r}")
+        return super().shard_rows(self.SHARDS.index(shard_id))
+
+
+# --- embedding, normalization, MLP --------------------------------------------------------------------------
+
+
+class VocabEmbedding(nn.Embedding):
+    """Token embeddings: `nn.Embedding` without its random init, filled from the checkpoint."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size), _freeze=True)
+        self.weight.weight_loader = default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = new_parameter(hidden_size)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up in one GEMM (shards 0 and 1 of `gate_up_proj`)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 activation: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.activation(gate) * up)
+
+
+# --- rotary embedding ----------------------------------------------------------------------------
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling(),
+                  freq_divisors: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse RoPE frequencies `[head_dim / 2]` with the scaling applied (always on CPU, even on a meta build)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if freq_divisors is not None:  # GGUF `rope_freqs`: llama.cpp's precomputed scaling
+        return inv_freq / freq_divisors.to("cpu", torch.float32)
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept,
+        # the band between interpolated smoothly.
+        old_context = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_context / scaling.low_freq_factor
+        high_freq_wavelen = old_context / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for a step's positions (computed once per step, shared by every layer)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.scaling = scaling
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def load_freq_divisors(self, divisors: torch.Tensor) -> None:
+        """GGUF `rope_freqs` (Llama 3.1-style scaling as per-frequency divisors) replaces the config's scaling."""
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, divisors.reshape(-1))
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions `[T]` -> cos, sin `[T, 1, head_dim]`."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[T, heads, D]`, cos/sin `[T, 1, D]` (rotate-half layout, as in Hugging Face)."""
+    return x * cos + _rotate_half(x) * sin
