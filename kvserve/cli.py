@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from typing import Sequence
 
-from kvserve.errors import KVServeError
+from kvserve.config import parse_memory
+from kvserve.errors import ConfigError, KVServeError
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -29,30 +31,58 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
     group.add_argument("--kv-cache-dtype", default="auto", help="auto (= float32), float32, float16, bfloat16, int8, int4, fp8_e4m3, fp8_e5m2")
-    group.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: 30%% of free RAM, at most 4 GiB)")
+    group.add_argument("--kv-cache-memory", default=None,
+                       help="KV pool size, e.g. 2GiB (default: 30%% of free RAM, at most 4 GiB); "
+                            "more than the memory available is refused unless --allow-kv-overcommit")
+    group.add_argument("--allow-kv-overcommit", action="store_true",
+                       help="accept a --kv-cache-memory larger than the memory available (logs a warning)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     group.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch at most")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens computed per step at most")
-    group.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="context limit (default: the model's; more only if the model configures RoPE scaling)")
     group.add_argument("--no-kv-cache", action="store_true", help="recompute every sequence in full every step (baseline)")
     group.add_argument("--no-prefix-caching", action="store_true", help="do not share K/V of identical prompt prefixes")
 
 
 def engine_config_from_args(args: argparse.Namespace):
     from kvserve.config import EngineConfig
-    from kvserve.errors import InvalidRequestError
     from kvserve.kv.spec import resolve_cache_dtype
 
     resolve_cache_dtype(args.kv_cache_dtype)  # fail before the model loads
-    try:
-        return EngineConfig(
-            model=args.model, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
-            block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-            enable_kv_cache=not args.no_kv_cache, enable_prefix_caching=not args.no_prefix_caching,
-        )
-    except ValueError as exc:
-        raise InvalidRequestError(str(exc)) from None
+    return EngineConfig(  # raises ConfigError
+        model=args.model, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_kv_cache=not args.no_kv_cache, enable_prefix_caching=not args.no_prefix_caching,
+        allow_kv_overcommit=args.allow_kv_overcommit,
+    )
+
+
+# Integer flags (by argparse dest) that must be >= 1, on whichever command has them.
+_POSITIVE_INT_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                       "max_waiting_requests", "context", "batch")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Range checks argparse cannot express, before anything heavy is imported or loaded."""
+    for name in _POSITIVE_INT_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for name in ("kv_cache_memory", "memory"):
+        value = getattr(args, name, None)
+        if value is not None:
+            try:
+                parse_memory(value)
+            except ValueError as exc:
+                raise ConfigError(f"--{name.replace('_', '-')}: {exc}") from None
+    port = getattr(args, "port", None)
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535 (0 = any free port), got {port}")
+    timeout = getattr(args, "shutdown_timeout", None)
+    if timeout is not None and not (math.isfinite(timeout) and timeout >= 0):
+        raise ConfigError(f"--shutdown-timeout must be a number of seconds >= 0, got {timeout}")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -82,6 +112,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="requests allowed to wait for a batch slot; beyond that new ones get 429 (default 256)")
     serve.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT, seconds the requests in flight may take to finish before they are "
+                            "ended with finish_reason 'abort' (default 30; new requests are refused at once)")
     add_engine_args(serve)
 
     memory = commands.add_parser(
@@ -180,16 +213,13 @@ def _serve(args: argparse.Namespace) -> int:
     import os
     import socket
 
-    import uvicorn
-
     from kvserve.engine.engine import Engine
     from kvserve.runtime import run_on_compute_thread
     from kvserve.server.app import create_app
     from kvserve.server.serving import ServerSettings
+    from kvserve.server.shutdown import serve
 
     config = engine_config_from_args(args)
-    if args.max_waiting_requests < 1:
-        raise KVServeError("--max-waiting-requests must be >= 1")
     api_keys = list(args.api_key) + [k for k in os.environ.get("KVSERVE_API_KEY", "").split(",") if k]
     # Bind before the model loads: a taken port fails in a second, not after the load.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -198,7 +228,11 @@ def _serve(args: argparse.Namespace) -> int:
         sock.bind((args.host, args.port))
     except OSError as exc:
         raise KVServeError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
-    engine = run_on_compute_thread(Engine, config)  # the thread every step will run on
+    try:
+        engine = run_on_compute_thread(Engine, config)  # the thread every step will run on
+    except BaseException:
+        sock.close()
+        raise
     name = args.served_model_name or _model_name(engine.loaded.source)
     settings = ServerSettings(model_name=name, api_keys=api_keys, max_waiting_requests=args.max_waiting_requests,
                               log_prompts=args.log_prompts)
@@ -206,14 +240,13 @@ def _serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     logging.getLogger(__name__).info(
         "serving %s on http://%s:%d/v1 (API key %s)", name, host, port, "required" if api_keys else "not required")
-    uvicorn.run(app, fd=sock.fileno(), log_level="warning", timeout_graceful_shutdown=5)
+    serve(app, sock, app.state.async_engine, args.shutdown_timeout)
     return 0
 
 
 def _memory(args: argparse.Namespace) -> int:
     import json
 
-    from kvserve.config import parse_memory
     from kvserve.model.catalog import KNOWN_MODELS
     from kvserve.planner import describe, plan, resolve_model
 
@@ -228,10 +261,7 @@ def _memory(args: argparse.Namespace) -> int:
     context = args.context or config.max_position_embeddings
     if not context:
         raise KVServeError("--context is required for a custom shape")
-    try:
-        memory = parse_memory(args.memory) if args.memory is not None else None
-    except ValueError as exc:
-        raise KVServeError(str(exc)) from None
+    memory = parse_memory(args.memory) if args.memory is not None else None  # checked by check_args
     result = plan(name, config, num_params, context, args.batch, args.kv_dtype, args.block_size, args.weights_dtype,
                   memory, args.overhead)
     print(json.dumps(result.to_json()) if args.json else describe(result))
@@ -253,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
+        check_args(args)
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":

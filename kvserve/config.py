@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvserve.errors import ConfigError
+
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
@@ -90,25 +92,35 @@ def parse_memory(value: int | str) -> int:
     return amount
 
 
+def format_memory(num_bytes: float) -> str:
+    """1536 -> '1.50 KiB': the largest binary unit (up to GiB) that keeps the number >= 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:,.2f} {unit}"
+    return f"{num_bytes:,.0f} B"
+
+
+def available_memory() -> int:
+    """Bytes of RAM that can be used without swapping: MemAvailable, or free pages off Linux."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def default_kv_cache_memory() -> int:
     """A sensible share of free RAM: 30% of what is available, at most 4 GiB.
 
     The pool is allocated with torch.empty, so pages are committed only as
     blocks are first written.
     """
-    available = None
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if available is None:
-        import os
-
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(4 * 2**30, int(available * 0.3))
+    return min(4 * 2**30, int(available_memory() * 0.3))
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,16 +142,24 @@ class EngineConfig:
     # Attention backend by name (kvserve.kv.attention.registry); "auto" picks
     # the one for the model's device. Unknown names fail when the Engine starts.
     attention_backend: str = "auto"
+    # A kv_cache_memory above the RAM available now is refused unless this is
+    # set (the pool is committed lazily, so an overcommit fails late: at OOM).
+    allow_kv_overcommit: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
+            if value is None and name == "max_model_len":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
-            raise ValueError(f"attention_backend must be a backend name such as 'auto', got {self.attention_backend!r}")
+            raise ConfigError(f"attention_backend must be a backend name such as 'auto', got {self.attention_backend!r}")
         if self.kv_cache_memory is not None:
-            parse_memory(self.kv_cache_memory)
+            try:
+                parse_memory(self.kv_cache_memory)
+            except ValueError as exc:
+                raise ConfigError(f"kv_cache_memory: {exc}") from None
 
     @property
     def kv_cache_bytes(self) -> int:

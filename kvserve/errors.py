@@ -35,3 +35,7 @@ class InvalidRequestError(KVServeError, ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ConfigError(KVServeError, ValueError):
+    """An engine or server setting is invalid (a CLI flag, an EngineConfig field); the message names it."""

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvserve.config import ModelConfig
+from kvserve.config import ModelConfig, format_memory
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.spec import KVSpec, kv_spec
 from kvserve.model.catalog import KNOWN_MODELS, find_known_model, num_parameters
@@ -122,31 +122,24 @@ def _kv_bytes(spec: KVSpec, tokens: int, block_size: int) -> int:
     return -(-tokens // block_size) * block_size * spec.bytes_per_token
 
 
-def _size(num_bytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:,.2f} {unit}"
-    return f"{num_bytes:,.0f} B"
-
-
 def describe(p: MemoryPlan) -> str:
     lines = [
         f"model: {p.model} ({p.attention}; {p.num_parameters / 1e9:.2f}B parameters; "
         f"context up to {p.model_max_context:,} tokens)",
         f"KV bytes per token ({p.kv_dtype}): {p.formula}",
-        f"KV per request ({p.context:,} tokens, blocks of {p.block_size}): {_size(p.kv_bytes_per_request)} "
+        f"KV per request ({p.context:,} tokens, blocks of {p.block_size}): {format_memory(p.kv_bytes_per_request)} "
         f"({p.kv_bytes_per_request:,} bytes)",
-        f"KV for the batch ({p.batch} x): {_size(p.kv_bytes_total)} ({p.kv_bytes_total:,} bytes)",
-        f"weights ({p.weights_dtype}): {_size(p.weights_bytes)}",
-        f"overhead ({100 * p.overhead_fraction:g}% of weights + KV): {_size(p.overhead_bytes)}",
-        f"total: {_size(p.total_bytes)}",
+        f"KV for the batch ({p.batch} x): {format_memory(p.kv_bytes_total)} ({p.kv_bytes_total:,} bytes)",
+        f"weights ({p.weights_dtype}): {format_memory(p.weights_bytes)}",
+        f"overhead ({100 * p.overhead_fraction:g}% of weights + KV): {format_memory(p.overhead_bytes)}",
+        f"total: {format_memory(p.total_bytes)}",
     ]
     if p.model_max_context and p.context > p.model_max_context:
         lines.append(f"note: {p.context:,} tokens is beyond the model's context of {p.model_max_context:,}")
     if p.memory_bytes is not None:
         fits = "fits" if p.total_bytes <= p.memory_bytes else "does NOT fit"
         lines += [
-            f"in {_size(p.memory_bytes)}: this plan {fits}; KV room {_size(p.kv_room_bytes)}",
+            f"in {format_memory(p.memory_bytes)}: this plan {fits}; KV room {format_memory(p.kv_room_bytes)}",
             f"  concurrent requests of {p.context:,} tokens: {p.max_concurrent_requests:,}",
             f"  largest context for {p.batch} concurrent request(s): {p.max_context_for_batch:,} tokens",
         ]

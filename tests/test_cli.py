@@ -84,3 +84,81 @@ def test_explain_cache_across_prompts():
     assert "diverged from the closest cached prompt at token" in reports[2]
     assert "this prompt:" in done.stderr and "[45" in done.stderr and "[15" in done.stderr
     assert "(0 cached)" in done.stderr and "(16 cached)" in done.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["serve", "--port", "99999"], "--port must be in 0..65535 (0 = any free port), got 99999"),
+    (["serve", "--port", "-1"], "--port must be in 0..65535"),
+    (["serve", "--max-waiting-requests", "0"], "--max-waiting-requests must be >= 1, got 0"),
+    (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0, got -1.0"),
+    (["serve", "--shutdown-timeout", "nan"], "--shutdown-timeout must be a number of seconds >= 0, got nan"),
+    (["serve", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
+    (["generate", "--block-size", "0", "hi"], "--block-size must be >= 1, got 0"),
+    (["generate", "--max-num-batched-tokens", "-5", "hi"], "--max-num-batched-tokens must be >= 1, got -5"),
+    (["generate", "--max-model-len", "0", "hi"], "--max-model-len must be >= 1, got 0"),
+    (["serve", "--kv-cache-memory", "lots"], "--kv-cache-memory: cannot read 'lots' as a memory size"),
+    (["memory", "SmolLM2-135M", "--context", "0"], "--context must be >= 1, got 0"),
+])
+def test_out_of_range_flags_are_one_line_errors_before_anything_loads(args, message, capsys):
+    from kvserve.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvserve: error: {message}")
+    assert err.count("\n") == 1  # one line, and nothing loaded before it
+
+
+def test_port_out_of_range_is_refused_without_a_traceback():
+    done = kvserve("serve", "--port", "99999")
+    assert done.returncode == 2
+    assert done.stderr == "kvserve: error: --port must be in 0..65535 (0 = any free port), got 99999\n"
+
+
+def test_kv_budget_beyond_available_memory_is_refused_before_the_load():
+    done = kvserve("serve", "--port", "0", "--kv-cache-memory", "1000TiB")
+    assert done.returncode == 2
+    assert "kvserve: error: kv_cache_memory 1,024,000.00 GiB (1,099,511,627,776,000 bytes) is larger than the " \
+           "memory available" in done.stderr
+    assert "bytes, MemAvailable)" in done.stderr and "--allow-kv-overcommit" in done.stderr
+    assert "loaded in" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_max_model_len_beyond_the_context_is_refused(tiny_model_dir):
+    done = kvserve("generate", "--quiet", "--model", str(tiny_model_dir), "--token-ids", "1,2,3",
+                   "--max-model-len", "100000")
+    assert done.returncode == 2
+    assert "kvserve: error: max_model_len 100,000 is beyond the model's context of 256 tokens" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def _parser_flags() -> dict[str, set[str]]:
+    """Every option string of each `kvserve` command."""
+    import argparse
+
+    from kvserve.cli import _build_parser
+
+    commands = next(a for a in _build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: {flag for action in sub._actions for flag in action.option_strings}
+            for name, sub in commands.choices.items()}
+
+
+# Flags the README mentions that belong to other tools (pip, llama.cpp).
+_OTHER_TOOLS_FLAGS = {"--no-deps", "--cache-type-k"}
+
+
+def test_readme_flags_exist_on_the_commands_that_document_them():
+    import re
+    from pathlib import Path
+
+    flags = _parser_flags()
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    sections = dict(re.findall(r"^## (.+?)\n(.*?)(?=^## |\Z)", readme, flags=re.S | re.M))
+    commands_of = {"Serving": ["serve"], "Generating": ["generate"], "Planning memory": ["memory"],
+                   "Engine flags (serve and generate)": ["serve", "generate"]}
+    assert set(commands_of) <= set(sections)
+    everywhere = set().union(*flags.values())
+    for title, text in sections.items():
+        for flag in set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)) - _OTHER_TOOLS_FLAGS:
+            # Under a command's heading a flag must be that command's; elsewhere some command's.
+            allowed = [flags[c] for c in commands_of.get(title, [])] or [everywhere]
+            assert all(flag in f for f in allowed), f"README section '{title}' mentions {flag}"

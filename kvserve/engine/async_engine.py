@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
@@ -27,6 +28,8 @@ from kvserve.runtime import compute_executor
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_DRAIN_POLL_S = 0.05  # how often drain() looks whether the requests in flight are done
 
 
 class EngineFailedError(KVServeError):
@@ -49,6 +52,8 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue] = {}
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self.draining = False  # set by drain(): the server refuses new requests from then on
+        self._drain_deadline = math.inf  # loop.time() after which drain() aborts what is left
         self.num_pending_adds = 0  # accepted by a handler, not yet in the scheduler
 
     async def start(self) -> None:
@@ -56,6 +61,8 @@ class AsyncEngine:
         self._task = asyncio.create_task(self._loop(), name="kvserve-engine-loop")
 
     async def stop(self) -> None:
+        """End the step loop; a request still in flight first gets its final output (finish_reason "abort")."""
+        await self.drain(0)
         if self._task is not None:
             self._task.cancel()
             try:
@@ -63,10 +70,35 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
 
+    async def drain(self, timeout: float) -> int:
+        """Let the requests in flight finish for up to `timeout` seconds, then abort the rest; returns how many
+        were aborted. Every stream ends with a final output (finished; "abort" for those cut short), never an
+        exception. Sets `draining` for good, so the server can refuse new requests; a request that still
+        arrives is in flight like the others. A second call with a shorter timeout brings the deadline forward.
+        """
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        self._drain_deadline = min(self._drain_deadline, loop.time() + timeout)
+        num_aborted = 0
+        # `_streams` is the in-flight set (added by generate(), removed when a request finishes or its
+        # consumer leaves): no engine state is read off the loop.
+        while self._streams and self.running:
+            if loop.time() >= self._drain_deadline:
+                num_aborted += await self.call(self._abort_streams)
+                if not self._streams:
+                    break
+            await asyncio.sleep(_DRAIN_POLL_S)
+        return num_aborted
+
     @property
     def running(self) -> bool:
         """Whether the step loop is alive (health)."""
         return self._task is not None and not self._task.done()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests someone is waiting on (accepted, not finished, consumer still there)."""
+        return len(self._streams)
 
     @property
     def num_waiting(self) -> int:
@@ -147,6 +179,13 @@ class AsyncEngine:
         output = self.engine.abort(request_id)
         if output is not None:
             self._deliver(output)
+
+    def _abort_streams(self) -> int:
+        """Abort every request someone is waiting on, delivering each one's final output (between steps)."""
+        num_streams = len(self._streams)
+        for request_id in list(self._streams):
+            self._abort_now(request_id)  # its final output ends the stream and removes it
+        return num_streams - len(self._streams)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

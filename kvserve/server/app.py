@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.engine.async_engine import AsyncEngine, EngineFailedError
 from kvserve.engine.engine import Engine
@@ -42,6 +43,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.async_engine = async_engine
+    app.add_middleware(_RefuseWhileDraining, async_engine=async_engine)
 
     async def api_key(request: Request) -> str:
         key = serving.tenancy.authenticate(request.headers.get("authorization"))
@@ -51,6 +53,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if async_engine.draining:  # out of the load balancer's rotation while in-flight requests finish
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         if not async_engine.running:
             return JSONResponse({"status": "engine loop stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -81,6 +85,23 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     _install_error_handlers(app)
     return app
+
+
+class _RefuseWhileDraining:
+    """Once shutdown has begun, new generation requests get 503 (the ones in flight finish or end with
+    finish_reason "abort"). Plain ASGI, so streaming responses pass through untouched."""
+
+    def __init__(self, app: ASGIApp, async_engine: AsyncEngine) -> None:
+        self.app = app
+        self.async_engine = async_engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and self.async_engine.draining:
+            error = APIError(503, "The server is shutting down and accepts no new requests; retry on another "
+                                  "instance or after it restarts.", type="server_error", code="shutting_down")
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _kv_cache_report(engine: Engine) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvserve.errors import ConfigError
 from kvserve.kv.attention.base import AttentionBackend
 from kvserve.kv.attention.cpu import CpuAttentionBackend
 
@@ -18,10 +19,10 @@ def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionB
     """The backend called `name`; `auto` is the one for `device` (the model's device type)."""
     if name == "auto":
         if device not in _AUTO_BY_DEVICE:
-            raise ValueError(f"no attention backend runs on device {device!r}; "
+            raise ConfigError(f"no attention backend runs on device {device!r}; "
                              f"backends exist for: {', '.join(_AUTO_BY_DEVICE)}")
         name = _AUTO_BY_DEVICE[device]
     backend = ATTENTION_BACKENDS.get(name)
     if backend is None:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(attention_backend_names())}")
+        raise ConfigError(f"unknown attention backend {name!r}; choose one of: {', '.join(attention_backend_names())}")
     return backend()
