@@ -82,6 +82,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="requests allowed to wait for a batch slot; beyond that new ones get 429 (default 256)")
     serve.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
+    serve.add_argument("--max-request-bytes", type=_byte_size, default="4MiB",
+                       help="largest request body accepted, e.g. 8MiB; larger ones get 413 (default 4MiB)")
     add_engine_args(serve)
 
     memory = commands.add_parser(
@@ -111,6 +113,15 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="activations and runtime, as a fraction of weights + KV (default 0.1)")
     memory.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return parser
+
+
+def _byte_size(value: str) -> int:
+    from kvserve.config import parse_memory
+
+    try:
+        return parse_memory(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _prompts(args: argparse.Namespace, engine) -> list[str | list[int]]:
@@ -201,7 +212,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine = run_on_compute_thread(Engine, config)  # the thread every step will run on
     name = args.served_model_name or _model_name(engine.loaded.source)
     settings = ServerSettings(model_name=name, api_keys=api_keys, max_waiting_requests=args.max_waiting_requests,
-                              log_prompts=args.log_prompts)
+                              log_prompts=args.log_prompts, max_request_bytes=args.max_request_bytes)
     app = create_app(engine, settings)
     host, port = sock.getsockname()[:2]
     logging.getLogger(__name__).info(
