@@ -115,6 +115,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, seconds the requests in flight may take to finish before they are "
                             "ended with finish_reason 'abort' (default 30; new requests are refused at once)")
+    serve.add_argument("--max-request-bytes", type=_byte_size, default="4MiB",
+                       help="largest request body accepted, e.g. 8MiB; larger ones get 413 (default 4MiB)")
     add_engine_args(serve)
 
     memory = commands.add_parser(
@@ -144,6 +146,15 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="activations and runtime, as a fraction of weights + KV (default 0.1)")
     memory.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return parser
+
+
+def _byte_size(value: str) -> int:
+    from kvserve.config import parse_memory
+
+    try:
+        return parse_memory(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _prompts(args: argparse.Namespace, engine) -> list[str | list[int]]:
@@ -235,7 +246,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise
     name = args.served_model_name or _model_name(engine.loaded.source)
     settings = ServerSettings(model_name=name, api_keys=api_keys, max_waiting_requests=args.max_waiting_requests,
-                              log_prompts=args.log_prompts)
+                              log_prompts=args.log_prompts, max_request_bytes=args.max_request_bytes)
     app = create_app(engine, settings)
     host, port = sock.getsockname()[:2]
     logging.getLogger(__name__).info(

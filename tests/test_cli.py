@@ -162,3 +162,12 @@ def test_readme_flags_exist_on_the_commands_that_document_them():
             # Under a command's heading a flag must be that command's; elsewhere some command's.
             allowed = [flags[c] for c in commands_of.get(title, [])] or [everywhere]
             assert all(flag in f for f in allowed), f"README section '{title}' mentions {flag}"
+
+
+def test_every_command_flag_is_documented_in_the_readme():
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for command, flags in _parser_flags().items():
+        missing = sorted(f for f in flags if f.startswith("--") and f != "--help" and f not in readme)
+        assert not missing, f"kvserve {command} flags missing from README.md: {missing}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +14,15 @@ from kvserve.errors import InvalidRequestError
 GREEDY_TEMPERATURE = 1e-5
 # Most alternatives a request may ask for per position (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# Bounds that keep the sampler's float32 arithmetic finite. Logits are divided by the
+# temperature and by (or multiplied by) the repetition penalty: a penalty of 1e-40 turns
+# every positive logit into inf (then NaN probabilities), and any temperature above the
+# float32 range becomes inf. Past these bounds the distribution is already flat (high
+# temperature) or the penalty already absolute, so nothing useful is refused.
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# What torch.Generator.manual_seed accepts (negative seeds wrap modulo 2**64).
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 @dataclass(slots=True)
@@ -50,37 +60,40 @@ class SamplingParams:
             self.skip_reading_prefix_cache = True
 
     def _validate(self) -> None:
-        def fail(message: str) -> None:
-            raise InvalidRequestError(message)
+        def fail(message: str, param: str) -> None:
+            raise InvalidRequestError(message, param=param)
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            fail(f"temperature must be >= 0, got {self.temperature!r}")
+            fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            fail(f"temperature must be >= 0 and <= {MAX_TEMPERATURE:g}, got {self.temperature!r}", "temperature")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            fail(f"top_p must be in (0, 1], got {self.top_p!r}")
+            fail(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not _is_int(self.top_k) or self.top_k < -1:
-            fail(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+            fail(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}", "top_k")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            fail(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            fail(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+            fail(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_number(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            fail(f"repetition_penalty must be in [{low:g}, {high:g}] (1 = off), got {self.repetition_penalty!r}",
+                 "repetition_penalty")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
-                fail(f"{name} must be in [-2, 2], got {value!r}")
+                fail(f"{name} must be in [-2, 2], got {value!r}", name)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                fail(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            fail(f"seed must be an integer, got {self.seed!r}")
+                fail(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            fail(f"seed must be an integer in [-2**63, 2**64 - 1] (the range torch.Generator accepts), "
+                 f"got {self.seed!r}", "seed")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                fail(f"stop strings must be non-empty strings, got {s!r}")
+                fail(f"stop strings must be non-empty strings, got {s!r}", "stop")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
-                fail(f"stop_token_ids must be non-negative integers, got {t!r}")
+                fail(f"stop_token_ids must be non-negative integers, got {t!r}", "stop_token_ids")
 
     @property
     def greedy(self) -> bool:
@@ -96,7 +109,10 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # rejects NaN
+    # Finite only: NaN fails every comparison, and inf would overflow the sampler's arithmetic.
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool)  # (math.isfinite overflows on huge ints)
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -8,7 +8,8 @@ import time
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -17,10 +18,15 @@ from kvserve.engine.async_engine import AsyncEngine, EngineFailedError
 from kvserve.engine.engine import Engine
 from kvserve.errors import (InvalidRequestError, KVIntegrityError, KVServeError, TokenizerUnavailableError,
                             UnsupportedModelError)
-from kvserve.server.errors import APIError, bad_request, internal, unauthorized
+from kvserve.server.body_limit import BodyLimitMiddleware
+from kvserve.server.chat import ChatServing
+from kvserve.server.completions import CompletionServing
+from kvserve.server.errors import (
+    APIError, bad_request, drop_validation_responses, error_responses, internal, unauthorized,
+)
 from kvserve.server.metrics import ServerMetrics, log_request
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvserve.server.serving import OpenAIServing, ServerSettings
+from kvserve.server.serving import ServerSettings, Serving
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +38,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(async_engine, settings.model_name)
     async_engine.observers += [metrics.observe, log_request]
-    serving = OpenAIServing(async_engine, settings)
+    serving = Serving(async_engine, settings)
+    completion_serving, chat_serving = CompletionServing(serving), ChatServing(serving)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -40,6 +47,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         await async_engine.start()
         yield
         await async_engine.stop()
+        serving.close()
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.async_engine = async_engine
@@ -51,7 +59,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             raise unauthorized()
         return key
 
-    @app.get("/health")
+    @app.get("/health", responses={
+        503: {"description": "The server is shutting down, or the engine's step loop has stopped."}})
     async def health() -> Response:
         if async_engine.draining:  # out of the load balancer's rotation while in-flight requests finish
             return JSONResponse({"status": "shutting down"}, status_code=503)
@@ -59,31 +68,44 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             return JSONResponse({"status": "engine loop stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {
+        "description": "Prometheus text exposition format (version 0.0.4).",
+        "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models(_: str = Depends(api_key)) -> dict:
         return {"object": "list", "data": [{
             "id": settings.model_name, "object": "model", "created": created, "owned_by": "kvserve",
             "max_model_len": engine.max_model_len,
         }]}
 
-    @app.post("/v1/completions")
+    generation_errors = error_responses(400, 401, 404, 413, 429, 500, 503)
+
+    @app.post("/v1/completions", responses=generation_errors)
     async def completions(body: CompletionRequest, request: Request, key: str = Depends(api_key)):
-        return await serving.completions(body, request, key)
+        return await completion_serving.create(body, request, key)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generation_errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request, key: str = Depends(api_key)):
-        return await serving.chat(body, request, key)
+        return await chat_serving.create(body, request, key)
 
-    @app.get("/v1/kv_cache")
+    @app.get("/v1/kv_cache", responses=error_responses(401))
     async def kv_cache(_: str = Depends(api_key)) -> dict:
         """The pool right now, and a full block-accounting check (run between steps)."""
         return await async_engine.call(lambda: _kv_cache_report(engine))
 
     _install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = drop_validation_responses(get_openapi(
+                title=app.title, version=app.version, routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
@@ -124,20 +146,29 @@ def _kv_cache_report(engine: Engine) -> dict:
 
 
 def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable line: the first problem of each offending field (pydantic lists one per union member)."""
+    """One readable line: the most telling problem of each offending field. Pydantic reports one
+    error per union member ("should be a valid string" for a field that is also allowed to be a
+    list); an error of our own (a lone surrogate, an image part) says more than a type mismatch,
+    and a mismatch deep inside a value more than one at its top."""
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return "The request body is not valid JSON.", None
-    by_field: dict[str, str] = {}
+    by_field: dict[str, tuple[tuple[int, int], str]] = {}
     for error in errors:
-        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in error.get("loc", ()) if p != "body" and not _is_union_tag(p)]
         field = loc[0] if loc else ""
-        if field not in by_field:
-            where = ".".join(p for p in loc if p not in ("str", "int", "float", "list[int]", "list[str]")) or "body"
+        rank = (1 if error.get("type", "").endswith("_type") else 0, -len(loc))
+        if field not in by_field or rank < by_field[field][0]:
             message = "must be a JSON object" if not field else error.get("msg", "is invalid")
-            by_field[field] = f"{where}: {message}"
+            by_field[field] = (rank, f"{'.'.join(loc) or 'body'}: {message}")
     param = next((f for f in by_field if f), None)
-    return "Invalid request: " + "; ".join(list(by_field.values())[:5]), param
+    return "Invalid request: " + "; ".join(line for _, line in list(by_field.values())[:5]), param
+
+
+def _is_union_tag(part: object) -> bool:
+    """Pydantic names the union member in the error location ('str', 'list[int]',
+    'function-after[...]'); field names never look like that."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -2,22 +2,51 @@
 
 Type errors are pydantic's (-> 400); value ranges are SamplingParams' own
 validation, so the server and the offline API reject the same things with the
-same messages. Unknown fields are ignored, as OpenAI and vLLM do, except
-features kvserve does not implement, which are refused by name rather than
-silently dropped.
+same messages (the OpenAPI schema states the same ranges). Every string must
+be valid Unicode text. Unknown fields are ignored, as OpenAI and vLLM do,
+except features kvserve does not implement (logit_bias, tools, image and other
+non-text content parts), which are refused by name rather than silently dropped.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
+from pydantic_core import PydanticCustomError
 
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sampling import (
+    MAX_LOGPROBS, MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams,
+)
 from kvserve.errors import InvalidRequestError
 
 # Strict numbers: "0.7" (a string) is a type error, as in OpenAI's API; ints are accepted as floats.
 Number = StrictFloat | StrictInt
+# Most choices one request may ask for (OpenAI's bound for n).
+MAX_CHOICES = 128
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_text(value: str) -> str:
+    # JSON can spell a lone surrogate ("\ud800"); Python keeps it, but no tokenizer or UTF-8
+    # encoder accepts it. Refuse it here, where the error can name the field.
+    if not value.isascii() and (match := _LONE_SURROGATE.search(value)):
+        raise PydanticCustomError(
+            "lone_surrogate", "contains a lone surrogate (U+{code}) at character {position}: not valid Unicode text",
+            {"code": f"{ord(match.group()):04X}", "position": match.start()})
+    return value
+
+
+# Every string a request carries.
+Text = Annotated[str, AfterValidator(_valid_text)]
+
+
+def _bounded(default: Any = None, **bounds: Any) -> Any:
+    """A field whose range is documented in the OpenAPI schema (JSON Schema keywords) and enforced
+    by SamplingParams or `_check_common`, which word the errors the same way for the offline API."""
+    return Field(default, json_schema_extra=bounds)
 
 
 class StreamOptions(BaseModel):
@@ -29,31 +58,41 @@ class _SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    max_tokens: StrictInt | None = None
-    temperature: Number | None = None
-    top_p: Number | None = None
-    n: StrictInt = 1
+    model: Text | None = None
+    max_tokens: StrictInt | None = _bounded(minimum=1)
+    temperature: Number | None = _bounded(minimum=0, maximum=MAX_TEMPERATURE)
+    top_p: Number | None = _bounded(exclusiveMinimum=0, maximum=1)
+    n: StrictInt = _bounded(1, minimum=1, maximum=MAX_CHOICES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: StrictInt | None = None
-    presence_penalty: Number = 0.0
-    frequency_penalty: Number = 0.0
+    stop: Text | list[Text] | None = None
+    seed: StrictInt | None = _bounded(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
+    presence_penalty: Number = _bounded(0.0, minimum=-2, maximum=2)
+    frequency_penalty: Number = _bounded(0.0, minimum=-2, maximum=2)
     logit_bias: dict[str, Number] | None = None
-    user: str | None = None
+    user: Text | None = None
     # vLLM extras
-    top_k: StrictInt | None = None
-    min_p: Number | None = None
-    repetition_penalty: Number | None = None
+    top_k: StrictInt | None = _bounded(minimum=-1)
+    min_p: Number | None = _bounded(minimum=0, maximum=1)
+    repetition_penalty: Number | None = _bounded(minimum=REPETITION_PENALTY_RANGE[0],
+                                                 maximum=REPETITION_PENALTY_RANGE[1])
     ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[StrictInt] | None = _bounded(items={"type": "integer", "minimum": 0})
     skip_special_tokens: StrictBool = True
-    cache_salt: str | None = Field(default=None, min_length=1)
+    cache_salt: Text | None = Field(default=None, min_length=1)
+    # Log-probabilities of each prompt token after the first, in vLLM's shape (not with stream=true).
+    prompt_logprobs: StrictInt | None = _bounded(minimum=0, maximum=MAX_LOGPROBS)
 
-    def _check_common(self) -> None:
+    def check(self) -> None:
+        """Checks that need no prompt (call before tokenizing); ranges of sampling values are
+        SamplingParams' own, in `sampling_params`."""
         if self.n < 1:
             raise InvalidRequestError(f"n must be >= 1, got {self.n}", param="n")
+        if self.n > MAX_CHOICES:
+            raise InvalidRequestError(f"n must be <= {MAX_CHOICES}, got {self.n}", param="n")
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not available with stream=true (as in vLLM)",
+                                      param="prompt_logprobs")
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -79,19 +118,20 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
     echo: StrictBool = False
-    logprobs: StrictInt | None = None
-    suffix: str | None = None
+    logprobs: StrictInt | None = _bounded(minimum=0, maximum=MAX_LOGPROBS)
+    suffix: Text | None = None
     best_of: StrictInt | None = None
-    prompt_logprobs: StrictInt | None = None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        self._check_common()
+    def check(self) -> None:
+        super().check()
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         # OpenAI's default for completions is 16 tokens.
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo and self.logprobs is not None:
@@ -110,17 +150,35 @@ class CompletionRequest(_SamplingRequest):
         return prompts
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+_IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+
+
+class ContentPart(BaseModel):
+    """A part of a message's content. Only text is served; other kinds are refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Text = Field(json_schema_extra={"enum": ["text"]})
+    text: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ContentPart":
+        if self.type in _IMAGE_PART_TYPES:
+            raise PydanticCustomError("unsupported_content", "images are not supported")
+        if self.type != "text":
+            raise PydanticCustomError("unsupported_content", "{part_type} content parts are not supported",
+                                      {"part_type": self.type})
+        if self.text is None:
+            raise PydanticCustomError("missing_text", "a text content part needs `text`")
+        return self
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -132,24 +190,26 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = _bounded(minimum=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = _bounded(minimum=0, maximum=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     tools: list[dict] | None = None
     response_format: dict | None = None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        self._check_common()
+    def check(self) -> None:
+        super().check()
         if self.tools:
             raise InvalidRequestError("tools are not supported", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", param="top_logprobs")
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, default_max_tokens, logprobs)
+        return self._sampling_params(max_tokens, default_max_tokens, logprobs, self.prompt_logprobs)
 
     def template_messages(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for the system role; templates know "system".

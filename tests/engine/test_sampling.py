@@ -19,10 +19,26 @@ from kvserve.errors import InvalidRequestError
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(max_tokens=True), "max_tokens"),
+    # Values the sampler's float32 arithmetic cannot survive, refused with their bound.
+    (dict(repetition_penalty=1e-40), r"repetition_penalty must be in \[0.01, 100\]"),
+    (dict(repetition_penalty=1e3), "repetition_penalty"),
+    (dict(temperature=float("inf")), r"temperature must be >= 0 and <= 100"),
+    (dict(temperature=1e39), "temperature"),
+    (dict(presence_penalty=float("-inf")), "presence_penalty"),
+    (dict(seed=2**64), r"seed must be an integer in \[-2\*\*63, 2\*\*64 - 1\]"),
+    (dict(seed=-(2**63) - 1), "seed"),
 ])
 def test_invalid_parameters_are_rejected_by_name(kwargs, message):
-    with pytest.raises(InvalidRequestError, match=message):
+    with pytest.raises(InvalidRequestError, match=message) as info:
         SamplingParams(**kwargs)
+    assert info.value.param == next(iter(kwargs))
+
+
+def test_the_bounds_are_inclusive_and_every_accepted_seed_seeds_a_generator():
+    for seed in (-(2**63), -1, 0, 2**64 - 1):
+        make_generator(SamplingParams(seed=seed).seed)
+    SamplingParams(repetition_penalty=0.01, temperature=100.0)
+    SamplingParams(repetition_penalty=100.0, temperature=10**2)
 
 
 def test_stop_accepts_a_single_string():

@@ -108,3 +108,14 @@ def tenant_server(tmp_path_factory):
                        "--max-num-seqs", "1", "--max-waiting-requests", "2", api_key="alice-key")
     yield srv
     stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def tiny_app(tiny_models):
+    """The app in process on the tiny random model with a character tokenizer: 8 waiting places,
+    a 64 KiB body limit."""
+    from tests.server.inprocess import serve_in_process, with_tiny_tokenizer
+
+    with serve_in_process(with_tiny_tokenizer(tiny_models("llama-gqa")), max_waiting_requests=8,
+                          max_request_bytes=64 * 1024) as client:
+        yield client

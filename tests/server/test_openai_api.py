@@ -119,6 +119,8 @@ def test_logprobs(client, model):
     lp = echoed.choices[0].logprobs
     assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
     assert len(lp.token_logprobs) == echoed.usage.prompt_tokens + echoed.usage.completion_tokens
+    # The first prompt token has its text (only its logprob is None), so the offsets are true.
+    assert lp.tokens[:3] == ["The", " capital", " of"] and lp.text_offset[:3] == [0, 3, 11]
 
 
 def test_stop_strings_end_with_finish_reason_stop(client, model):
@@ -180,6 +182,14 @@ def test_prompt_over_the_context_is_400_with_counts(server):
 def test_bad_token_id_and_empty_prompt_are_400(server):
     assert_error(post(server, "/completions", json={"prompt": [1, 10**7]}), 400, "outside the vocabulary")
     assert_error(post(server, "/completions", json={"prompt": ""}), 400, "empty")
+
+
+def test_a_twenty_megabyte_body_is_413_at_once(server):
+    body = b'{"messages": [{"role": "user", "content": "' + b"x" * 20_000_000 + b'"}]}'
+    response = post(server, "/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    error = assert_error(response, 413, "limit of 4,194,304 bytes (--max-request-bytes)")
+    assert error["code"] == "request_too_large"
+    assert httpx.get(server.base_url + "/health").status_code == 200
 
 
 def test_unknown_model_is_404(client):

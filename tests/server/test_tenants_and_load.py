@@ -66,12 +66,22 @@ def test_overload_is_refused_with_429_at_once(tenant_server):
             return await asyncio.gather(*(http.post(tenant_server.api_url + "/completions", json=body)
                                           for _ in range(8)))
 
-    statuses = [r.status_code for r in asyncio.run(burst())]
+    responses = asyncio.run(burst())
+    statuses = [r.status_code for r in responses]
     # All eight arrive before a step runs, so they all wait: two places, two accepted (at least).
     assert statuses.count(429) >= 1 and statuses.count(200) >= 2, statuses
     assert set(statuses) <= {200, 429}
+    assert all(r.headers["Retry-After"] == "1" for r in responses if r.status_code == 429)
     report = tenant_server.wait_idle()
     assert report["num_used_blocks"] == 0 and report["integrity"] == "ok"
+
+
+def test_more_choices_than_the_queue_holds_is_400_not_429(tenant_server):
+    """Two waiting places: n=3 can never be queued, so retrying would never help."""
+    response = completion(tenant_server, "alice-key", "Hi", n=3)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "n" and "queues at most 2" in error["message"], error
 
 
 def test_sixty_four_streaming_clients_with_a_quarter_disconnecting(server):
