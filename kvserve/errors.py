@@ -28,3 +28,12 @@ class InvalidRequestError(KVServeError, ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class RequestFailedError(KVServeError):
+    """One request failed while it ran (sampling, post-processing, or a forward that fails with it
+    alone); the engine finished it and every other request went on."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id} failed: {message}")
+        self.request_id = request_id

@@ -14,7 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.async_engine import AsyncEngine, EngineFailedError
 from kvserve.engine.engine import Engine
-from kvserve.errors import InvalidRequestError, KVServeError, TokenizerUnavailableError, UnsupportedModelError
+from kvserve.errors import (InvalidRequestError, KVServeError, RequestFailedError, TokenizerUnavailableError,
+                            UnsupportedModelError)
 from kvserve.server.errors import APIError, bad_request, internal, unauthorized
 from kvserve.server.metrics import ServerMetrics, log_request
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -137,7 +138,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return bad_request(str(exc)).response()
 
     @app.exception_handler(EngineFailedError)
-    async def engine_failed(_: Request, exc: EngineFailedError):
+    @app.exception_handler(RequestFailedError)
+    async def engine_failed(_: Request, exc: KVServeError):
         return internal(str(exc)).response()
 
     @app.exception_handler(StarletteHTTPException)
