@@ -39,3 +39,12 @@ class InvalidRequestError(KVServeError, ValueError):
 
 class ConfigError(KVServeError, ValueError):
     """An engine or server setting is invalid (a CLI flag, an EngineConfig field); the message names it."""
+
+
+class RequestFailedError(KVServeError):
+    """One request failed while it ran (sampling, post-processing, or a forward that fails with it
+    alone); the engine finished it and every other request went on."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id} failed: {message}")
+        self.request_id = request_id

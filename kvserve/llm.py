@@ -9,7 +9,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.output import RequestOutput
 from kvserve.engine.sampling import SamplingParams
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import InvalidRequestError, RequestFailedError
 from kvserve.model.tokenizer import Tokenizer
 
 _ENGINE_ARGS = tuple(f.name for f in dataclasses.fields(EngineConfig))
@@ -77,10 +77,16 @@ class LLM:
         try:
             while len(finished) < len(ids):
                 for output in self.engine.step():
+                    if output.error is not None:
+                        raise RequestFailedError(output.request_id, output.error)
                     if output.finished:
                         finished[output.request_id] = output
                         if progress is not None:
                             progress.update(1)
+        except BaseException:
+            for request_id in ids:  # nothing left running (or holding blocks) behind the error
+                self.engine.abort(request_id)
+            raise
         finally:
             if progress is not None:
                 progress.close()

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from kvserve.engine.engine import Engine
 from kvserve.engine.output import RequestOutput
 from kvserve.engine.sampling import SamplingParams
-from kvserve.errors import KVServeError
+from kvserve.errors import KVServeError, RequestFailedError
 from kvserve.runtime import compute_executor
 
 log = logging.getLogger(__name__)
@@ -229,7 +229,8 @@ class AsyncEngine:
         self._notify(output)
         queue = self._streams.pop(output.request_id, None) if output.finished else self._streams.get(output.request_id)
         if queue is not None:
-            queue.put_nowait(output)
+            # A request that failed alone ends its own stream with the error (the server answers 500).
+            queue.put_nowait(output if output.error is None else RequestFailedError(output.request_id, output.error))
 
     def _notify(self, output: RequestOutput) -> None:
         for observer in self.observers:

@@ -10,7 +10,7 @@ from kvserve.engine.output import CompletionOutput, OutputTracker, PrefixCacheRe
 from kvserve.engine.request import Request
 from kvserve.engine.runner import ModelRunner, StepResult
 from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.stats import EngineStats, take_stats, with_added
 from kvserve.errors import ConfigError, InvalidRequestError, KVIntegrityError
 from kvserve.kv.attention import get_attention_backend
@@ -149,21 +149,64 @@ class Engine:
         return take_stats(self.scheduler, self._num_steps, self._num_generated_tokens)
 
     def step(self) -> list[RequestOutput]:
+        """Run one batched forward. A request that fails in it (its sampling, its post-processing,
+        or a forward that also fails when it runs alone) is finished with an error output; every
+        other request goes on as if it had not been there."""
         scheduled = self.scheduler.schedule()
         if scheduled.empty:
             self._stats = self._take_stats()  # a request may have been preempted without anything running
             return []
-        result = self.runner.execute(scheduled)
+        try:
+            result = self.runner.execute(scheduled)
+        except Exception as exc:
+            result = self._execute_one_by_one(scheduled, exc)
+        outputs = self._fail_requests(scheduled, result.failures)
         self._record_logprobs(result)
         touched = self.scheduler.update(scheduled, result.tokens)
         self._num_steps += 1
         self._num_generated_tokens += len(touched)
         self._stats = self._take_stats()
-        outputs = []
         for request in touched:
             outputs.append(self._output(request, [request.all_token_ids[-1]]))
             if request.finished:
                 self.runner.remove_request(request.request_id)
+        return outputs
+
+    def _execute_one_by_one(self, scheduled: SchedulerOutput, batch_error: Exception) -> StepResult:
+        """The batch forward raised: run each request alone to find the culprit(s).
+
+        Re-running is safe: a failed step advanced no request, and its K/V
+        writes land in the same slots again. Only the requests that fail alone
+        fail; if every one does (a broken model), every one fails.
+        """
+        if len(scheduled.scheduled) == 1:
+            return StepResult(failures={scheduled.scheduled[0].request_id: batch_error})
+        log.warning("a batched step of %d requests failed (%s: %s); retrying them one by one to find the culprit",
+                    len(scheduled.scheduled), type(batch_error).__name__, batch_error)
+        merged = StepResult()
+        for item in scheduled.scheduled:
+            try:
+                merged.merge(self.runner.execute(SchedulerOutput(scheduled=[item])))
+            except Exception as exc:
+                merged.failures[item.request_id] = exc
+        return merged
+
+    def _fail_requests(self, scheduled: SchedulerOutput, failures: dict[str, Exception]) -> list[RequestOutput]:
+        """Finish failed requests before the step's progress is recorded: their blocks of this step
+        may hold garbage and must never be hashed into the prefix cache."""
+        if not failures:
+            return []
+        scheduled.scheduled = [item for item in scheduled.scheduled if item.request_id not in failures]
+        outputs = []
+        for request_id, exc in failures.items():
+            log.error("request %s failed and was finished alone: %s: %s", request_id, type(exc).__name__, exc,
+                      exc_info=exc)
+            request = self.scheduler.requests[request_id]
+            self.scheduler.finish(request, "error")
+            self.runner.remove_request(request_id)
+            output = self._output(request, [])
+            output.error = f"{type(exc).__name__}: {exc}"
+            outputs.append(output)
         return outputs
 
     def _record_logprobs(self, result: StepResult) -> None:

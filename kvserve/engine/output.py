@@ -162,3 +162,6 @@ class RequestOutput:
     # With prompt_logprobs: None for the first prompt token, then one per token
     # (filled in as prefill chunks run; complete once the first token is out).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Set when this request failed on its own (finish_reason "error"): what went wrong. Other
+    # requests of the same step are unaffected.
+    error: str | None = None

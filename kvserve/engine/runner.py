@@ -39,6 +39,14 @@ class StepResult:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # request id -> (first prompt position covered, logprobs of prompt tokens from that position on)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # Requests whose own sampling or post-processing raised: they get no token; the others are unaffected.
+    failures: dict[str, Exception] = field(default_factory=dict)
+
+    def merge(self, other: "StepResult") -> None:
+        self.tokens.update(other.tokens)
+        self.logprobs.update(other.logprobs)
+        self.prompt_logprobs.update(other.prompt_logprobs)
+        self.failures.update(other.failures)
 
 
 class ModelRunner:
@@ -94,41 +102,57 @@ class ModelRunner:
         logits = self.model(
             torch.tensor(input_ids), torch.cat(positions), context, logits_rows,
         )
-        result = StepResult(tokens=self._sample(sample_ids, logits[: len(sample_rows)]))
+        result = StepResult()
+        self._sample(result, sample_ids, logits[: len(sample_rows)])
         self._logprobs(result, sample_ids, logits[: len(sample_rows)])
         offset = len(sample_rows)
         for request_id, first, _, count in prompt_rows:
             state = self._states[request_id]
             targets = state.prompt_token_ids[first + 1 : first + 1 + count]
-            result.prompt_logprobs[request_id] = (first + 1, token_logprobs(
-                logits[offset : offset + count], targets, state.params.prompt_logprobs))
+            try:
+                result.prompt_logprobs[request_id] = (first + 1, token_logprobs(
+                    logits[offset : offset + count], targets, state.params.prompt_logprobs))
+            except Exception as exc:  # this request alone fails
+                result.failures[request_id] = exc
             offset += count
+        for request_id in result.failures:
+            result.tokens.pop(request_id, None)
+            result.logprobs.pop(request_id, None)
+            result.prompt_logprobs.pop(request_id, None)
         return result
 
-    def _sample(self, request_ids: list[str], logits: torch.Tensor) -> dict[str, int]:
+    def _sample(self, result: StepResult, request_ids: list[str], logits: torch.Tensor) -> None:
+        """Sample each request's token into `result`; a request whose sampling raises fails alone."""
         states = [self._states[r] for r in request_ids]
         # Plain greedy rows are one batched argmax; the rest go through the sampler.
         plain = [i for i, s in enumerate(states) if s.plain_greedy]
-        tokens: dict[str, int] = {}
+        tokens = result.tokens
         if plain:
             best = logits[plain].argmax(dim=-1).tolist()
             tokens.update((request_ids[i], t) for i, t in zip(plain, best))
         for i, state in enumerate(states):
-            if request_ids[i] not in tokens:
-                tokens[request_ids[i]] = sample(logits[i], state.params, state.generator, state.seen,
+            request_id = request_ids[i]
+            try:
+                if request_id not in tokens:
+                    tokens[request_id] = sample(logits[i], state.params, state.generator, state.seen,
                                                 state.output_counts)
-            if state.seen is not None:
-                state.seen[tokens[request_ids[i]]] = True
-            if state.output_counts is not None:
-                state.output_counts[tokens[request_ids[i]]] += 1
-        return tokens
+                if state.seen is not None:
+                    state.seen[tokens[request_id]] = True
+                if state.output_counts is not None:
+                    state.output_counts[tokens[request_id]] += 1
+            except Exception as exc:
+                result.failures[request_id] = exc
 
     def _logprobs(self, result: StepResult, request_ids: list[str], logits: torch.Tensor) -> None:
-        wanted = [i for i, r in enumerate(request_ids) if self._states[r].params.logprobs is not None]
+        wanted = [i for i, r in enumerate(request_ids)
+                  if self._states[r].params.logprobs is not None and r in result.tokens]
         for i in wanted:
             request_id = request_ids[i]
             k = self._states[request_id].params.logprobs
-            result.logprobs[request_id] = token_logprobs(logits[i : i + 1], [result.tokens[request_id]], k)[0]
+            try:
+                result.logprobs[request_id] = token_logprobs(logits[i : i + 1], [result.tokens[request_id]], k)[0]
+            except Exception as exc:
+                result.failures[request_id] = exc
 
 
 def token_logprobs(logits: torch.Tensor, targets: list[int], top_k: int) -> list[TokenLogprob]:

@@ -159,9 +159,22 @@ def sample(
         sorted_probs = sorted_logits.softmax(-1)
         # Drop a token once the tokens ranked above it already cover top_p.
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        # The most likely token always stays: a top_p too small for float32
+        # (1e-300 rounds to 0) would otherwise drop every token.
+        drop_sorted[0] = False
         drop = torch.empty_like(drop_sorted).scatter_(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(-1)
+    probs = _probabilities(logits)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """softmax(logits), or — when penalties or temperature pushed logits to inf/NaN, where softmax
+    gives NaN — all the mass on the largest logit, which is what those settings tend to anyway."""
+    probs = logits.softmax(-1)
+    if bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0:
+        return probs
+    best = torch.nan_to_num(logits, nan=float("-inf")).argmax()
+    return torch.zeros_like(probs).index_fill_(0, best.view(1), 1.0)

@@ -16,8 +16,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.engine.async_engine import AsyncEngine, EngineFailedError
 from kvserve.engine.engine import Engine
-from kvserve.errors import (InvalidRequestError, KVIntegrityError, KVServeError, TokenizerUnavailableError,
-                            UnsupportedModelError)
+from kvserve.errors import (InvalidRequestError, KVIntegrityError, KVServeError, RequestFailedError,
+                            TokenizerUnavailableError, UnsupportedModelError)
 from kvserve.server.body_limit import BodyLimitMiddleware
 from kvserve.server.chat import ChatServing
 from kvserve.server.completions import CompletionServing
@@ -191,7 +191,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return bad_request(str(exc)).response()
 
     @app.exception_handler(EngineFailedError)
-    async def engine_failed(_: Request, exc: EngineFailedError):
+    @app.exception_handler(RequestFailedError)
+    async def engine_failed(_: Request, exc: KVServeError):
         return internal(str(exc)).response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -31,9 +31,9 @@ SAMPLING = {
     "max_tokens": (st.integers(1, 4), st.one_of(st.sampled_from([0, -1, 300, 2**64]), HOSTILE_NUMBER)),
     "n": (st.integers(1, 3), st.one_of(st.sampled_from([0, 9, 129, 2**63]), HOSTILE_NUMBER)),
     "temperature": (st.floats(0, 2), HOSTILE_NUMBER),
-    # Not below 1e-30: a top_p that rounds to 0 in float32 is for the sampler to make safe at run
-    # time (it keeps the top token); that change is not on this branch.
-    "top_p": (st.floats(1e-30, 1), HOSTILE_NUMBER),
+    # Down to 1e-300 (well-formed: it is in (0, 1]): it rounds to 0 in float32, and the sampler
+    # still keeps the top token.
+    "top_p": (st.one_of(st.floats(0, 1, exclude_min=True), st.sampled_from([1e-300, 5e-324])), HOSTILE_NUMBER),
     "top_k": (st.integers(-1, 200), HOSTILE_NUMBER),
     "min_p": (st.floats(0, 1), HOSTILE_NUMBER),
     "repetition_penalty": (st.floats(0.01, 100), st.one_of(st.floats(1e-45, 1e-2), st.floats(100, 1e40),
