@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import kvserve.kv.quant as quant
+from kvserve.arith import round_up
 from kvserve.kv.attention import ContiguousContext, attention_mask
 from kvserve.model.loader import load_model
 from kv_quant_accuracy import english_text
@@ -63,7 +64,7 @@ def per_channel_int4(block: int = 16) -> FakeQuant:
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         heads, length, dim = x.shape
-        padded = -(-length // block) * block
+        padded = round_up(length, block)
         blocks = F.pad(x, (0, 0, 0, padded - length)).view(heads, padded // block, block, dim)
         low = blocks.amin(dim=2, keepdim=True).half().float()
         scale = ((blocks.amax(dim=2, keepdim=True) - low) / 15).clamp_min(1e-6).half().float()

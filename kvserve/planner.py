@@ -13,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvserve.arith import round_up
 from kvserve.config import ModelConfig, format_memory
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.spec import KVSpec, kv_spec
@@ -119,7 +120,7 @@ def plan(name: str, config: ModelConfig, num_params: int, context: int, batch: i
 
 def _kv_bytes(spec: KVSpec, tokens: int, block_size: int) -> int:
     """What the engine reserves for `tokens` tokens: whole blocks."""
-    return -(-tokens // block_size) * block_size * spec.bytes_per_token
+    return round_up(tokens, block_size) * spec.bytes_per_token
 
 
 def describe(p: MemoryPlan) -> str:

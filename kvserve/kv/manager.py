@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
+from kvserve.arith import cdiv
 from kvserve.errors import KVIntegrityError
 from kvserve.kv.block_pool import BlockPool, KVBlock
 from kvserve.kv.hashing import BlockHash, BlockHashChain
@@ -76,7 +77,7 @@ class KVCacheManager:
         return self.pool.num_cached_free_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a request of `num_tokens` could ever fit, with the whole pool to itself."""

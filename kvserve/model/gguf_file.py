@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from kvserve.arith import round_up
 from kvserve.errors import ModelLoadError
 
 _MAGIC = b"GGUF"
@@ -101,7 +102,7 @@ class GGUFFile:
             dims = [cursor.u64() for _ in range(cursor.u32())]
             infos.append((name, tuple(reversed(dims)), cursor.u32(), cursor.u64()))
         alignment = int(self.metadata.get("general.alignment", 32))
-        data_start = -(-cursor.pos // alignment) * alignment
+        data_start = round_up(cursor.pos, alignment)
         self.tensors = [GGUFTensorInfo(n, s, t, data_start + o) for n, s, t, o in infos]
 
     def tensor_bytes(self, info: GGUFTensorInfo, num_bytes: int) -> np.ndarray:

@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from kvserve.arith import cdiv
 from kvserve.kv.attention.base import SequenceSlice
 
 
@@ -116,7 +117,7 @@ def build_step_metadata(
         else:
             prefills.append(PrefillMetadata(
                 row, row + s.num_new_tokens,
-                torch.tensor(list(s.block_ids[: -(-end // block_size)]), dtype=torch.long),
+                torch.tensor(list(s.block_ids[: cdiv(end, block_size)]), dtype=torch.long),
                 end, torch.arange(start, end),
             ))
         row += s.num_new_tokens
