@@ -49,6 +49,19 @@ class StepResult:
         self.failures.update(other.failures)
 
 
+@dataclass
+class _StepInputs:
+    """One forward's rows, in the attention backend's batch order."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)  # one arange per request
+    slices: list[SequenceSlice] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)  # rows whose logits sample a token
+    sample_ids: list[str] = field(default_factory=list)  # their requests
+    # (request, first prompt position, first row, rows) of the rows that score prompt tokens
+    prompt_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, attention: AttentionBackend) -> None:
         self.model = model
@@ -72,54 +85,62 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step; samples a token for every request that reached its last token."""
-        input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slices: list[SequenceSlice] = []
-        sample_rows: list[int] = []
-        sample_ids: list[str] = []
-        prompt_rows: list[tuple[str, int, int, int]] = []  # (request, first position, first row, rows)
+        inputs = self._prepare_inputs(out)
+        logits = self._forward(inputs, out)
+        sampled = logits[: len(inputs.sample_rows)]
+        result = StepResult()
+        self._sample(result, inputs.sample_ids, sampled)
+        self._logprobs(result, inputs.sample_ids, sampled)
+        self._prompt_logprobs(result, inputs.prompt_rows, logits[len(inputs.sample_rows):])
+        for request_id in result.failures:
+            result.tokens.pop(request_id, None)
+            result.logprobs.pop(request_id, None)
+            result.prompt_logprobs.pop(request_id, None)
+        return result
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> _StepInputs:
+        """Flatten the scheduled requests, in the attention backend's batch order, into one forward's rows."""
+        inputs = _StepInputs()
         order = self.attention.batch_order([len(item.token_ids) for item in out.scheduled])
         for item in (out.scheduled[i] for i in order):
             count = len(item.token_ids)
-            first_row = len(input_ids)
-            input_ids.extend(item.token_ids)
-            positions.append(torch.arange(item.num_computed_tokens, item.num_computed_tokens + count))
-            slices.append(SequenceSlice(item.block_ids, item.num_computed_tokens, count))
+            first_row = len(inputs.input_ids)
+            inputs.input_ids.extend(item.token_ids)
+            inputs.positions.append(torch.arange(item.num_computed_tokens, item.num_computed_tokens + count))
+            inputs.slices.append(SequenceSlice(item.block_ids, item.num_computed_tokens, count))
             if item.sample:
-                sample_rows.append(len(input_ids) - 1)
-                sample_ids.append(item.request_id)
+                inputs.sample_rows.append(len(inputs.input_ids) - 1)
+                inputs.sample_ids.append(item.request_id)
             prompt = self._states[item.request_id].prompt_token_ids
             if prompt is not None:
                 # Position p's logits score prompt token p + 1.
                 end = min(item.num_computed_tokens + count, len(prompt) - 1)
                 if end > item.num_computed_tokens:
-                    prompt_rows.append((item.request_id, item.num_computed_tokens, first_row,
-                                        end - item.num_computed_tokens))
-        context = self.attention.build_context(self.kv_cache, slices, self.layer_windows)
+                    inputs.prompt_rows.append((item.request_id, item.num_computed_tokens, first_row,
+                                               end - item.num_computed_tokens))
+        return inputs
+
+    def _forward(self, inputs: _StepInputs, out: SchedulerOutput) -> torch.Tensor:
+        """One model forward; logits of the sampled rows, then of the prompt-logprob rows."""
+        context = self.attention.build_context(self.kv_cache, inputs.slices, self.layer_windows)
         self.kv_cache.initialize_blocks_through(max(max(item.block_ids) for item in out.scheduled))
-        logits_rows = torch.cat([torch.tensor(sample_rows, dtype=torch.long)]
-                                + [torch.arange(row, row + count) for _, _, row, count in prompt_rows])
-        logits = self.model(
-            torch.tensor(input_ids), torch.cat(positions), context, logits_rows,
-        )
-        result = StepResult()
-        self._sample(result, sample_ids, logits[: len(sample_rows)])
-        self._logprobs(result, sample_ids, logits[: len(sample_rows)])
-        offset = len(sample_rows)
+        logits_rows = torch.cat([torch.tensor(inputs.sample_rows, dtype=torch.long)]
+                                + [torch.arange(row, row + count) for _, _, row, count in inputs.prompt_rows])
+        return self.model(torch.tensor(inputs.input_ids), torch.cat(inputs.positions), context, logits_rows)
+
+    def _prompt_logprobs(self, result: StepResult, prompt_rows: list[tuple[str, int, int, int]],
+                         logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens this step's rows score; a request that raises fails alone."""
+        offset = 0
         for request_id, first, _, count in prompt_rows:
             state = self._states[request_id]
             targets = state.prompt_token_ids[first + 1 : first + 1 + count]
             try:
                 result.prompt_logprobs[request_id] = (first + 1, token_logprobs(
                     logits[offset : offset + count], targets, state.params.prompt_logprobs))
-            except Exception as exc:  # this request alone fails
+            except Exception as exc:
                 result.failures[request_id] = exc
             offset += count
-        for request_id in result.failures:
-            result.tokens.pop(request_id, None)
-            result.logprobs.pop(request_id, None)
-            result.prompt_logprobs.pop(request_id, None)
-        return result
 
     def _sample(self, result: StepResult, request_ids: list[str], logits: torch.Tensor) -> None:
         """Sample each request's token into `result`; a request whose sampling raises fails alone."""

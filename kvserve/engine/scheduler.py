@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from kvserve.config import EngineConfig
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.hashing import BlockHash
-from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.manager import KVCacheManager, PrefixMatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +66,19 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """This step's batch: running requests first (decodes, then prefill chunks), then admissions."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, int] = {}
+        counts: dict[str, int] = {}  # request id -> tokens this step, in scheduling order
+        budget = self._schedule_running(out, counts, self.config.max_num_batched_tokens)
+        if not out.preempted:  # a step that had to preempt admits nobody
+            self._admit_waiting(counts, budget)
+        for request_id, count in counts.items():
+            out.scheduled.append(self._scheduled_request(self.requests[request_id], count))
+        return out
 
-        # Running requests: decodes before prefill chunks.
+    def _schedule_running(self, out: SchedulerOutput, counts: dict[str, int], budget: int) -> int:
+        """Give running requests their tokens, decodes before prefill chunks, preempting the most
+        recently admitted when the pool runs dry. Returns the token budget left."""
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for request in decoding + prefilling:
@@ -82,26 +90,33 @@ class Scheduler:
             while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + count):
                 victim = self.running[-1]
                 self._preempt(victim, out)
-                budget += scheduled.pop(victim.request_id, 0)
+                budget += counts.pop(victim.request_id, 0)
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = count
+                counts[request.request_id] = count
                 budget -= count
+        return budget
 
-        # Blocks that requests still prefilling are about to compute: a waiting
-        # request that would compute the same block waits a step and then hits.
+    def _blocks_in_flight(self) -> set[BlockHash]:
+        """Blocks that requests still prefilling are about to compute: a waiting request that
+        would compute the same block waits a step and then hits."""
         in_flight: set[BlockHash] = set()
-        for request in prefilling if self.waiting else ():
-            if request.status is RequestStatus.RUNNING:
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens > 1:
                 in_flight |= self.kv.pending_block_keys(request.request_id, request.block_hashes,
                                                         request.num_prompt_tokens)
+        return in_flight
 
-        # Waiting requests, FCFS, only in a step without preemption.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit_waiting(self, counts: dict[str, int], budget: int) -> None:
+        """Admit waiting requests first come first served while the budget, the sequence cap and
+        the pool (above its watermark) allow; a prefix hit starts a request's progress above zero."""
+        if not self.waiting:
+            return
+        in_flight = self._blocks_in_flight()
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            # A prefix hit just starts num_computed_tokens above zero (preempted
-            # requests too: their recompute is mostly hits).
+            # Preempted requests look up the cache too: their recompute is mostly hits.
             match = None
             if not request.sampling_params.skip_reading_prefix_cache:
                 match = self.kv.find_cached_prefix(request.all_token_ids, request.block_hashes)
@@ -118,30 +133,33 @@ class Scheduler:
             if match is not None:
                 in_flight |= self.kv.pending_block_keys(request.request_id, request.block_hashes,
                                                         request.num_prompt_tokens)
-            if request.num_cached_tokens is None:  # first admission: account the prompt
-                request.num_cached_tokens = num_hit
-                self.prefix_cache_queries += request.num_prompt_tokens
-                self.prefix_cache_hits += num_hit
-                if match is not None and num_hit < request.num_prompt_tokens - 1:
-                    request.prefix_divergence = self.kv.find_divergence(request.all_token_ids, match)
+            if request.num_cached_tokens is None:
+                self._account_prompt(request, match)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled[request.request_id] = count
+            counts[request.request_id] = count
             budget -= count
 
-        # In scheduling order: the runner lays the batch out in the order its attention backend needs.
-        for request_id, count in scheduled.items():
-            request = self.requests[request_id]
-            start = request.num_computed_tokens
-            out.scheduled.append(ScheduledRequest(
-                request_id,
-                request.all_token_ids[start : start + count],
-                start,
-                self.kv.block_ids(request_id),
-                sample=start + count == request.num_tokens,
-            ))
-        return out
+    def _account_prompt(self, request: Request, match: PrefixMatch | None) -> None:
+        """On first admission: the prefix-cache counters, and where the prompt left the cache."""
+        num_hit = request.num_computed_tokens
+        request.num_cached_tokens = num_hit
+        self.prefix_cache_queries += request.num_prompt_tokens
+        self.prefix_cache_hits += num_hit
+        if match is not None and num_hit < request.num_prompt_tokens - 1:
+            request.prefix_divergence = self.kv.find_divergence(request.all_token_ids, match)
+
+    def _scheduled_request(self, request: Request, count: int) -> ScheduledRequest:
+        """What the runner needs of a request this step (it lays the batch out in its backend's order)."""
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request.request_id,
+            request.all_token_ids[start : start + count],
+            start,
+            self.kv.block_ids(request.request_id),
+            sample=start + count == request.num_tokens,
+        )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
