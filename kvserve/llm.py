@@ -9,7 +9,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.output import RequestOutput
 from kvserve.engine.sampling import SamplingParams
-from kvserve.errors import InvalidRequestError, RequestFailedError
+from kvserve.errors import ConfigError, InvalidRequestError, RequestFailedError
 from kvserve.model.tokenizer import Tokenizer
 
 _ENGINE_ARGS = tuple(f.name for f in dataclasses.fields(EngineConfig))
@@ -29,14 +29,10 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
         unknown = sorted(set(engine_args) - set(_ENGINE_ARGS))
         if unknown:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(_ENGINE_ARGS)}"
             )
-        try:
-            config = EngineConfig(model=model, **engine_args)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from exc
-        self.engine = Engine(config)
+        self.engine = Engine(EngineConfig(model=model, **engine_args))  # bad values raise ConfigError
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.loaded.require_tokenizer()

@@ -3,7 +3,7 @@
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import ConfigError, InvalidRequestError
 from tests.helpers import build_hf_model, save_hf_model
 
 
@@ -13,11 +13,11 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_unknown_engine_arguments_are_rejected_by_name(tiny_dir):
-    with pytest.raises(InvalidRequestError, match="unknown engine argument\\(s\\): enable_prefix_cachin, tensor_parallel_size"):
+    with pytest.raises(ConfigError, match="unknown engine argument\\(s\\): enable_prefix_cachin, tensor_parallel_size"):
         LLM(tiny_dir, tensor_parallel_size=2, enable_prefix_cachin=True)
-    with pytest.raises(InvalidRequestError, match="block_size must be a positive integer"):
+    with pytest.raises(ConfigError, match="block_size must be a positive integer"):
         LLM(tiny_dir, block_size=0)
-    with pytest.raises(InvalidRequestError, match="cannot read 'lots'"):
+    with pytest.raises(ConfigError, match="cannot read 'lots'"):
         LLM(tiny_dir, kv_cache_memory="lots")
 
 
