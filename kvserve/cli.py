@@ -31,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
     group.add_argument("--kv-cache-dtype", default="auto", help="auto (= float32), float32, float16, bfloat16, int8, int4, fp8_e4m3, fp8_e5m2")
+    group.add_argument("--weights-dtype", default="float32", choices=("auto", "float32", "bfloat16", "int8", "int4"),
+                       help="what the linear layers hold: auto (int4 with an int8 head where the CPU has native "
+                            "bf16 GEMMs, else float32), float32 (exact), bfloat16, int8, int4 (default float32)")
     group.add_argument("--kv-cache-memory", default=None,
                        help="KV pool size, e.g. 2GiB (default: 30%% of free RAM, at most 4 GiB); "
                             "more than the memory available is refused unless --allow-kv-overcommit")
@@ -51,7 +54,8 @@ def engine_config_from_args(args: argparse.Namespace):
 
     resolve_cache_dtype(args.kv_cache_dtype)  # fail before the model loads
     return EngineConfig(  # raises ConfigError
-        model=args.model, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
+        model=args.model, kv_cache_dtype=args.kv_cache_dtype, weights_dtype=args.weights_dtype,
+        kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_kv_cache=not args.no_kv_cache, enable_prefix_caching=not args.no_prefix_caching,

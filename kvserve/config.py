@@ -123,6 +123,9 @@ def default_kv_cache_memory() -> int:
     return min(4 * 2**30, int(available_memory() * 0.3))
 
 
+WEIGHTS_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Engine arguments, named as in vLLM where vLLM has them."""
@@ -132,6 +135,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_dtype: str = "auto"
+    # What the linear layers hold (kvserve.model.quantized_linear): "auto" = int4 (head int8) where the
+    # CPU has native bf16 GEMMs, else float32. Ignored when the Engine is given a loaded model.
+    weights_dtype: str = "float32"
     kv_cache_memory: int | str | None = None  # bytes or "2GiB"; None: default_kv_cache_memory()
     max_model_len: int | None = None  # None: the model's context length
     # False: every step recomputes each request's whole sequence and keeps no
@@ -153,6 +159,8 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.weights_dtype not in WEIGHTS_DTYPES:
+            raise ConfigError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {self.weights_dtype!r}")
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise ConfigError(f"attention_backend must be a backend name such as 'auto', got {self.attention_backend!r}")
         if self.kv_cache_memory is not None:

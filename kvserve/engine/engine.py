@@ -38,7 +38,7 @@ class Engine:
         check_kv_budget(config)  # before the load: an impossible budget fails in a second
         keep_freed_memory()
         self.attention_backend = get_attention_backend(config.attention_backend)  # fails before the model loads
-        self.loaded = loaded or load_model(config.model, config.kv_cache_dtype)
+        self.loaded = loaded or load_model(config.model, config.kv_cache_dtype, config.weights_dtype)
         model_config = self.loaded.config
         self.max_model_len = checked_max_model_len(config, model_config)
         self.kv_spec = kv_spec(model_config, config.kv_cache_dtype)

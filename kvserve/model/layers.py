@@ -7,10 +7,10 @@ Fused layers (Q/K/V, gate/up) take one checkpoint tensor per shard and write
 it into the shard's rows, so fusion costs no concatenated copy at load time.
 
 A linear layer owns a `LinearMethod` that decides how its weight is stored
-(created), filled (loaded) and multiplied (applied). fp32 is the only method
-today; a quantized one (int8, packed int4) replaces the method on a model
-built on the meta device, before its parameters get storage, and the model
-code does not change.
+(created), filled (loaded), converted once loaded, and multiplied (applied).
+Checkpoints load as fp32; the bf16 / int8 / packed-int4 methods
+(kvserve.model.quantized_linear) convert each layer after loading, and the
+model code does not change.
 """
 
 from __future__ import annotations
@@ -79,6 +79,9 @@ class LinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x `[N, input_size]` -> `[N, output_size]`."""
         raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Turn the loaded weight into this format's tensors (kvserve.model.quantized_linear); fp32 keeps it."""
 
 
 class UnquantizedLinearMethod(LinearMethod):

@@ -84,7 +84,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:  # one tensor (not a checkpoint target twice); a quantized head converts a copy
+            self.lm_head.weight = self.embed_tokens.weight
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
     # Hugging Face's separate projections -> the shards of our fused ones.
@@ -99,7 +101,8 @@ class LlamaForCausalLM(nn.Module):
         def ignore(name: str) -> bool:
             # Some tied checkpoints store a copy of lm_head; some exporters save
             # the rotary buffers, which are computed from the config.
-            return (self.lm_head is None and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+            tied = self.config.tie_word_embeddings
+            return (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
 
         stream_weights(weights, checkpoint_targets(self, self.stacked_params), ignore,
                        extra={"rope_freqs": self.rotary_emb.load_freq_divisors})
@@ -110,7 +113,14 @@ class LlamaForCausalLM(nn.Module):
         return tuple(layer.self_attn.sliding_window for layer in self.layers)
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """The model's parameter count, whatever format its linear layers hold (a tied head counts once)."""
+        tied_head = self.lm_head if self.config.tie_word_embeddings else None
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m is not tied_head]
+        in_linears = {id(p) for m in linears for p in m.parameters(recurse=False)}
+        if tied_head is not None:
+            in_linears |= {id(p) for p in tied_head.parameters(recurse=False)} - {id(self.embed_tokens.weight)}
+        count = sum(p.numel() for p in self.parameters() if id(p) not in in_linears)
+        return count + sum(m.input_size * m.output_size + (m.output_size if m.has_bias else 0) for m in linears)
 
     @torch.inference_mode()
     def forward(
@@ -130,5 +140,4 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm(x)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return x @ head.T
+        return self.lm_head(x)

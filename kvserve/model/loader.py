@@ -17,6 +17,7 @@ from kvserve.errors import ModelLoadError, TokenizerUnavailableError
 from kvserve.kv.spec import kv_spec
 from kvserve.model.checkpoint import load_checkpoint
 from kvserve.model.gguf import load_gguf
+from kvserve.model.quantized_linear import convert_linear_weights
 from kvserve.model.registry import model_class
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.model.weights import materialize, parameter_bytes
@@ -52,6 +53,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     source: str  # what was loaded, for logs
     weight_format: str  # e.g. "GGUF Q4_1 x210, F32 x61, Q8_0 x1" or "safetensors"
+    linear_dtype: str = "float32"  # what the linear layers hold (kvserve.model.quantized_linear)
 
     def require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -74,16 +76,21 @@ class LoadedModel:
             f"  architecture {cfg.architecture}: {cfg.num_layers} layers, {cfg.num_heads} heads / "
             f"{cfg.num_kv_heads} KV heads ({cfg.attention_kind}) / head_dim {cfg.head_dim}, "
             f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, context {cfg.max_position_embeddings}{window}",
-            f"  parameters {self.model.num_parameters() / 1e6:.1f}M, weights {_describe_bytes(self.weight_bytes)}",
+            f"  parameters {self.model.num_parameters() / 1e6:.1f}M, linear layers {self.linear_dtype}, "
+            f"weights held {_describe_bytes(self.weight_bytes)}",
             f"  KV cache ({spec.dtype}): {spec.formula()}",
             f"  tokenizer: {'yes' if self.tokenizer else 'none (token ids only)'}",
         ])
 
 
-def load_model(path: str | Path | None = None, cache_dtype: str = "auto") -> LoadedModel:
+def load_model(path: str | Path | None = None, cache_dtype: str = "auto",
+               weights_dtype: str = "float32") -> LoadedModel:
     """Load a model: None -> the embedded SmolLM2; a .gguf file; or an HF checkpoint directory.
 
-    Logs what was loaded, with the KV bytes per token at `cache_dtype`.
+    Weights load as fp32 and every linear layer is then converted to
+    `weights_dtype` (kvserve.model.quantized_linear; "auto" picks by CPU).
+    Logs what was loaded, with the weight bytes held and the KV bytes per
+    token at `cache_dtype`.
     """
     started = time.perf_counter()
     path = embedded_model_path() if path is None else Path(path)
@@ -103,7 +110,8 @@ def load_model(path: str | Path | None = None, cache_dtype: str = "auto") -> Loa
     else:
         raise ModelLoadError(f"model not found: {path} (expected a .gguf file or a Hugging Face checkpoint directory)")
     model = build_model(config, weights)
-    loaded = LoadedModel(config, model, tokenizer, str(path), weight_format)
+    linear_dtype = convert_linear_weights(model, weights_dtype)
+    loaded = LoadedModel(config, model, tokenizer, str(path), weight_format, linear_dtype)
     log.info("loaded in %.1fs\n%s", time.perf_counter() - started, loaded.summary(cache_dtype))
     return loaded
 
