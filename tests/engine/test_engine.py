@@ -5,6 +5,7 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
+from kvserve.engine.output import RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from tests.helpers import TINY_VOCAB
@@ -21,11 +22,11 @@ def workload(seed=0, count=8):
 
 def run_all(engine: Engine, prompts, params) -> dict[str, list[int]]:
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    results = {}
+    results, assembler = {}, RequestOutputAssembler()
     while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = output.outputs[0].token_ids
+        for delta in engine.step():
+            if (final := assembler.add(delta)) is not None:
+                results[final.request_id] = final.outputs[0].token_ids
         engine.check_integrity()
     engine.check_integrity()
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
@@ -131,7 +132,7 @@ def test_abort_waiting_prefilling_and_decoding(tiny_models):
     assert requests[waiting].num_computed_tokens == 0
     for request_id in (waiting, prefilling, decoding):
         output = engine.abort(request_id)
-        assert output.finished and output.outputs[0].finish_reason == "abort"
+        assert output.finished and output.finish_reason == "abort"
         engine.check_integrity()
     assert engine.abort("unknown") is None
     assert not engine.has_unfinished()
@@ -141,12 +142,12 @@ def test_abort_waiting_prefilling_and_decoding(tiny_models):
 def test_streamed_deltas_join_to_the_final_output(embedded):
     engine = Engine(EngineConfig(kv_cache_memory="64MiB"), loaded=embedded)
     engine.add_request("Count to five: one, two,", SamplingParams(max_tokens=20, temperature=0.0, stop=["five"]))
-    text, ids, final = "", [], None
+    text, ids, final, assembler = "", [], None, RequestOutputAssembler()
     while engine.has_unfinished():
-        for output in engine.step():
-            text += output.outputs[0].delta_text
-            ids += output.outputs[0].delta_token_ids
-            final = output
+        for delta in engine.step():
+            text += delta.new_text
+            ids += delta.new_token_ids
+            final = assembler.add(delta)
     assert final.finished and text == final.outputs[0].text and ids == final.outputs[0].token_ids
     assert "five" not in text
     assert final.metrics.ttft > 0 and final.kv_cache_bytes > 0

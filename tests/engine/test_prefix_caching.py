@@ -5,6 +5,7 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
+from kvserve.engine.output import RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams
 from tests.engine.test_engine import BYTES_PER_TOKEN, make_engine
 from tests.helpers import TINY_VOCAB
@@ -14,10 +15,10 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 def finish(engine, prompt, params=GREEDY, **kwargs):
     engine.add_request(prompt, params, **kwargs)
-    final = None
+    assembler, final = RequestOutputAssembler(), None
     while engine.has_unfinished():
-        for output in engine.step():
-            final = output if output.finished else final
+        for delta in engine.step():
+            final = assembler.add(delta) or final
         engine.check_integrity()
     return final
 
@@ -81,11 +82,11 @@ def test_preempted_requests_recompute_from_cache_hits(tiny_models):
         engine.scheduler.schedule = counting_schedule
         for prompt in prompts:
             engine.add_request(prompt, params)
-        done = {}
+        done, assembler = {}, RequestOutputAssembler()
         while engine.has_unfinished():
-            for output in engine.step():
-                if output.finished:
-                    done[output.request_id] = output.outputs[0].token_ids
+            for delta in engine.step():
+                if (final := assembler.add(delta)) is not None:
+                    done[final.request_id] = final.outputs[0].token_ids
             engine.check_integrity()
         assert engine.scheduler.num_preemptions > 0
         computed[caching], outputs[caching] = sum(total), done

@@ -6,6 +6,7 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
+from kvserve.engine.output import RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams
 from kvserve.kv.attention import CpuAttentionBackend
 from kvserve.kv.attention.registry import ATTENTION_BACKENDS
@@ -49,11 +50,11 @@ def run(loaded, backend: str) -> tuple[Engine, list[list[int]]]:
     engine = Engine(EngineConfig(kv_cache_memory="4MiB", block_size=4, max_num_batched_tokens=9,
                                  attention_backend=backend), loaded=loaded)
     ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for p in prompts]
-    tokens = {}
+    tokens, assembler = {}, RequestOutputAssembler()
     while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                tokens[output.request_id] = output.outputs[0].token_ids
+        for delta in engine.step():
+            if (final := assembler.add(delta)) is not None:
+                tokens[final.request_id] = final.outputs[0].token_ids
     return engine, [tokens[i] for i in ids]
 
 

@@ -5,6 +5,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
+from kvserve.engine.output import RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams
 from kvserve.model.loader import embedded_model_path
 
@@ -19,11 +20,10 @@ pytestmark = pytest.mark.slow
 
 def run(engine: Engine, prompt, params: SamplingParams):
     engine.add_request(prompt, params)
-    final = None
+    assembler, final = RequestOutputAssembler(), None
     while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                final = output
+        for delta in engine.step():
+            final = assembler.add(delta) or final
     engine.check_integrity()
     return final
 
