@@ -8,7 +8,7 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.output import RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
-from tests.helpers import TINY_VOCAB
+from tests.helpers import TINY_VOCAB, run_to_finals
 
 BYTES_PER_TOKEN = 3 * 2 * 2 * 16 * 4  # tiny models: 3 layers, 2 KV heads, head_dim 16, fp32
 
@@ -22,15 +22,10 @@ def workload(seed=0, count=8):
 
 def run_all(engine: Engine, prompts, params) -> dict[str, list[int]]:
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    results, assembler = {}, RequestOutputAssembler()
-    while engine.has_unfinished():
-        for delta in engine.step():
-            if (final := assembler.add(delta)) is not None:
-                results[final.request_id] = final.outputs[0].token_ids
-        engine.check_integrity()
+    finals = run_to_finals(engine)
     engine.check_integrity()
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
-    return [results[i] for i in ids]
+    return [finals[i].outputs[0].token_ids for i in ids]
 
 
 def make_engine(loaded, **config) -> Engine:

@@ -12,7 +12,7 @@ from kvserve.engine.sampling import SamplingParams, sample
 from kvserve.errors import RequestFailedError
 from tests.engine.test_async_engine import async_engine_for
 from tests.engine.test_engine import make_engine, run_all, workload
-from tests.helpers import TINY_VOCAB
+from tests.helpers import TINY_VOCAB, run_to_finals
 
 POISON_TOKEN = TINY_VOCAB - 1
 POISON_SEED = 666
@@ -35,12 +35,7 @@ class PoisonedModel:
 
 def step_all(engine) -> dict:
     """Step until idle; {request id: final output}, checking block accounting after every step."""
-    finals, assembler = {}, RequestOutputAssembler()
-    while engine.has_unfinished():
-        for delta in engine.step():
-            if (final := assembler.add(delta)) is not None:
-                finals[final.request_id] = final
-        engine.check_integrity()
+    finals = run_to_finals(engine)
     engine.check_integrity()
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
     return finals

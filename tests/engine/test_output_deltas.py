@@ -9,7 +9,7 @@ import pytest
 from kvserve.engine.output import RequestDelta, RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams
 from tests.engine.test_engine import BYTES_PER_TOKEN, make_engine
-from tests.helpers import build_hf_model, reference_logits
+from tests.helpers import build_hf_model, reference_logits, run_to_finals
 from tests.server.inprocess import with_tiny_tokenizer
 
 
@@ -58,12 +58,7 @@ def run(engine, prompts, params):
     """Finals in prompt order, and each request's engine state (what the finals used to be copied from)."""
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     requests = [engine.scheduler.requests[i] for i in ids]
-    finals, assembler = {}, RequestOutputAssembler()
-    while engine.has_unfinished():
-        for delta in engine.step():
-            if (final := assembler.add(delta)) is not None:
-                finals[final.request_id] = final
-        engine.check_integrity()
+    finals = run_to_finals(engine)
     return [finals[i] for i in ids], requests
 
 

@@ -5,9 +5,9 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.output import RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams
 from kvserve.model.loader import embedded_model_path
+from tests.helpers import run_to_finals
 
 PROMPTS = [
     "The capital of France is",
@@ -19,13 +19,8 @@ pytestmark = pytest.mark.slow
 
 
 def run(engine: Engine, prompt, params: SamplingParams):
-    engine.add_request(prompt, params)
-    assembler, final = RequestOutputAssembler(), None
-    while engine.has_unfinished():
-        for delta in engine.step():
-            final = assembler.add(delta) or final
-    engine.check_integrity()
-    return final
+    request_id = engine.add_request(prompt, params)
+    return run_to_finals(engine)[request_id]
 
 
 @pytest.fixture(scope="module")
