@@ -19,6 +19,7 @@ import numpy as np
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
+from kvserve.engine.output import RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams
 from kvserve.model.loader import load_model
 
@@ -27,10 +28,10 @@ RESULTS = Path(__file__).parent / "results"
 
 def tpot(engine: Engine, prompt: list[int], num_tokens: int) -> float:
     engine.add_request(prompt, SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True))
-    final = None
+    assembler, final = RequestOutputAssembler(), None
     while engine.has_unfinished():
-        for output in engine.step():
-            final = output if output.finished else final
+        for delta in engine.step():
+            final = assembler.add(delta) or final
     return final.metrics.tpot
 
 

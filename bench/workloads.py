@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from kvserve.engine.engine import Engine
-from kvserve.engine.output import RequestOutput
+from kvserve.engine.output import RequestOutput, RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
@@ -30,11 +30,13 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams)
     started = time.perf_counter()
     ids = [engine.add_request(p, params) for p in prompts]
     finished: dict[str, RequestOutput] = {}
+    assembler = RequestOutputAssembler()
     peak_blocks = steps = 0
     while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
+        for delta in engine.step():
+            final = assembler.add(delta)
+            if final is not None:
+                finished[final.request_id] = final
         steps += 1
         peak_blocks = max(peak_blocks, engine.stats().num_used_blocks)
     return [finished[i] for i in ids], {

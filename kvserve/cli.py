@@ -209,16 +209,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _stream_one(engine, prompt, params, cache_salt):
     """Run one request to completion, writing its text (or token ids) to stdout as it comes."""
+    from kvserve.engine.output import RequestOutputAssembler
+
     engine.add_request(prompt, params, cache_salt=cache_salt)
     show_ids = engine.tokenizer is None
-    final = None
+    assembler, final = RequestOutputAssembler(), None
     while engine.has_unfinished():
-        for output in engine.step():
-            delta = output.outputs[0]
-            sys.stdout.write("".join(f"{t} " for t in delta.delta_token_ids) if show_ids else delta.delta_text)
+        for delta in engine.step():
+            sys.stdout.write("".join(f"{t} " for t in delta.new_token_ids) if show_ids else delta.new_text)
             sys.stdout.flush()
-            if output.finished:
-                final = output
+            final = assembler.add(delta) or final
     sys.stdout.write("\n")
     sys.stdout.flush()
     return final

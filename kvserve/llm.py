@@ -7,7 +7,7 @@ from typing import Sequence
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.output import RequestOutput
+from kvserve.engine.output import RequestOutput, RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import ConfigError, InvalidRequestError, RequestFailedError
 from kvserve.model.tokenizer import Tokenizer
@@ -65,6 +65,7 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
+        assembler = RequestOutputAssembler()
         progress = None
         if use_tqdm and len(ids) > 1:
             from tqdm import tqdm
@@ -72,11 +73,12 @@ class LLM:
             progress = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
         try:
             while len(finished) < len(ids):
-                for output in self.engine.step():
-                    if output.error is not None:
-                        raise RequestFailedError(output.request_id, output.error)
-                    if output.finished:
-                        finished[output.request_id] = output
+                for delta in self.engine.step():
+                    if delta.error is not None:
+                        raise RequestFailedError(delta.request_id, delta.error)
+                    final = assembler.add(delta)
+                    if final is not None:
+                        finished[final.request_id] = final
                         if progress is not None:
                             progress.update(1)
         except BaseException:

@@ -166,3 +166,17 @@ def write_tokens(cache, layer: int, block_ids: list[int], start: int, k: torch.T
 
     meta = build_attention_metadata([SequenceSlice(block_ids, start, k.shape[0])], cache.block_size)
     cache.write(layer, slot_indices(meta.slot_blocks, meta.slot_rows, cache.spec.num_kv_heads, cache.block_size), k, v)
+
+
+def run_to_finals(engine, check_integrity: bool = True) -> dict:
+    """Step `engine` until idle; {request id: assembled final output}, block accounting checked after each step."""
+    from kvserve.engine.output import RequestOutputAssembler
+
+    finals, assembler = {}, RequestOutputAssembler()
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if (final := assembler.add(delta)) is not None:
+                finals[final.request_id] = final
+        if check_integrity:
+            engine.check_integrity()
+    return finals

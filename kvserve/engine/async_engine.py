@@ -20,7 +20,7 @@ from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from kvserve.engine.engine import Engine
-from kvserve.engine.output import RequestOutput
+from kvserve.engine.output import RequestDelta
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import KVServeError, RequestFailedError
 from kvserve.runtime import compute_executor
@@ -37,13 +37,13 @@ class EngineFailedError(KVServeError):
 
 
 class AsyncEngine:
-    """`generate()` streams one request's outputs; `call()` runs a function on the engine between steps.
+    """`generate()` streams one request's deltas; `call()` runs a function on the engine between steps.
 
-    `observers` are called with every RequestOutput the loop produces (metrics,
+    `observers` are called with every RequestDelta the loop produces (metrics,
     request logs), on the event loop thread.
     """
 
-    def __init__(self, engine: Engine, observers: list[Callable[[RequestOutput], None]] | None = None,
+    def __init__(self, engine: Engine, observers: list[Callable[[RequestDelta], None]] | None = None,
                  step_executor: Executor | None = None) -> None:
         self.engine = engine
         self._step_executor = step_executor  # None: runtime.compute_executor()
@@ -61,7 +61,7 @@ class AsyncEngine:
         self._task = asyncio.create_task(self._loop(), name="kvserve-engine-loop")
 
     async def stop(self) -> None:
-        """End the step loop; a request still in flight first gets its final output (finish_reason "abort")."""
+        """End the step loop; a request still in flight first gets its final delta (finish_reason "abort")."""
         await self.drain(0)
         if self._task is not None:
             self._task.cancel()
@@ -72,7 +72,7 @@ class AsyncEngine:
 
     async def drain(self, timeout: float) -> int:
         """Let the requests in flight finish for up to `timeout` seconds, then abort the rest; returns how many
-        were aborted. Every stream ends with a final output (finished; "abort" for those cut short), never an
+        were aborted. Every stream ends with a final delta (finished; "abort" for those cut short), never an
         exception. Sets `draining` for good, so the server can refuse new requests; a request that still
         arrives is in flight like the others. A second call with a shorter timeout brings the deadline forward.
         """
@@ -122,8 +122,9 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Queue a request now and return the stream of its outputs until it finishes.
+    ) -> AsyncIterator[RequestDelta]:
+        """Queue a request now and return the stream of its deltas until it finishes (feed them to a
+        RequestOutputAssembler for the final output).
 
         The request counts as waiting from this call on (so the bounded queue
         sees it at once). Invalid requests raise InvalidRequestError from the
@@ -147,7 +148,7 @@ class AsyncEngine:
         return self._stream(request_id, queue, self.call(add))
 
     async def _stream(self, request_id: str, queue: asyncio.Queue, added: asyncio.Future
-                      ) -> AsyncIterator[RequestOutput]:
+                      ) -> AsyncIterator[RequestDelta]:
         done = False  # finished, failed, or never added: nothing to abort
         try:
             try:
@@ -181,10 +182,10 @@ class AsyncEngine:
             self._deliver(output)
 
     def _abort_streams(self) -> int:
-        """Abort every request someone is waiting on, delivering each one's final output (between steps)."""
+        """Abort every request someone is waiting on, delivering each one's final delta (between steps)."""
         num_streams = len(self._streams)
         for request_id in list(self._streams):
-            self._abort_now(request_id)  # its final output ends the stream and removes it
+            self._abort_now(request_id)  # its final delta ends the stream and removes it
         return num_streams - len(self._streams)
 
     async def _loop(self) -> None:
@@ -224,7 +225,7 @@ class AsyncEngine:
             if queue is not None:
                 queue.put_nowait(error)
 
-    def _deliver(self, output: RequestOutput) -> None:
+    def _deliver(self, output: RequestDelta) -> None:
         """To the observers, then to the request's stream (dropped from the table once finished)."""
         self._notify(output)
         queue = self._streams.pop(output.request_id, None) if output.finished else self._streams.get(output.request_id)
@@ -232,7 +233,7 @@ class AsyncEngine:
             # A request that failed alone ends its own stream with the error (the server answers 500).
             queue.put_nowait(output if output.error is None else RequestFailedError(output.request_id, output.error))
 
-    def _notify(self, output: RequestOutput) -> None:
+    def _notify(self, output: RequestDelta) -> None:
         for observer in self.observers:
             try:
                 observer(output)

@@ -7,7 +7,7 @@ import logging
 
 from kvserve.config import EngineConfig
 from kvserve.engine.config_checks import check_kv_budget, checked_max_model_len
-from kvserve.engine.output import CompletionOutput, OutputTracker, PrefixCacheReport, RequestOutput
+from kvserve.engine.output import OutputTracker, PrefixCacheReport, RequestDelta
 from kvserve.engine.request import Request
 from kvserve.engine.runner import ModelRunner, StepResult
 from kvserve.engine.sampling import SamplingParams
@@ -27,8 +27,9 @@ class Engine:
     """Continuous-batching engine over a paged KV cache.
 
     `add_request` validates and queues; each `step()` runs one batched model
-    forward and returns a RequestOutput for every request that produced a
-    token (with `delta_text` for streaming) or finished. Not thread-safe: one
+    forward and returns a RequestDelta (what the step added: the new token,
+    text and logprobs) for every request that produced a token or finished;
+    RequestOutputAssembler builds final outputs from them. Not thread-safe: one
     caller drives it (the server's async engine owns that loop); only
     `stats()` may be called from another thread at any time.
     """
@@ -149,7 +150,7 @@ class Engine:
     def _take_stats(self) -> EngineStats:
         return take_stats(self.scheduler, self._num_steps, self._num_generated_tokens)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
         """Run one batched forward. A request that fails in it (its sampling, its post-processing,
         or a forward that also fails when it runs alone) is finished with an error output; every
         other request goes on as if it had not been there."""
@@ -192,7 +193,7 @@ class Engine:
                 merged.failures[item.request_id] = exc
         return merged
 
-    def _fail_requests(self, scheduled: SchedulerOutput, failures: dict[str, Exception]) -> list[RequestOutput]:
+    def _fail_requests(self, scheduled: SchedulerOutput, failures: dict[str, Exception]) -> list[RequestDelta]:
         """Finish failed requests before the step's progress is recorded: their blocks of this step
         may hold garbage and must never be hashed into the prefix cache."""
         if not failures:
@@ -212,14 +213,11 @@ class Engine:
 
     def _record_logprobs(self, result: StepResult) -> None:
         for request_id, logprob in result.logprobs.items():
-            self.scheduler.requests[request_id].logprobs.append(logprob)
+            self.scheduler.requests[request_id].new_logprobs.append(logprob)
         for request_id, (first, logprobs) in result.prompt_logprobs.items():
-            recorded = self.scheduler.requests[request_id].prompt_logprobs
-            already = len(recorded) - first  # > 0 when a preempted prompt is recomputed
-            if already >= 0:
-                recorded.extend(logprobs[already:])
+            self.scheduler.requests[request_id].record_prompt_logprobs(first, logprobs)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> RequestDelta | None:
         """Stop a request wherever it is (waiting, prefilling, decoding); its blocks are freed."""
         request = self.scheduler.requests.get(request_id)
         if request is None:
@@ -229,18 +227,15 @@ class Engine:
         self._stats = self._take_stats()
         return self._output(request, [])
 
-    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
-        tracker = request.tracker
-        completion = CompletionOutput(
-            index=0, text=tracker.text, token_ids=list(tracker.token_ids), finish_reason=request.finish_reason,
-            delta_text=tracker.take_delta(), delta_token_ids=new_token_ids,
-            logprobs=None if request.logprobs is None else list(request.logprobs),
-        )
-        return RequestOutput(
-            request.request_id, request.prompt, request.prompt_token_ids, [completion], request.finished,
-            request.metrics, num_cached_tokens=request.num_cached_tokens or 0,
-            kv_cache_bytes=self._held_bytes(request), prefix_cache=self._prefix_report(request),
-            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
+    def _output(self, request: Request, new_token_ids: list[int]) -> RequestDelta:
+        """What this step added to `request`: O(1) in its length (nothing cumulative is copied)."""
+        new_logprobs, new_prompt_logprobs = request.take_new_logprobs()
+        return RequestDelta(
+            request.request_id, request.prompt, request.prompt_token_ids, new_token_ids,
+            request.tracker.take_delta(), request.finish_reason, request.finished, request.metrics,
+            num_cached_tokens=request.num_cached_tokens or 0, kv_cache_bytes=self._held_bytes(request),
+            prefix_cache=self._prefix_report(request), new_logprobs=new_logprobs,
+            new_prompt_logprobs=new_prompt_logprobs,
         )
 
     def _prefix_report(self, request: Request) -> PrefixCacheReport | None:

@@ -58,9 +58,12 @@ class Request:
         self.num_cached_tokens: int | None = None
         self.prefix_divergence = None
         self.prefix_cache_report = None  # built once from the two above, for outputs
-        self.logprobs: list[TokenLogprob] | None = [] if sampling_params.logprobs is not None else None
-        self.prompt_logprobs: list[TokenLogprob | None] | None = (
-            [None] if sampling_params.prompt_logprobs is not None else None)
+        # Logprob entries recorded and not yet handed out: outputs are deltas, so each entry goes
+        # out once (take_new_logprobs) and the request keeps no history of them.
+        self.new_logprobs: list[TokenLogprob] | None = [] if sampling_params.logprobs is not None else None
+        self.new_prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)  # the first token has none
+        self.num_prompt_logprobs = 1  # prompt positions recorded so far, handed out or not
 
     @property
     def num_tokens(self) -> int:
@@ -84,3 +87,20 @@ class Request:
         self.block_hashes.extend(self.all_token_ids)
         self.metrics.record_token()
         return self.tracker.append(token_id)
+
+    def record_prompt_logprobs(self, first: int, entries: list[TokenLogprob]) -> None:
+        """Record prompt logprobs for positions first, first + 1, ...; positions already recorded
+        (a prompt recomputed after a preemption) are not recorded twice."""
+        already = self.num_prompt_logprobs - first
+        if already >= 0 and already < len(entries):
+            self.new_prompt_logprobs.extend(entries[already:])
+            self.num_prompt_logprobs += len(entries) - already
+
+    def take_new_logprobs(self) -> tuple[list[TokenLogprob] | None, list[TokenLogprob | None] | None]:
+        """The logprob and prompt-logprob entries recorded since the last call (None where not asked for)."""
+        logprobs, prompt_logprobs = self.new_logprobs, self.new_prompt_logprobs
+        if logprobs is not None:
+            self.new_logprobs = []
+        if prompt_logprobs is not None:
+            self.new_prompt_logprobs = []
+        return logprobs, prompt_logprobs

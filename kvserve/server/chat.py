@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import Request as HTTPRequest
 
-from kvserve.engine.output import RequestOutput, TokenLogprob
+from kvserve.engine.output import RequestDelta, RequestOutput, TokenLogprob
 from kvserve.server.openai_format import OpenAIFormat
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.serving import Serving
@@ -49,14 +49,13 @@ class ChatFormat(OpenAIFormat):
         return [self.envelope([{"index": job.index, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}], stream=True) for job in jobs]
 
-    def chunk(self, job, output, new_logprobs):
-        completion = output.outputs[0]
-        if not completion.delta_text and not output.finished and not new_logprobs:
+    def chunk(self, job: Job, delta: RequestDelta) -> dict | None:
+        if not delta.new_text and not delta.finished and not delta.new_logprobs:
             return None
-        delta = {"content": completion.delta_text} if completion.delta_text or not output.finished else {}
+        content = {"content": delta.new_text} if delta.new_text or not delta.finished else {}
         return self.envelope([{
-            "index": job.index, "delta": delta, "logprobs": self._logprobs(new_logprobs),
-            "finish_reason": completion.finish_reason if output.finished else None,
+            "index": job.index, "delta": content, "logprobs": self._logprobs(delta.new_logprobs),
+            "finish_reason": delta.finish_reason if delta.finished else None,
         }], stream=True)
 
     def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import Request as HTTPRequest
 
-from kvserve.engine.output import RequestOutput, TokenLogprob
+from kvserve.engine.output import RequestDelta, RequestOutput, TokenLogprob
 from kvserve.server.openai_format import OpenAIFormat
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.serving import Serving
@@ -48,7 +48,9 @@ class CompletionFormat(OpenAIFormat):
     def __init__(self, serving: Serving, echo: bool, include_usage: bool, prompt_logprobs: bool) -> None:
         super().__init__(serving, include_usage, prompt_logprobs)
         self.echo = echo
-        self._offsets: dict[int, int] = {}  # characters streamed so far per choice (text_offset)
+        # Per choice, where the next token's text starts (text_offset): the text of the tokens sent so
+        # far, not of the text streamed so far, which lags behind while a possible stop string is held back.
+        self._offsets: dict[int, int] = {}
         self._echoed: set[int] = set()
 
     def final_choice(self, job: Job, output: RequestOutput) -> dict:
@@ -58,25 +60,26 @@ class CompletionFormat(OpenAIFormat):
         if completion.logprobs is not None:
             entries = _generated_entries(completion.logprobs)
             if self.echo:
-                entries = _prompt_entries(job, output) + entries
+                entries = _prompt_entries(job, output.prompt_logprobs) + entries
             logprobs = self._logprobs(entries, 0)
         return {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
 
-    def chunk(self, job, output, new_logprobs):
-        completion = output.outputs[0]
-        text = completion.delta_text
-        entries = None if new_logprobs is None else _generated_entries(new_logprobs)
-        if self.echo and job.index not in self._echoed:
+    def chunk(self, job: Job, delta: RequestDelta) -> dict | None:
+        text = delta.new_text
+        entries = None if delta.new_logprobs is None else _generated_entries(delta.new_logprobs)
+        if self.echo and job.index not in self._echoed:  # the first delta: it carries the prompt logprobs
             self._echoed.add(job.index)
             text = job.prompt_text + text
             if entries is not None:
-                entries = _prompt_entries(job, output) + entries
-        if not text and not output.finished and not entries:
+                entries = _prompt_entries(job, delta.new_prompt_logprobs) + entries
+        if not text and not delta.finished and not entries:
             return None
-        start = self._offsets.get(job.index, 0)
-        logprobs = None if entries is None else self._logprobs(entries, start)
-        self._offsets[job.index] = start + len(text)
-        finish = completion.finish_reason if output.finished else None
+        logprobs = None
+        if entries is not None:
+            start = self._offsets.get(job.index, 0)
+            logprobs = self._logprobs(entries, start)
+            self._offsets[job.index] = start + sum(map(len, logprobs["tokens"]))
+        finish = delta.finish_reason if delta.finished else None
         return self.envelope([{"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
                              stream=True)
 
@@ -101,9 +104,10 @@ def _generated_entries(logprobs: list[TokenLogprob]) -> list[tuple[int, TokenLog
     return [(entry.token_id, entry) for entry in logprobs]
 
 
-def _prompt_entries(job: Job, output: RequestOutput) -> list[tuple[int, TokenLogprob | None]]:
+def _prompt_entries(job: Job, prompt_logprobs: list[TokenLogprob | None] | None
+                    ) -> list[tuple[int, TokenLogprob | None]]:
     """The echoed prompt's tokens with their logprob entries (None where the engine has none,
     as for the first token)."""
-    entries = output.prompt_logprobs or [None] * len(job.token_ids)
+    entries = prompt_logprobs or [None] * len(job.token_ids)
     return list(zip(job.token_ids, entries))
 

@@ -3,7 +3,7 @@
 Engine state (requests running / waiting, KV blocks, prefix-cache and
 preemption counters) is read when scraped from the engine's stats snapshot
 (taken after the last step); latencies and token counts are observed from
-each RequestOutput as the step loop emits it.
+each RequestDelta as the step loop emits it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.output import RequestOutput
+from kvserve.engine.output import RequestDelta
 
 log = logging.getLogger("kvserve.requests")
 
@@ -84,10 +84,10 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(async_engine, model_name))
         self._last_token_time: dict[str, float] = {}
 
-    def observe(self, output: RequestOutput) -> None:
-        metrics = output.metrics
-        request_id = output.request_id
-        new_tokens = len(output.outputs[0].delta_token_ids)
+    def observe(self, delta: RequestDelta) -> None:
+        metrics = delta.metrics
+        request_id = delta.request_id
+        new_tokens = len(delta.new_token_ids)
         if new_tokens:
             self.generation_tokens.labels(self.model_name).inc(new_tokens)
             previous = self._last_token_time.get(request_id)
@@ -96,9 +96,9 @@ class ServerMetrics:
             else:
                 self.itl.labels(self.model_name).observe(metrics.last_token_time - previous)
             self._last_token_time[request_id] = metrics.last_token_time
-        if output.finished:
+        if delta.finished:
             self._last_token_time.pop(request_id, None)
-            reason = output.outputs[0].finish_reason or "abort"
+            reason = delta.finish_reason or "abort"
             self.request_success.labels(self.model_name, reason).inc()
             self.prompt_tokens.labels(self.model_name).inc(metrics.num_prompt_tokens)
             end = metrics.last_token_time if reason != "abort" and metrics.last_token_time else time.perf_counter()
@@ -108,13 +108,13 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def log_request(output: RequestOutput) -> None:
+def log_request(delta: RequestDelta) -> None:
     """One line per finished request: counts and latencies, never the prompt text."""
-    if not output.finished:
+    if not delta.finished:
         return
-    m = output.metrics
+    m = delta.metrics
     ttft = f"{m.ttft * 1000:.0f} ms" if m.ttft is not None else "n/a"
     tpot = f"{m.tpot * 1000:.1f} ms" if m.tpot is not None else "n/a"
     log.info("request %s: prompt %d tokens (%d cached), output %d tokens, TTFT %s, TPOT %s, finish_reason %s",
-             output.request_id, m.num_prompt_tokens, output.num_cached_tokens, m.num_output_tokens, ttft, tpot,
-             output.outputs[0].finish_reason or "abort")
+             delta.request_id, m.num_prompt_tokens, delta.num_cached_tokens, m.num_output_tokens, ttft, tpot,
+             delta.finish_reason or "abort")

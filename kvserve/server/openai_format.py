@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Iterable
 
-from kvserve.engine.output import RequestOutput, TokenLogprob
+from kvserve.engine.output import RequestDelta, RequestOutput
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.server.errors import bad_request, internal
 from kvserve.server.serving import Serving, Usage
@@ -51,17 +51,17 @@ class OpenAIFormat(OutputFormat):
     def opening_events(self, jobs: list[Job]) -> Iterable[str]:
         return [sse_event(chunk) for chunk in self.opening_chunks(jobs)]
 
-    def output_events(self, job, output, new_logprobs) -> Iterable[str]:
-        chunk = self.chunk(job, output, new_logprobs)
+    def output_events(self, job: Job, delta: RequestDelta) -> Iterable[str]:
+        chunk = self.chunk(job, delta)
         return () if chunk is None else (sse_event(chunk),)
 
-    def closing_events(self, jobs, last, error: KVServeError | None) -> Iterable[str]:
+    def closing_events(self, jobs, finals, error: KVServeError | None) -> Iterable[str]:
         if isinstance(error, InvalidRequestError):
             yield sse_event(bad_request(str(error), error.param).body())
         elif error is not None:
             yield sse_event(internal(str(error)).body())
         elif self.include_usage:
-            yield sse_event(self.envelope([], usage=Usage.count(jobs, last).openai(), stream=True))
+            yield sse_event(self.envelope([], usage=Usage.count(jobs, finals).openai(), stream=True))
         yield sse_event("[DONE]")
 
     def opening_chunks(self, jobs: list[Job]) -> list[dict]:
@@ -72,8 +72,8 @@ class OpenAIFormat(OutputFormat):
         """The choice object of a non-streaming response."""
 
     @abc.abstractmethod
-    def chunk(self, job: Job, output: RequestOutput, new_logprobs: list[TokenLogprob] | None) -> dict | None:
-        """The SSE chunk for one step's output (None: nothing to send yet)."""
+    def chunk(self, job: Job, delta: RequestDelta) -> dict | None:
+        """The SSE chunk for what one step added (None: nothing to send yet)."""
 
     def _prompt_logprobs(self, job: Job, output: RequestOutput) -> list[dict | None] | None:
         """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}

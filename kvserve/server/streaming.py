@@ -2,12 +2,12 @@
 
 A request becomes one engine request per job (a choice of a prompt): `n`
 choices of a prompt run side by side and share the prompt's KV blocks through
-the prefix cache. Their outputs merge into one stream. A non-streaming request
-collects the finals while watching for the client to leave; a streaming one
-hands every output to its API's `OutputFormat`, which turns it into
-Server-Sent Events. However a request ends (done, error, disconnect), every
-engine request it started that has not finished is aborted, which frees its
-blocks.
+the prefix cache. Their deltas merge into one stream. A non-streaming request
+assembles the finals (RequestOutputAssembler) while watching for the client to
+leave; a streaming one hands every delta to its API's `OutputFormat`, which
+turns it into Server-Sent Events, and assembles the finals too (for the usage
+at the end). However a request ends (done, error, disconnect), every engine
+request it started that has not finished is aborted, which frees its blocks.
 
 Each API (completions, chat, and later Responses and Anthropic Messages) is an
 `OutputFormat`; this module is the machinery they share.
@@ -26,7 +26,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.output import RequestOutput, TokenLogprob
+from kvserve.engine.output import RequestDelta, RequestOutput, RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import KVServeError
 
@@ -64,15 +64,14 @@ class OutputFormat(abc.ABC):
         return ()
 
     @abc.abstractmethod
-    def output_events(self, job: Job, output: RequestOutput, new_logprobs: list[TokenLogprob] | None
-                      ) -> Iterable[str]:
-        """Events for one step's output of `job` (`new_logprobs`: entries not sent before)."""
+    def output_events(self, job: Job, delta: RequestDelta) -> Iterable[str]:
+        """Events for what one step added to `job`."""
 
     @abc.abstractmethod
-    def closing_events(self, jobs: list[Job], last: dict[int, RequestOutput], error: KVServeError | None
+    def closing_events(self, jobs: list[Job], finals: dict[int, RequestOutput], error: KVServeError | None
                        ) -> Iterable[str]:
-        """The stream's last events: after every job finished, or after `error` (the status is
-        already 200 once streaming, so an error can only be said in the stream)."""
+        """The stream's last events: after every job finished (`finals` by job index), or after
+        `error` (the status is already 200 once streaming, so an error can only be said in the stream)."""
 
 
 def sse_event(payload: dict | str, event: str | None = None) -> str:
@@ -96,7 +95,7 @@ async def run_jobs(async_engine: AsyncEngine, fmt: OutputFormat, jobs: list[Job]
 
 
 class Fanout:
-    """One engine request per job, merged into one stream of (job index, output).
+    """One engine request per job, merged into one stream of (job index, delta).
     `close()` aborts whatever has not finished."""
 
     def __init__(self, async_engine: AsyncEngine, jobs: list[Job], request_id: str, salt: str | None) -> None:
@@ -108,18 +107,18 @@ class Fanout:
                    for job, rid in zip(jobs, self.request_ids)]
         self._tasks = [asyncio.create_task(self._pump(job.index, stream)) for job, stream in zip(jobs, streams)]
 
-    async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def _pump(self, index: int, stream: AsyncIterator[RequestDelta]) -> None:
         try:
-            async for output in stream:
-                if output.finished:
-                    self._finished.add(output.request_id)
-                self._queue.put_nowait((index, output))
+            async for delta in stream:
+                if delta.finished:
+                    self._finished.add(delta.request_id)
+                self._queue.put_nowait((index, delta))
         except Exception as exc:
             self._queue.put_nowait((index, exc))
         finally:
             self._queue.put_nowait((index, None))
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         remaining = len(self._tasks)
         while remaining:
             index, item = await self._queue.get()
@@ -154,10 +153,11 @@ class FanoutStream(StreamingResponse):
 
 async def _collect_unless_disconnected(fanout: Fanout, http: HTTPRequest) -> dict[int, RequestOutput]:
     async def collect() -> dict[int, RequestOutput]:
-        finals = {}
-        async for index, output in fanout.outputs():
-            if output.finished:
-                finals[index] = output
+        finals, assembler = {}, RequestOutputAssembler()
+        async for index, delta in fanout.deltas():
+            final = assembler.add(delta)
+            if final is not None:
+                finals[index] = final
         return finals
 
     task = asyncio.create_task(collect())
@@ -176,23 +176,19 @@ async def _collect_unless_disconnected(fanout: Fanout, http: HTTPRequest) -> dic
 
 
 async def _events(fmt: OutputFormat, jobs: list[Job], fanout: Fanout) -> AsyncIterator[str]:
-    last: dict[int, RequestOutput] = {}
-    sent_logprobs: dict[int, int] = {}
+    finals: dict[int, RequestOutput] = {}
+    assembler = RequestOutputAssembler()
     error: KVServeError | None = None
     try:
         for event in fmt.opening_events(jobs):
             yield event
-        async for index, output in fanout.outputs():
-            last[index] = output
-            completion = output.outputs[0]
-            new_logprobs = None
-            if completion.logprobs is not None:
-                start = sent_logprobs.get(index, 0)
-                new_logprobs = completion.logprobs[start:]
-                sent_logprobs[index] = len(completion.logprobs)
-            for event in fmt.output_events(jobs[index], output, new_logprobs):
+        async for index, delta in fanout.deltas():
+            final = assembler.add(delta)
+            if final is not None:
+                finals[index] = final
+            for event in fmt.output_events(jobs[index], delta):
                 yield event
     except KVServeError as exc:
         error = exc
-    for event in fmt.closing_events(jobs, last, error):
+    for event in fmt.closing_events(jobs, finals, error):
         yield event

@@ -6,6 +6,7 @@ from concurrent.futures import Executor, Future
 import pytest
 
 from kvserve.engine.async_engine import AsyncEngine, EngineFailedError
+from kvserve.engine.output import RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from tests.engine.test_engine import make_engine
@@ -45,9 +46,10 @@ def test_streams_match_the_synchronous_engine(tiny_models):
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     sync_engine = make_engine(tiny_models())
     sync_engine.add_request(PROMPT, params)
-    expected = None
+    assembler, expected = RequestOutputAssembler(), None
     while sync_engine.has_unfinished():
-        expected = sync_engine.step()[0].outputs[0].token_ids
+        expected = assembler.add(sync_engine.step()[0]) or expected
+    expected = expected.outputs[0].token_ids
 
     async def main():
         async_engine = await started(make_engine(tiny_models()))
@@ -61,8 +63,9 @@ def test_streams_match_the_synchronous_engine(tiny_models):
         return results
 
     for outputs in run(main()):
-        assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == expected
-        assert sum(len(o.outputs[0].delta_token_ids) for o in outputs) == 10
+        final = RequestOutputAssembler.assemble(outputs)
+        assert outputs[-1].finished and final.outputs[0].token_ids == expected
+        assert sum(len(o.new_token_ids) for o in outputs) == 10
 
 
 def test_a_consumer_that_stops_early_aborts_and_frees_its_blocks(tiny_models):
@@ -73,8 +76,10 @@ def test_a_consumer_that_stops_early_aborts_and_frees_its_blocks(tiny_models):
         async_engine = async_engine_for(engine, observers=[seen.append])
         await async_engine.start()
         stream = async_engine.generate(PROMPT, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), "long")
+        num_tokens = 0
         async for output in stream:
-            if len(output.outputs[0].token_ids) >= 3:
+            num_tokens += len(output.new_token_ids)
+            if num_tokens >= 3:
                 break
         await stream.aclose()
         await async_engine.call(lambda: None)  # the abort ran before this
@@ -83,7 +88,7 @@ def test_a_consumer_that_stops_early_aborts_and_frees_its_blocks(tiny_models):
     run(main())
     assert not engine.has_unfinished()
     engine.check_integrity()
-    assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
+    assert seen[-1].finished and seen[-1].finish_reason == "abort"
 
 
 def test_invalid_requests_raise_from_the_stream_and_leave_nothing(tiny_models):
@@ -125,5 +130,5 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(tiny_models, mon
         await async_engine.stop()
         return outputs
 
-    assert run(main())[-1].outputs[0].finish_reason == "length"
+    assert RequestOutputAssembler.assemble(run(main())).outputs[0].finish_reason == "length"
     engine.check_integrity()

@@ -5,9 +5,10 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
+from kvserve.engine.output import RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
-from tests.helpers import TINY_VOCAB
+from tests.helpers import TINY_VOCAB, run_to_finals
 
 BYTES_PER_TOKEN = 3 * 2 * 2 * 16 * 4  # tiny models: 3 layers, 2 KV heads, head_dim 16, fp32
 
@@ -21,15 +22,10 @@ def workload(seed=0, count=8):
 
 def run_all(engine: Engine, prompts, params) -> dict[str, list[int]]:
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    results = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = output.outputs[0].token_ids
-        engine.check_integrity()
+    finals = run_to_finals(engine)
     engine.check_integrity()
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
-    return [results[i] for i in ids]
+    return [finals[i].outputs[0].token_ids for i in ids]
 
 
 def make_engine(loaded, **config) -> Engine:
@@ -131,7 +127,7 @@ def test_abort_waiting_prefilling_and_decoding(tiny_models):
     assert requests[waiting].num_computed_tokens == 0
     for request_id in (waiting, prefilling, decoding):
         output = engine.abort(request_id)
-        assert output.finished and output.outputs[0].finish_reason == "abort"
+        assert output.finished and output.finish_reason == "abort"
         engine.check_integrity()
     assert engine.abort("unknown") is None
     assert not engine.has_unfinished()
@@ -141,12 +137,12 @@ def test_abort_waiting_prefilling_and_decoding(tiny_models):
 def test_streamed_deltas_join_to_the_final_output(embedded):
     engine = Engine(EngineConfig(kv_cache_memory="64MiB"), loaded=embedded)
     engine.add_request("Count to five: one, two,", SamplingParams(max_tokens=20, temperature=0.0, stop=["five"]))
-    text, ids, final = "", [], None
+    text, ids, final, assembler = "", [], None, RequestOutputAssembler()
     while engine.has_unfinished():
-        for output in engine.step():
-            text += output.outputs[0].delta_text
-            ids += output.outputs[0].delta_token_ids
-            final = output
+        for delta in engine.step():
+            text += delta.new_text
+            ids += delta.new_token_ids
+            final = assembler.add(delta)
     assert final.finished and text == final.outputs[0].text and ids == final.outputs[0].token_ids
     assert "five" not in text
     assert final.metrics.ttft > 0 and final.kv_cache_bytes > 0

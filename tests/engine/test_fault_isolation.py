@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from kvserve.engine import runner as runner_module
+from kvserve.engine.output import RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams, sample
 from kvserve.errors import RequestFailedError
 from tests.engine.test_async_engine import async_engine_for
 from tests.engine.test_engine import make_engine, run_all, workload
-from tests.helpers import TINY_VOCAB
+from tests.helpers import TINY_VOCAB, run_to_finals
 
 POISON_TOKEN = TINY_VOCAB - 1
 POISON_SEED = 666
@@ -34,12 +35,7 @@ class PoisonedModel:
 
 def step_all(engine) -> dict:
     """Step until idle; {request id: final output}, checking block accounting after every step."""
-    finals = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-        engine.check_integrity()
+    finals = run_to_finals(engine)
     engine.check_integrity()
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
     return finals
@@ -114,7 +110,7 @@ def test_the_async_engine_fails_only_the_culprits_stream(tiny_models, expected):
 
         async def consume(stream):
             try:
-                return [output async for output in stream][-1].outputs[0].token_ids
+                return RequestOutputAssembler.assemble([delta async for delta in stream]).outputs[0].token_ids
             except RequestFailedError as exc:
                 return exc
 

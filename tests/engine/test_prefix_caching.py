@@ -7,19 +7,14 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams
 from tests.engine.test_engine import BYTES_PER_TOKEN, make_engine
-from tests.helpers import TINY_VOCAB
+from tests.helpers import TINY_VOCAB, run_to_finals
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def finish(engine, prompt, params=GREEDY, **kwargs):
-    engine.add_request(prompt, params, **kwargs)
-    final = None
-    while engine.has_unfinished():
-        for output in engine.step():
-            final = output if output.finished else final
-        engine.check_integrity()
-    return final
+    request_id = engine.add_request(prompt, params, **kwargs)
+    return run_to_finals(engine)[request_id]
 
 
 def shared_prompts(count=4, prefix_len=26, suffix_len=5):
@@ -81,12 +76,7 @@ def test_preempted_requests_recompute_from_cache_hits(tiny_models):
         engine.scheduler.schedule = counting_schedule
         for prompt in prompts:
             engine.add_request(prompt, params)
-        done = {}
-        while engine.has_unfinished():
-            for output in engine.step():
-                if output.finished:
-                    done[output.request_id] = output.outputs[0].token_ids
-            engine.check_integrity()
+        done = {i: final.outputs[0].token_ids for i, final in run_to_finals(engine).items()}
         assert engine.scheduler.num_preemptions > 0
         computed[caching], outputs[caching] = sum(total), done
     assert outputs[True] == outputs[False]

@@ -9,6 +9,7 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams
 from kvserve.kv.attention import CpuAttentionBackend
 from kvserve.kv.attention.registry import ATTENTION_BACKENDS
+from tests.helpers import run_to_finals
 
 
 class Recording(CpuAttentionBackend):
@@ -49,12 +50,8 @@ def run(loaded, backend: str) -> tuple[Engine, list[list[int]]]:
     engine = Engine(EngineConfig(kv_cache_memory="4MiB", block_size=4, max_num_batched_tokens=9,
                                  attention_backend=backend), loaded=loaded)
     ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for p in prompts]
-    tokens = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                tokens[output.request_id] = output.outputs[0].token_ids
-    return engine, [tokens[i] for i in ids]
+    finals = run_to_finals(engine)
+    return engine, [finals[i].outputs[0].token_ids for i in ids]
 
 
 def test_any_batch_order_gives_the_same_tokens_and_the_runner_applies_the_backends(tiny_models, monkeypatch):

@@ -7,6 +7,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams
 from kvserve.model.loader import embedded_model_path
+from tests.helpers import run_to_finals
 
 PROMPTS = [
     "The capital of France is",
@@ -18,14 +19,8 @@ pytestmark = pytest.mark.slow
 
 
 def run(engine: Engine, prompt, params: SamplingParams):
-    engine.add_request(prompt, params)
-    final = None
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                final = output
-    engine.check_integrity()
-    return final
+    request_id = engine.add_request(prompt, params)
+    return run_to_finals(engine)[request_id]
 
 
 @pytest.fixture(scope="module")

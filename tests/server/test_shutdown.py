@@ -92,25 +92,35 @@ def assert_clean_exit(server) -> str:
     return log
 
 
+def sigterm_during(server, bodies: list[dict], while_draining=None) -> tuple[list[Call], str]:
+    """Start the calls, SIGTERM the server (then run `while_draining`), wait for all; the calls and the log."""
+    try:
+        calls = start_calls(server, bodies)
+        server.process.send_signal(signal.SIGTERM)
+        if while_draining is not None:
+            while_draining()
+        for call in calls:
+            call.join(SHUTDOWN_WAIT_S)
+        return calls, assert_clean_exit(server)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+
+
 @pytest.mark.slow
 def test_sigterm_past_the_timeout_ends_every_response_with_abort(tmp_path):
     server = start_server(tmp_path, "--shutdown-timeout", "1", "--max-num-seqs", "16")
-    try:
-        calls = start_calls(server, [completion(2000, stream=True)] * 8 + [completion(2000, stream=False)])
-        server.process.send_signal(signal.SIGTERM)
+
+    def late_request() -> None:
         time.sleep(0.5)  # uvicorn closes the listener on its next tick (0.1 s)
         try:
             late = httpx.post(server.api_url + "/completions", json=completion(4, stream=False), timeout=10)
         except httpx.TransportError:
-            pass  # refused: the listener is closed
-        else:
-            assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
-        for call in calls:
-            call.join(SHUTDOWN_WAIT_S)
-        log = assert_clean_exit(server)
-    finally:
-        if server.process.poll() is None:
-            server.process.kill()
+            return  # refused: the listener is closed
+        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+
+    calls, log = sigterm_during(server, [completion(2000, stream=True)] * 8 + [completion(2000, stream=False)],
+                                late_request)
 
     for call in calls:
         assert call.error is None and call.status == 200, (call.error, call.status)
@@ -130,15 +140,7 @@ def test_sigterm_past_the_timeout_ends_every_response_with_abort(tmp_path):
 def test_sigterm_lets_requests_that_finish_within_the_timeout_complete(tmp_path):
     # The timeout is only an upper bound: the server exits as soon as the requests are done.
     server = start_server(tmp_path, "--shutdown-timeout", "300")
-    try:
-        calls = start_calls(server, [completion(24, stream=True)] * 4 + [completion(24, stream=False)])
-        server.process.send_signal(signal.SIGTERM)
-        for call in calls:
-            call.join(SHUTDOWN_WAIT_S)
-        log = assert_clean_exit(server)
-    finally:
-        if server.process.poll() is None:
-            server.process.kill()
+    calls, log = sigterm_during(server, [completion(24, stream=True)] * 4 + [completion(24, stream=False)])
 
     for call in calls:
         assert call.error is None and call.status == 200, (call.error, call.status)
