@@ -4,7 +4,7 @@ kvserve and transformers `generate` on the embedded SmolLM2-135M-Instruct, in
 one run. transformers' TTFT is a 1-token generate; its TPOT is the rest of a
 full generate divided by the remaining tokens.
 
-    .venv/bin/python bench/latency.py [--workloads W2 W4] [--skip-transformers]
+    .venv/bin/python bench/latency.py [--workloads W2 W4] [--skip-transformers] [--weights-dtype auto]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.cpu_features import describe_cpu
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import embedded_model_path, load_model
 from workloads import greedy, random_prompts, run_engine, save
@@ -42,9 +43,12 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--weights-dtype", default="auto", help="kvserve's linear weights (transformers: fp32)")
     args = parser.parse_args()
+    print(f"CPU: {describe_cpu()}", flush=True)
 
-    loaded = load_model()
+    loaded = load_model(weights_dtype=args.weights_dtype)
+    print(f"kvserve linear weights: {loaded.linear_dtype}", flush=True)
     engine = Engine(EngineConfig(kv_cache_memory="1GiB", max_num_batched_tokens=args.max_num_batched_tokens), loaded=loaded)
     run_engine(engine, random_prompts(1, 64, seed=1), greedy(4))  # warm-up
     reference = None

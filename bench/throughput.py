@@ -1,12 +1,12 @@
 """W1 offline throughput: 32 requests x (256 prompt, 128 output), kvserve vs transformers `generate`.
 
-Both run on the embedded SmolLM2-135M-Instruct (fp32 weights) in the same
-process, one after the other; the ratio is what to compare across machines.
+Both run on the embedded SmolLM2-135M-Instruct (transformers with fp32 weights,
+kvserve with --weights-dtype, default auto) in the same process, one after the other; the ratio is what to compare across machines.
 Also reports the KV memory the paged pool actually used against what a
 contiguous per-request reservation would hold.
 
     .venv/bin/python bench/throughput.py [--requests 32 --prompt-len 256 --output-len 128]
-                                         [--block-size 16] [--skip-transformers]
+                                         [--block-size 16] [--skip-transformers] [--weights-dtype auto]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.cpu_features import describe_cpu
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import embedded_model_path, load_model
 from workloads import greedy, random_prompts, run_engine, save
@@ -46,10 +47,13 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--weights-dtype", default="auto", help="kvserve's linear weights (transformers: fp32)")
     args = parser.parse_args()
+    print(f"CPU: {describe_cpu()}", flush=True)
 
     prompts = random_prompts(args.requests, args.prompt_len)
-    loaded = load_model()
+    loaded = load_model(weights_dtype=args.weights_dtype)
+    print(f"kvserve linear weights: {loaded.linear_dtype}", flush=True)
     engine = Engine(EngineConfig(kv_cache_memory="2GiB", block_size=args.block_size,
                                  max_num_batched_tokens=args.max_num_batched_tokens), loaded=loaded)
     run_engine(engine, random_prompts(2, 32, seed=1), greedy(4))  # warm-up

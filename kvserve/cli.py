@@ -31,9 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
     group.add_argument("--kv-cache-dtype", default="auto", help="auto (= float32), float32, float16, bfloat16, int8, int4, fp8_e4m3, fp8_e5m2")
-    group.add_argument("--weights-dtype", default="float32", choices=("auto", "float32", "bfloat16", "int8", "int4"),
-                       help="what the linear layers hold: auto (int4 with an int8 head where the CPU has native "
-                            "bf16 GEMMs, else float32), float32 (exact), bfloat16, int8, int4 (default float32)")
+    group.add_argument("--weights-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8", "int4"),
+                       help="what the linear layers hold: auto (default: int4 with an int8 head where the CPU has "
+                            "native bf16 GEMMs, else float32), float32 (exact), bfloat16, int8, int4")
     group.add_argument("--kv-cache-memory", default=None,
                        help="KV pool size, e.g. 2GiB (default: 30%% of free RAM, at most 4 GiB); "
                             "more than the memory available is refused unless --allow-kv-overcommit")

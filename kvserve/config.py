@@ -137,7 +137,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # What the linear layers hold (kvserve.model.quantized_linear): "auto" = int4 (head int8) where the
     # CPU has native bf16 GEMMs, else float32. Ignored when the Engine is given a loaded model.
-    weights_dtype: str = "float32"
+    weights_dtype: str = "auto"
     kv_cache_memory: int | str | None = None  # bytes or "2GiB"; None: default_kv_cache_memory()
     max_model_len: int | None = None  # None: the model's context length
     # False: every step recomputes each request's whole sequence and keeps no

@@ -94,3 +94,21 @@ def test_unknown_weights_dtypes_are_config_errors():
         EngineConfig(weights_dtype="q4_k")
     with pytest.raises(ConfigError, match="weights_dtype must be one of"):
         ql.resolve_weights_dtype("fp4")
+
+
+@needs_bf16
+@pytest.mark.slow
+def test_the_embedded_model_in_int4_keeps_float32s_greedy_answer(embedded):
+    from kvserve.engine.engine import Engine
+    from kvserve.engine.sampling import SamplingParams
+    from tests.helpers import run_to_finals
+
+    tokenizer = embedded.require_tokenizer()
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    answers = []
+    for loaded in (embedded, load_model(weights_dtype="int4")):
+        engine = Engine(EngineConfig(kv_cache_memory="64MiB"), loaded=loaded)
+        request_id = engine.add_request(prompt, params)
+        answers.append(run_to_finals(engine)[request_id].outputs[0].token_ids)
+    assert answers[0] == answers[1], [tokenizer.decode(a) for a in answers]

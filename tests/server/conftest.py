@@ -58,6 +58,11 @@ class Server:
 
 
 def start_server(tmp_path: Path, *args: str, api_key: str | None = None) -> Server:
+    """`kvserve serve` on the embedded model. fp32 weights unless `args` say otherwise: the tests compare
+    texts across batch compositions, which only fp32's kernels keep identical (quantized weights switch
+    kernels with the batch's row count)."""
+    if "--weights-dtype" not in args:
+        args = ("--weights-dtype", "float32", *args)
     log_path = tmp_path / "server.log"
     log_file = open(log_path, "w")
     process = subprocess.Popen(
