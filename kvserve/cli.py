@@ -34,6 +34,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--weights-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8", "int4"),
                        help="what the linear layers hold: auto (default: int4 with an int8 head where the CPU has "
                             "native bf16 GEMMs, else float32), float32 (exact), bfloat16, int8, int4")
+    group.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "cpu-torch"),
+                       help="auto (= cpu), cpu (C++ decode kernel on an fp32 cache, built at install), "
+                            "cpu-torch (torch kernels only)")
     group.add_argument("--kv-cache-memory", default=None,
                        help="KV pool size, e.g. 2GiB (default: 30%% of free RAM, at most 4 GiB); "
                             "more than the memory available is refused unless --allow-kv-overcommit")
@@ -55,6 +58,7 @@ def engine_config_from_args(args: argparse.Namespace):
     resolve_cache_dtype(args.kv_cache_dtype)  # fail before the model loads
     return EngineConfig(  # raises ConfigError
         model=args.model, kv_cache_dtype=args.kv_cache_dtype, weights_dtype=args.weights_dtype,
+        attention_backend=args.attention_backend,
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

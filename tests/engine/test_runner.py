@@ -16,6 +16,7 @@ class Recording(CpuAttentionBackend):
     """The cpu backend, noting each step's scheduled new-token counts and the slices it was given."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.scheduled: list[list[int]] = []
         self.batches: list[list[int]] = []
 
@@ -35,6 +36,7 @@ class Reversed(CpuAttentionBackend):
 
 class Shuffled(CpuAttentionBackend):
     def __init__(self) -> None:
+        super().__init__()
         self.rng = random.Random(0)
 
     def batch_order(self, num_new_tokens):

@@ -3,20 +3,26 @@
 Cache layout per layer: `[num_blocks, num_kv_heads, block_size, row_width]`,
 so one (block, KV head) is a contiguous `[block_size, head_dim]` matrix that
 the decode kernels multiply directly. Batch order: decodes first, so all of
-them run as one batched decode (cpu_decode.py); prefill chunks (compute-bound)
+them run as one batched decode: on an fp32 cache, the C++ kernel that reads
+the blocks in place (cpu_kernels.py), else the torch kernels (cpu_decode.py),
+which gather them first. Prefill chunks (compute-bound)
 gather their request's blocks and run SDPA with a bottom-right-aligned causal
 mask (reference.py).
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Sequence
 
 import torch
 
+from kvserve.arith import cdiv
+
 from kvserve.kv.attention.base import AttentionBackend, AttentionContext, SequenceSlice
 from kvserve.kv.attention.cpu_decode import split_kv_decode, union_decode
-from kvserve.kv.attention.cpu_metadata import AttentionMetadata, build_step_metadata
+from kvserve.kv.attention.cpu_kernels import paged_decode_kernel
+from kvserve.kv.attention.cpu_metadata import AttentionMetadata, DecodeMetadata, build_step_metadata
 from kvserve.kv.attention.reference import attend
 from kvserve.kv.storage import PagedKVCache
 
@@ -34,9 +40,11 @@ def slot_indices(slot_blocks: torch.Tensor, slot_rows: torch.Tensor, num_kv_head
 class PagedKVContext(AttentionContext):
     """The paged cache plus this step's metadata, one `AttentionMetadata` per layer (shared within a kind)."""
 
-    def __init__(self, cache: PagedKVCache, layer_metadata: Sequence[AttentionMetadata]) -> None:
+    def __init__(self, cache: PagedKVCache, layer_metadata: Sequence[AttentionMetadata],
+                 decode_kernel: ModuleType | None = None) -> None:
         self.cache = cache
         self.layer_metadata = layer_metadata
+        self.decode_kernel = decode_kernel  # reads fp32 blocks in place; None: gather, then torch kernels
         # Every kind of a step shares the same slots.
         first = layer_metadata[0]
         self._slots = slot_indices(first.slot_blocks, first.slot_rows, cache.spec.num_kv_heads, cache.block_size)
@@ -48,7 +56,11 @@ class PagedKVContext(AttentionContext):
         outputs = []
         if meta.decode is not None:
             queries = q[: meta.num_decode_tokens]
-            if meta.decode.union_block_ids is not None:
+            if self.decode_kernel is not None:
+                outputs.append(self.decode_kernel.paged_decode(
+                    queries, cache.k[layer], cache.v[layer], meta.decode.block_ids, meta.decode.seq_offsets,
+                    meta.decode.key_valid, scale, _num_splits(meta.decode, k.shape[1])))
+            elif meta.decode.union_block_ids is not None:
                 kv = cache.gather(layer, meta.decode.union_block_ids, q.dtype, fold_scales=True)
                 outputs.append(union_decode(queries, kv, meta.decode, scale))
             else:
@@ -64,8 +76,20 @@ class PagedKVContext(AttentionContext):
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
+def _num_splits(decode: DecodeMetadata, num_kv_heads: int) -> int:
+    """Runs of blocks per (request, KV head) for the C++ kernel: enough work items to keep every
+    thread busy (4 per thread) when few requests decode, never under 4 blocks a run."""
+    wanted = cdiv(4 * torch.get_num_threads(), decode.num_seqs * num_kv_heads)
+    longest = int((decode.seq_offsets[1:] - decode.seq_offsets[:-1]).max())
+    return max(1, min(wanted, longest // 4))
+
+
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
+
+    def __init__(self, use_cpp_kernels: bool = True) -> None:
+        # Built (or loaded from the per-machine cache) now, at engine start, not on the first request.
+        self.decode_kernel = paged_decode_kernel() if use_cpp_kernels else None
 
     def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, block_size: int, row_width: int) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, block_size, row_width)
@@ -78,4 +102,15 @@ class CpuAttentionBackend(AttentionBackend):
         self, cache: PagedKVCache, slices: Sequence[SequenceSlice], layer_windows: Sequence[int | None]
     ) -> PagedKVContext:
         kinds = build_step_metadata(slices, cache.block_size, layer_windows)
-        return PagedKVContext(cache, [kinds[window] for window in layer_windows])
+        plain_fp32 = not cache.k_params and not cache.v_params and cache.k[0].dtype == cache.v[0].dtype == torch.float32
+        return PagedKVContext(cache, [kinds[window] for window in layer_windows],
+                              self.decode_kernel if plain_fp32 else None)
+
+
+class TorchCpuAttentionBackend(CpuAttentionBackend):
+    """The cpu backend with torch kernels only (what runs where the C++ kernel cannot be built)."""
+
+    name = "cpu-torch"
+
+    def __init__(self) -> None:
+        super().__init__(use_cpp_kernels=False)

@@ -24,6 +24,7 @@ class DecodeMetadata:
     block_ids: torch.Tensor  # [NB] every valid block of every decoding request, request by request
     seq_index: torch.Tensor  # [NB] which decoding request each block belongs to
     key_valid: torch.Tensor  # [NB, block_size] which rows of each block the query may see
+    seq_offsets: torch.Tensor  # [num_seqs + 1] request i's blocks are block_ids[seq_offsets[i]:seq_offsets[i + 1]]
     # When requests share many blocks (a common prefix), attention runs over
     # the union of their blocks, each read once, with a per-request mask.
     union_block_ids: torch.Tensor | None = None  # [U]
@@ -78,6 +79,7 @@ def _decode_metadata(
     dec_block_start: list[int] = []
     dec_lo: list[int] = []
     dec_qpos: list[int] = []
+    offsets = [0]
     for seq, (block_ids, q_pos) in enumerate(decodes):
         lo = max(0, q_pos - sliding_window + 1) if sliding_window else 0
         for index in range(lo // block_size, q_pos // block_size + 1):
@@ -86,10 +88,11 @@ def _decode_metadata(
             dec_block_start.append(index * block_size)
             dec_lo.append(lo)
             dec_qpos.append(q_pos)
+        offsets.append(len(dec_blocks))
     key_pos = torch.tensor(dec_block_start)[:, None] + torch.arange(block_size)[None, :]
     key_valid = (key_pos <= torch.tensor(dec_qpos)[:, None]) & (key_pos >= torch.tensor(dec_lo)[:, None])
-    return _with_union(DecodeMetadata(len(decodes), torch.tensor(dec_blocks), torch.tensor(dec_seq), key_valid),
-                       block_size)
+    return _with_union(DecodeMetadata(len(decodes), torch.tensor(dec_blocks), torch.tensor(dec_seq), key_valid,
+                                      torch.tensor(offsets)), block_size)
 
 
 def build_step_metadata(

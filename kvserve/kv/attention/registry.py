@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from kvserve.errors import ConfigError
 from kvserve.kv.attention.base import AttentionBackend
-from kvserve.kv.attention.cpu import CpuAttentionBackend
+from kvserve.kv.attention.cpu import CpuAttentionBackend, TorchCpuAttentionBackend
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {CpuAttentionBackend.name: CpuAttentionBackend}
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    backend.name: backend for backend in (CpuAttentionBackend, TorchCpuAttentionBackend)
+}
 # What `auto` picks on each device type the model can run on.
 _AUTO_BY_DEVICE = {"cpu": CpuAttentionBackend.name}
 

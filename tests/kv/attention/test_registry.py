@@ -8,9 +8,10 @@ from kvserve.kv.attention import CpuAttentionBackend, attention_backend_names, g
 
 
 def test_auto_picks_cpu_on_cpu():
-    assert isinstance(get_attention_backend("auto"), CpuAttentionBackend)
-    assert isinstance(get_attention_backend("cpu"), CpuAttentionBackend)
-    assert attention_backend_names() == ["auto", "cpu"]
+    assert type(get_attention_backend("auto")) is CpuAttentionBackend
+    assert type(get_attention_backend("cpu")) is CpuAttentionBackend
+    assert get_attention_backend("cpu-torch").decode_kernel is None
+    assert attention_backend_names() == ["auto", "cpu", "cpu-torch"]
 
 
 def test_unknown_name_lists_the_choices():

@@ -1,0 +1,59 @@
+"""One decode-attention layer over a paged fp32 cache: the torch path (gather the blocks, then split-KV /
+union SDPA) against the C++ kernel that reads them in place. SmolLM2's shape (9 heads, 3 KV heads x 64,
+block 16); blocks scattered at random, as a long-running pool leaves them. Milliseconds per call.
+
+    .venv/bin/python bench/decode_attention.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvserve.cpu_features import describe_cpu
+from kvserve.kv.attention import CpuAttentionBackend, PagedKVContext, SequenceSlice, build_attention_metadata
+from kvserve.kv.attention.cpu_kernels import paged_decode_kernel
+from kvserve.kv.spec import KVSpec
+from workloads import save
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+SHAPES = [(4096, 1), (512, 1), (300, 32)]  # (context tokens, decoding requests)
+
+
+def time_ms(context: PagedKVContext, q: torch.Tensor, k: torch.Tensor, calls: int = 30) -> float:
+    for _ in range(3):
+        context.attend(0, q, k, k, HEAD_DIM**-0.5)
+    started = time.perf_counter()
+    for _ in range(calls):
+        context.attend(0, q, k, k, HEAD_DIM**-0.5)
+    return (time.perf_counter() - started) / calls * 1e3
+
+
+def main() -> None:
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        raise SystemExit("the C++ kernel could not be built here (see the log above); nothing to compare")
+    print(f"CPU: {describe_cpu()}, {torch.get_num_threads()} threads")
+    rows = []
+    for context_len, num_seqs in SHAPES:
+        blocks_each = context_len // BLOCK + 1
+        num_blocks = num_seqs * blocks_each
+        cache = CpuAttentionBackend().allocate_kv_cache(KVSpec(1, KV_HEADS, HEAD_DIM, "float32"), num_blocks, BLOCK)
+        cache.initialize_blocks_through(num_blocks - 1)
+        for tensor in cache.k + cache.v:
+            tensor.normal_()
+        free = torch.randperm(num_blocks).tolist()
+        slices = [SequenceSlice([free.pop() for _ in range(blocks_each)], context_len, 1) for _ in range(num_seqs)]
+        meta = build_attention_metadata(slices, BLOCK)
+        q, k = torch.randn(num_seqs, HEADS, HEAD_DIM), torch.randn(num_seqs, KV_HEADS, HEAD_DIM)
+        torch_ms = time_ms(PagedKVContext(cache, [meta]), q, k)
+        kernel_ms = time_ms(PagedKVContext(cache, [meta], kernel), q, k)
+        rows.append({"context": context_len, "requests": num_seqs, "torch_ms": torch_ms, "kernel_ms": kernel_ms})
+        print(f"{num_seqs:>3} x {context_len:>5} tokens: torch {torch_ms:.3f} ms, C++ kernel {kernel_ms:.3f} ms "
+              f"({torch_ms / kernel_ms:.2f}x)", flush=True)
+    print(f"wrote {save('decode_attention', {'cpu': describe_cpu(), 'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+// Decode attention that reads the paged fp32 K/V blocks where they lie.
+//
+// One query token per request. Work items are (request, KV head, split): a
+// split is a run of the request's blocks, so one long request still keeps
+// every thread busy. Each item keeps, for the G query heads sharing its KV
+// head, a running max, sum and weighted V sum (online softmax, rescaled once
+// per block); the splits of a request are merged at the end. Nothing is
+// gathered or copied: each K/V row is read once per (request, KV head).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// Built with -ffast-math (vectorized expf from libmvec), which assumes finite values: masked scores and
+// empty maxima use this finite sentinel instead of -inf; exp(kEmpty - anything finite) is 0.
+constexpr float kEmpty = -1e30f;
+constexpr int64_t kMaxBlock = 256;  // block_size bound for the per-block score buffer
+constexpr int64_t kMaxGroup = 64;   // query heads per KV head
+
+template <int64_t N>
+inline float dot_fixed(const float* a, const float* b) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < N; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// One work item: query heads qh[0..G) (each D wide) over blocks [lo, hi) of one request and KV head.
+// Per block: every K row is read once for all G heads, the block's scores get one max and one
+// vectorized exp per head, and every V row is read once for all G heads.
+template <int64_t FixedD>
+void attend_blocks(const float* qh, int64_t G, int64_t D, const float* kp, const float* vp, const int64_t* blocks,
+                   const bool* valid, int64_t lo, int64_t hi, int64_t KVH, int64_t h, int64_t BS, float scale,
+                   float* m, float* l, float* acc) {
+  float scores[kMaxGroup * kMaxBlock];
+  for (int64_t idx = lo; idx < hi; ++idx) {
+    const int64_t base = (blocks[idx] * KVH + h) * BS;
+    const bool* row_valid = valid + idx * BS;
+    for (int64_t r = 0; r < BS; ++r) {
+      const float* krow = kp + (base + r) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float score = FixedD ? dot_fixed<FixedD>(qh + g * D, krow) : dot(qh + g * D, krow, D);
+        scores[g * BS + r] = row_valid[r] ? score * scale : kEmpty;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = scores + g * BS;
+      float block_max = kEmpty;
+      for (int64_t r = 0; r < BS; ++r) block_max = std::max(block_max, sg[r]);
+      if (block_max <= kEmpty) continue;  // no visible row in this block
+      const float new_max = std::max(m[g], block_max);
+      const float correction = std::exp(m[g] - new_max);
+      float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+      for (int64_t r = 0; r < BS; ++r) {
+        sg[r] = std::exp(sg[r] - new_max);  // masked rows: exp(kEmpty - max) = 0
+        block_sum += sg[r];
+      }
+      l[g] = l[g] * correction + block_sum;
+      float* ag = acc + g * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) ag[i] *= correction;
+      m[g] = new_max;
+    }
+    for (int64_t r = 0; r < BS; ++r) {
+      if (!row_valid[r]) continue;
+      const float* vrow = vp + (base + r) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        if (m[g] > kEmpty) axpy(scores[g * BS + r], vrow, acc + g * D, FixedD ? FixedD : D);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// q [B, H, D]; k_cache, v_cache [num_blocks, KVH, block_size, D] (fp32, contiguous);
+// block_ids [NB] (int64, request by request); seq_offsets [B + 1] (int64: request b's
+// blocks are block_ids[seq_offsets[b] : seq_offsets[b + 1]]); key_valid [NB, block_size]
+// (bool: rows the query may see). Returns [B, H * D].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_ids,
+                           torch::Tensor seq_offsets, torch::Tensor key_valid, double scale, int64_t num_splits) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat, "paged_decode: fp32 q and cache only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: contiguous cache");
+  q = q.contiguous();
+  block_ids = block_ids.contiguous();
+  seq_offsets = seq_offsets.contiguous();
+  key_valid = key_valid.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(1), BS = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "paged_decode: shapes disagree");
+  const int64_t G = H / KVH;
+  TORCH_CHECK(G <= kMaxGroup && BS <= kMaxBlock, "paged_decode: group or block size too large");
+  const int64_t S = std::max<int64_t>(num_splits, 1);
+
+  // Partials per (request, KV head, split): max and sum per query head, and the weighted V sums.
+  std::vector<float> part_max(B * KVH * S * G, kEmpty), part_sum(B * KVH * S * G, 0.f);
+  std::vector<float> part_acc(B * KVH * S * G * D, 0.f);
+
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* blocks = block_ids.data_ptr<int64_t>();
+  const int64_t* offsets = seq_offsets.data_ptr<int64_t>();
+  const bool* valid = key_valid.data_ptr<bool>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B * KVH * S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (KVH * S), h = (item / S) % KVH, s = item % S;
+      const int64_t first = offsets[b], count = offsets[b + 1] - first;
+      const int64_t lo = first + count * s / S, hi = first + count * (s + 1) / S;
+      const float* qh = qp + (b * H + h * G) * D;
+      float *m = &part_max[item * G], *l = &part_sum[item * G], *acc = &part_acc[item * G * D];
+      // head_dim as a constant where it is common: the dot products unroll fully.
+      if (D == 64) {
+        attend_blocks<64>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, fscale, m, l, acc);
+      } else if (D == 128) {
+        attend_blocks<128>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, fscale, m, l, acc);
+      } else {
+        attend_blocks<0>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, fscale, m, l, acc);
+      }
+    }
+  });
+
+  auto out = torch::empty({B, H * D}, q.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / KVH, h = bh % KVH;
+      for (int64_t g = 0; g < G; ++g) {
+        float global_max = kEmpty;
+        for (int64_t s = 0; s < S; ++s) global_max = std::max(global_max, part_max[(bh * S + s) * G + g]);
+        float* o = op + (b * H + h * G + g) * D;
+        std::fill(o, o + D, 0.f);
+        float total = 0.f;
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t p = (bh * S + s) * G + g;
+          if (part_max[p] <= kEmpty) continue;
+          const float w = std::exp(part_max[p] - global_max);
+          total += part_sum[p] * w;
+          axpy(w, &part_acc[p * D], o, D);
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "decode attention over paged fp32 K/V, read in place");
+}

@@ -1,0 +1,77 @@
+"""The C++ paged-decode kernel against per-sequence SDPA: windows, GQA, shared blocks, long and one-token contexts."""
+
+import pytest
+import torch
+
+from kvserve.kv.attention import CpuAttentionBackend, PagedKVContext, SequenceSlice, attend, build_attention_metadata
+from kvserve.kv.attention.cpu_kernels import paged_decode_kernel
+from kvserve.kv.spec import KVSpec
+from tests.helpers import write_tokens
+from tests.kv.attention.test_cpu import poison
+
+KERNEL = paged_decode_kernel()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="the C++ paged-decode kernel could not be built here "
+                                                      "(no compiler or ninja): the torch path is tested elsewhere")
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block", [(6, 2, 8, 4), (9, 3, 64, 16), (4, 4, 16, 8)])
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_kernel_decode_matches_per_sequence_attention(heads, kv_heads, head_dim, block, window):
+    gen = torch.Generator().manual_seed(heads * block)
+    # Tokens cached before this step's one new token: a fresh request, short and long ones, block edges.
+    cached_lengths = [0, 3, block - 1, block, 5 * block + 2, 300]
+    num_blocks = sum(-(-(n + 1) // block) for n in cached_lengths) + 8
+    cache = CpuAttentionBackend().allocate_kv_cache(KVSpec(1, kv_heads, head_dim, "float32"), num_blocks, block)
+    poison(cache)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    keys, values, slices = [], [], []
+    for cached in cached_lengths:
+        table = [free.pop() for _ in range(-(-(cached + 1) // block))]
+        cache.initialize_blocks_through(max(table))
+        k = torch.randn(cached + 1, kv_heads, head_dim, generator=gen)
+        v = torch.randn(cached + 1, kv_heads, head_dim, generator=gen)
+        if cached:
+            write_tokens(cache, 0, table, 0, k[:cached], v[:cached])
+        keys.append(k)
+        values.append(v)
+        slices.append(SequenceSlice(table, cached, 1))
+    meta = build_attention_metadata(slices, block, window)
+    q = torch.randn(len(slices), heads, head_dim, generator=gen)
+    new_k, new_v = torch.stack([k[-1] for k in keys]), torch.stack([v[-1] for v in values])
+    scale = head_dim**-0.5
+    out = PagedKVContext(cache, [meta], KERNEL).attend(0, q, new_k, new_v, scale)
+    torch_path = PagedKVContext(cache, [meta]).attend(0, q, new_k, new_v, scale)
+
+    for i, (k, v) in enumerate(zip(keys, values)):
+        expected = attend(q[i : i + 1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                          torch.tensor([len(k) - 1]), scale, window)
+        torch.testing.assert_close(out[i : i + 1], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, torch_path, rtol=1e-5, atol=1e-5)
+
+
+def test_requests_sharing_prefix_blocks_read_them_in_place():
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, head_dim, block = 6, 2, 16, 4
+    cache = CpuAttentionBackend().allocate_kv_cache(KVSpec(1, kv_heads, head_dim, "float32"), 32, block)
+    poison(cache)
+    cache.initialize_blocks_through(31)
+    prefix = [3, 7, 11]  # 12 shared tokens, then each request's own block
+    k = torch.randn(13, kv_heads, head_dim, generator=gen)
+    v = torch.randn(13, kv_heads, head_dim, generator=gen)
+    write_tokens(cache, 0, prefix, 0, k[:12], v[:12])
+    slices = [SequenceSlice(prefix + [20 + i], 12, 1) for i in range(4)]
+    meta = build_attention_metadata(slices, block)
+    assert meta.decode.union_block_ids is not None  # the torch path would take the union kernel
+    q = torch.randn(4, heads, head_dim, generator=gen)
+    new = torch.randn(4, kv_heads, head_dim, generator=gen)
+    out = PagedKVContext(cache, [meta], KERNEL).attend(0, q, new, new * 2, head_dim**-0.5)
+    union = PagedKVContext(cache, [meta]).attend(0, q, new, new * 2, head_dim**-0.5)
+    torch.testing.assert_close(out, union, rtol=1e-5, atol=1e-5)
+
+
+def test_the_backend_uses_the_kernel_only_on_a_plain_fp32_cache():
+    backend = CpuAttentionBackend()
+    slices = [SequenceSlice([0], 0, 1)]
+    for dtype, expected in [("float32", KERNEL), ("float16", None), ("int8", None)]:
+        cache = backend.allocate_kv_cache(KVSpec(1, 2, 8, dtype), 4, 4)
+        assert backend.build_context(cache, slices, [None]).decode_kernel is expected
