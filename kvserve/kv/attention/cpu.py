@@ -45,6 +45,10 @@ class PagedKVContext(AttentionContext):
         self.cache = cache
         self.layer_metadata = layer_metadata
         self.decode_kernel = decode_kernel  # reads fp32 blocks in place; None: gather, then torch kernels
+        # The kernel's work split per attention kind (layers of one kind share their metadata).
+        kinds = {id(m.decode): m.decode for m in layer_metadata if m.decode is not None}
+        self._splits = {key: _num_splits(decode, cache.spec.num_kv_heads) for key, decode in kinds.items()} \
+            if decode_kernel is not None else {}
         # Every kind of a step shares the same slots.
         first = layer_metadata[0]
         self._slots = slot_indices(first.slot_blocks, first.slot_rows, cache.spec.num_kv_heads, cache.block_size)
@@ -59,7 +63,7 @@ class PagedKVContext(AttentionContext):
             if self.decode_kernel is not None:
                 outputs.append(self.decode_kernel.paged_decode(
                     queries, cache.k[layer], cache.v[layer], meta.decode.block_ids, meta.decode.seq_offsets,
-                    meta.decode.key_valid, scale, _num_splits(meta.decode, k.shape[1])))
+                    meta.decode.key_valid, scale, self._splits[id(meta.decode)]))
             elif meta.decode.union_block_ids is not None:
                 kv = cache.gather(layer, meta.decode.union_block_ids, q.dtype, fold_scales=True)
                 outputs.append(union_decode(queries, kv, meta.decode, scale))
