@@ -146,8 +146,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="KV cache dtype (default float16): float32, float16, bfloat16, int8, int4, fp8_e4m3, "
                              "fp8_e5m2, or K/V such as int8/int4")
     memory.add_argument("--weights-dtype", default="float16",
-                        help="bytes per weight: float32, float16, bfloat16, int8, q8_0, q4_0, q4_k (default float16; "
-                             "kvserve itself holds float32 weights on CPU)")
+                        help="auto, float32, bfloat16, int8, int4: what kvserve holds with serve's --weights-dtype "
+                             "(auto as on this CPU); float16, q8_0, q4_0, q4_k: bytes per weight of those formats "
+                             "(default float16)")
     memory.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
     memory.add_argument("--memory", default=None, help="device memory to plan for, e.g. 80GiB")
     memory.add_argument("--overhead", type=float, default=0.1,

@@ -14,13 +14,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvserve.arith import round_up
-from kvserve.config import ModelConfig, format_memory
+from kvserve.config import WEIGHTS_DTYPES, ModelConfig, format_memory
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.spec import KVSpec, kv_spec
 from kvserve.model.catalog import KNOWN_MODELS, find_known_model, num_parameters
+from kvserve.model.quantized_linear import held_weight_bytes
 
-WEIGHT_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "int8": 1.0, "q8_0": 34 / 32, "q4_0": 18 / 32,
-                "q4_k": 144 / 256}
+# Bytes per parameter of formats other engines hold (kvserve's own dtypes are in ENGINE_WEIGHTS_DTYPES).
+WEIGHT_BYTES = {"float16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_k": 144 / 256}
+# What `kvserve serve --weights-dtype` holds, layer by layer (kvserve.model.quantized_linear); "auto" as on this CPU.
+ENGINE_WEIGHTS_DTYPES = WEIGHTS_DTYPES
 
 
 @dataclass
@@ -91,14 +94,15 @@ def plan(name: str, config: ModelConfig, num_params: int, context: int, batch: i
          overhead_fraction: float = 0.1) -> MemoryPlan:
     if context < 1 or batch < 1 or block_size < 1:
         raise InvalidRequestError("context, batch and block size must be >= 1")
-    if weights_dtype not in WEIGHT_BYTES:
-        raise InvalidRequestError(f"unknown weights dtype {weights_dtype!r}; choose one of {', '.join(WEIGHT_BYTES)}")
+    if weights_dtype not in WEIGHT_BYTES and weights_dtype not in ENGINE_WEIGHTS_DTYPES:
+        choices = ", ".join([*ENGINE_WEIGHTS_DTYPES, *WEIGHT_BYTES])
+        raise InvalidRequestError(f"unknown weights dtype {weights_dtype!r}; choose one of {choices}")
     if not 0 <= overhead_fraction < 10:
         raise InvalidRequestError("overhead must be a fraction in [0, 10)")
     spec = kv_spec(config, kv_dtype)
     per_request = _kv_bytes(spec, context, block_size)
     kv_total = batch * per_request
-    weights = math.ceil(num_params * WEIGHT_BYTES[weights_dtype])
+    weights = _weight_bytes(config, num_params, weights_dtype)
     overhead = math.ceil((weights + kv_total) * overhead_fraction)
     result = MemoryPlan(
         model=name, context=context, batch=batch, kv_dtype=spec.dtype, block_size=block_size,
@@ -116,6 +120,14 @@ def plan(name: str, config: ModelConfig, num_params: int, context: int, batch: i
         result.max_concurrent_requests = kv_room // per_request
         result.max_context_for_batch = kv_room // batch // block_bytes * block_size
     return result
+
+
+def _weight_bytes(config: ModelConfig, num_params: int, weights_dtype: str) -> int:
+    """kvserve's dtypes: what the engine holds for this shape (scaled if `num_params` was given for a custom
+    shape); other formats: bytes per parameter."""
+    if weights_dtype in ENGINE_WEIGHTS_DTYPES:
+        return math.ceil(held_weight_bytes(config, weights_dtype) * num_params / num_parameters(config))
+    return math.ceil(num_params * WEIGHT_BYTES[weights_dtype])
 
 
 def _kv_bytes(spec: KVSpec, tokens: int, block_size: int) -> int:

@@ -1,6 +1,7 @@
 """`kvserve memory`: the seeds' worked figures, and agreement with the engine's allocator to the byte."""
 
 import json
+import math
 
 import pytest
 
@@ -8,6 +9,7 @@ from kvserve.cli import main
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.model.catalog import KNOWN_MODELS, num_parameters
+from kvserve.model.quantized_linear import held_weight_bytes
 from kvserve.planner import plan, resolve_model
 
 GiB, MiB = 2**30, 2**20
@@ -83,3 +85,13 @@ def test_cli_json_and_errors(capsys):
     assert "unknown model" in capsys.readouterr().err
     assert main(["memory", "--layers", "4"]) == 2
     assert main(["memory", "SmolLM2-135M", "--kv-dtype", "int3"]) == 2
+
+
+def test_memory_weights_dtype_agrees_with_what_the_engine_holds(embedded, capsys):
+    # float32 here; the other dtypes are checked layer by layer in tests/model/test_quantized_linear.py.
+    assert main(["memory", embedded.source, "--weights-dtype", "float32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights_bytes"] == sum(embedded.weight_bytes.values())
+    name, config, params = resolve_model(embedded.source)
+    assert plan(name, config, params, context=1024, weights_dtype="auto").weights_bytes == \
+        held_weight_bytes(config, "auto")
+    assert plan(name, config, params, context=1024, weights_dtype="q4_0").weights_bytes == math.ceil(params * 18 / 32)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.config import WEIGHTS_DTYPES
+from kvserve.config import WEIGHTS_DTYPES, ModelConfig
 from kvserve.cpu_features import has_fast_bf16_matmul
 from kvserve.errors import ConfigError
 from kvserve.model.layers import Linear, UnquantizedLinearMethod
@@ -144,6 +144,36 @@ _METHODS: dict[str, type[UnquantizedLinearMethod]] = {
 # 0.9% (bf16 head) from fp32, while int8's kernel is 2x bf16's at batch 1.
 _HEAD_DTYPE = {"int4": "int8"}
 HEAD_NAME = "lm_head"
+
+
+def linear_held_bytes(rows: int, cols: int, bias: bool, dtype: str) -> int:
+    """Bytes a `Linear` of `rows` x `cols` holds once converted to `dtype` (what the methods above create)."""
+    bias_bytes = 4 * rows if bias else 0
+    dense_bf16 = 2 * rows * cols  # the copy the quantized methods keep for many-row GEMMs
+    held = {
+        "float32": 4 * rows * cols,
+        "bfloat16": dense_bf16,
+        "int8": rows * cols + 2 * rows + dense_bf16,  # codes, bf16 scales
+        "int4": rows * cols // 2 + (cols // INT4_GROUP_SIZE) * rows * 2 * 2 + dense_bf16,  # packed, bf16 scale+zero
+    }[dtype]
+    return held + bias_bytes
+
+
+def held_weight_bytes(config: ModelConfig, weights_dtype: str) -> int:
+    """Bytes a Llama-family model of `config` holds with `weights_dtype` ("auto" resolved on this CPU):
+    fp32 embedding and norms, each linear in its converted format. `kvserve memory` plans with it."""
+    dtype = resolve_weights_dtype(weights_dtype)
+    hidden, q_size, kv_size = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = (linear_held_bytes(q_size + 2 * kv_size, hidden, config.attention_bias, dtype)
+                 + linear_held_bytes(hidden, q_size, False, dtype)
+                 + linear_held_bytes(2 * config.intermediate_size, hidden, False, dtype)
+                 + linear_held_bytes(hidden, config.intermediate_size, False, dtype)
+                 + 2 * 4 * hidden)  # two RMSNorm weights
+    embedding = 4 * config.vocab_size * hidden
+    head_dtype = _HEAD_DTYPE.get(dtype, dtype)
+    shares_embedding = config.tie_word_embeddings and dtype == "float32"
+    head = 0 if shares_embedding else linear_held_bytes(config.vocab_size, hidden, False, head_dtype)
+    return config.num_layers * per_layer + embedding + head + 4 * hidden  # final norm
 
 
 def convert_linear_weights(model: nn.Module, weights_dtype: str) -> str:

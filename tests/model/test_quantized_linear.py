@@ -112,3 +112,12 @@ def test_the_embedded_model_in_int4_keeps_float32s_greedy_answer(embedded):
         request_id = engine.add_request(prompt, params)
         answers.append(run_to_finals(engine)[request_id].outputs[0].token_ids)
     assert answers[0] == answers[1], [tokenizer.decode(a) for a in answers]
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mha-tied", "qwen2-bias", "llama-head-dim"])
+def test_held_weight_bytes_is_what_the_engine_holds(variant, tmp_path):
+    directory = save_hf_model(build_hf_model(variant), tmp_path)
+    dtypes = ["float32"] + (["bfloat16", "int8", "int4"] if ql.has_fast_bf16_matmul() else [])
+    for dtype in dtypes:
+        loaded = load_model(directory, weights_dtype=dtype)
+        assert ql.held_weight_bytes(loaded.config, dtype) == sum(loaded.weight_bytes.values()), dtype
