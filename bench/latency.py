@@ -1,10 +1,11 @@
 """W2 (1 x 512 prompt, 128 output) and W4 (1 x 4096 prompt, 64 output): TTFT and TPOT.
 
-kvserve and transformers `generate` on the embedded SmolLM2-135M-Instruct, in
-one run. transformers' TTFT is a 1-token generate; its TPOT is the rest of a
+kvserve, transformers `generate` and llama.cpp (optional: bench/llamacpp.py)
+on the embedded SmolLM2-135M-Instruct, in one run. transformers' TTFT is a 1-token generate; its TPOT is the rest of a
 full generate divided by the remaining tokens.
 
-    .venv/bin/python bench/latency.py [--workloads W2 W4] [--skip-transformers] [--weights-dtype auto]
+    .venv/bin/python bench/latency.py [--workloads W2 W4] [--skip-transformers] [--skip-llama-cpp]
+                                      [--weights-dtype auto]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvserve.config import EngineConfig
 from kvserve.cpu_features import describe_cpu
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import embedded_model_path, load_model
+from llamacpp import llama_cpp_latency, load_llama_cpp
 from workloads import greedy, random_prompts, run_engine, save
 
 WORKLOADS = {"W2": (512, 128), "W4": (4096, 64)}
@@ -43,6 +45,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--weights-dtype", default="auto", help="kvserve's linear weights (transformers: fp32)")
     args = parser.parse_args()
     print(f"CPU: {describe_cpu()}", flush=True)
@@ -58,6 +61,8 @@ def main() -> None:
         path = embedded_model_path()
         reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
+    llama = None if args.skip_llama_cpp else load_llama_cpp(
+        embedded_model_path(), max(sum(WORKLOADS[name]) for name in args.workloads))
     results = {}
     for name in args.workloads:
         prompt_len, output_len = WORKLOADS[name]
@@ -69,6 +74,11 @@ def main() -> None:
             ttft, tpot = transformers_latency(reference, prompt, output_len)
             row.update(transformers_ttft_s=ttft, transformers_tpot_s=tpot)
             line += (f" | transformers TTFT {ttft:.2f} s, TPOT {tpot * 1e3:.1f} ms"
+                     f" | ratio TTFT {ttft / row['kvserve_ttft_s']:.2f}x, TPOT {tpot / row['kvserve_tpot_s']:.2f}x")
+        if llama is not None:
+            ttft, tpot = llama_cpp_latency(llama, prompt, output_len)
+            row.update(llama_cpp_ttft_s=ttft, llama_cpp_tpot_s=tpot)
+            line += (f" | llama.cpp TTFT {ttft:.2f} s, TPOT {tpot * 1e3:.1f} ms"
                      f" | ratio TTFT {ttft / row['kvserve_ttft_s']:.2f}x, TPOT {tpot / row['kvserve_tpot_s']:.2f}x")
         print(line, flush=True)
         results[name] = row

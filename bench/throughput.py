@@ -1,12 +1,15 @@
-"""W1 offline throughput: 32 requests x (256 prompt, 128 output), kvserve vs transformers `generate`.
+"""W1 offline throughput: 32 requests x (256 prompt, 128 output), kvserve vs transformers `generate` and llama.cpp.
 
-Both run on the embedded SmolLM2-135M-Instruct (transformers with fp32 weights,
-kvserve with --weights-dtype, default auto) in the same process, one after the other; the ratio is what to compare across machines.
+All run on the embedded SmolLM2-135M-Instruct (transformers with fp32 weights,
+kvserve with --weights-dtype, default auto; llama.cpp, optional, on the GGUF
+file itself: bench/llamacpp.py) in the same process, one after the other; the
+ratios are what to compare across machines.
 Also reports the KV memory the paged pool actually used against what a
 contiguous per-request reservation would hold.
 
     .venv/bin/python bench/throughput.py [--requests 32 --prompt-len 256 --output-len 128]
-                                         [--block-size 16] [--skip-transformers] [--weights-dtype auto]
+                                         [--block-size 16] [--skip-transformers] [--skip-llama-cpp]
+                                         [--weights-dtype auto]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from kvserve.config import EngineConfig
 from kvserve.cpu_features import describe_cpu
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import embedded_model_path, load_model
+from llamacpp import llama_cpp_throughput, load_llama_cpp
 from workloads import greedy, random_prompts, run_engine, save
 
 
@@ -47,6 +51,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--weights-dtype", default="auto", help="kvserve's linear weights (transformers: fp32)")
     args = parser.parse_args()
     print(f"CPU: {describe_cpu()}", flush=True)
@@ -84,6 +89,15 @@ def main() -> None:
         result["ratio_output_tok_s"] = kv["kvserve_output_tok_s"] / hf["output_tok_s"]
         print(f"transformers  {hf['output_tok_s']:7.1f} output tok/s  {hf['total_tok_s']:7.1f} total tok/s  ({elapsed:.1f} s)")
         print(f"ratio         {result['ratio_output_tok_s']:.2f}x output throughput")
+    llama = None if args.skip_llama_cpp else load_llama_cpp(embedded_model_path(),
+                                                             args.prompt_len + args.output_len)
+    if llama is not None:
+        elapsed = llama_cpp_throughput(llama, prompts, args.output_len)
+        result["llama_cpp"] = {"output_tok_s": total_out / elapsed, "wall_s": elapsed}
+        result["ratio_output_tok_s_vs_llama_cpp"] = kv["kvserve_output_tok_s"] / result["llama_cpp"]["output_tok_s"]
+        print(f"llama.cpp     {total_out / elapsed:7.1f} output tok/s (one request at a time: the binding has no "
+              f"batched generation; {elapsed:.1f} s)")
+        print(f"ratio         {result['ratio_output_tok_s_vs_llama_cpp']:.2f}x output throughput vs llama.cpp")
     mib = 2**20
     print(f"KV memory: paged peak {memory['paged_peak_bytes'] / mib:.0f} MiB; contiguous reservation "
           f"{memory['contiguous_request_len_bytes'] / mib:.0f} MiB at prompt+output length, "
