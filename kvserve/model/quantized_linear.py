@@ -25,6 +25,8 @@ native bf16 (`has_fast_bf16_matmul()` false) these methods are slow, and
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,12 +41,15 @@ PACKED_MAX_ROWS = 4  # rows up to which the packed kernels beat a bf16 GEMM (tab
 _INT4_INNER_K_TILES = 8  # the CPU packing's tile; the kernel takes any value it was packed with
 
 
-def resolve_weights_dtype(weights_dtype: str) -> str:
-    """"auto" -> int4 where bf16 GEMMs are native (the fastest measured), else float32."""
+def resolve_weights_dtype(weights_dtype: str, input_sizes: Iterable[int] = ()) -> str:
+    """"auto" -> int4 where bf16 GEMMs are native (the fastest measured; int8 if a linear layer's input
+    size is not a multiple of the int4 group), else float32."""
     if weights_dtype not in WEIGHTS_DTYPES:
         raise ConfigError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {weights_dtype!r}")
     if weights_dtype == "auto":
-        return "int4" if has_fast_bf16_matmul() else "float32"
+        if not has_fast_bf16_matmul():
+            return "float32"
+        return "int8" if any(size % INT4_GROUP_SIZE for size in input_sizes) else "int4"
     return weights_dtype
 
 
@@ -162,7 +167,8 @@ def linear_held_bytes(rows: int, cols: int, bias: bool, dtype: str) -> int:
 def held_weight_bytes(config: ModelConfig, weights_dtype: str) -> int:
     """Bytes a Llama-family model of `config` holds with `weights_dtype` ("auto" resolved on this CPU):
     fp32 embedding and norms, each linear in its converted format. `kvserve memory` plans with it."""
-    dtype = resolve_weights_dtype(weights_dtype)
+    dtype = resolve_weights_dtype(weights_dtype, (config.hidden_size, config.num_heads * config.head_dim,
+                                                  config.intermediate_size))
     hidden, q_size, kv_size = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     per_layer = (linear_held_bytes(q_size + 2 * kv_size, hidden, config.attention_bias, dtype)
                  + linear_held_bytes(hidden, q_size, False, dtype)
@@ -178,12 +184,12 @@ def held_weight_bytes(config: ModelConfig, weights_dtype: str) -> int:
 
 def convert_linear_weights(model: nn.Module, weights_dtype: str) -> str:
     """Convert every loaded `Linear` of `model` to `weights_dtype` ("auto" resolved here); returns the dtype used."""
-    resolved = resolve_weights_dtype(weights_dtype)
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    resolved = resolve_weights_dtype(weights_dtype, (m.input_size for _, m in linears))
     if resolved == "float32":
         return resolved
-    for name, module in model.named_modules():
-        if isinstance(module, Linear):
-            dtype = _HEAD_DTYPE.get(resolved, resolved) if name == HEAD_NAME else resolved
-            module.method = _METHODS[dtype]()
-            module.method.process_weights_after_loading(module)
+    for name, module in linears:
+        dtype = _HEAD_DTYPE.get(resolved, resolved) if name == HEAD_NAME else resolved
+        module.method = _METHODS[dtype]()
+        module.method.process_weights_after_loading(module)
     return resolved

@@ -84,6 +84,8 @@ def test_float32_is_the_model_as_loaded(tmp_path):
 def test_auto_picks_by_the_cpu(monkeypatch):
     monkeypatch.setattr(ql, "has_fast_bf16_matmul", lambda: True)
     assert ql.resolve_weights_dtype("auto") == "int4"
+    assert ql.resolve_weights_dtype("auto", [576, 1536]) == "int4"
+    assert ql.resolve_weights_dtype("auto", [576, 100]) == "int8"  # 100 is not a multiple of the int4 group
     monkeypatch.setattr(ql, "has_fast_bf16_matmul", lambda: False)
     assert ql.resolve_weights_dtype("auto") == "float32"
     assert ql.resolve_weights_dtype("int8") == "int8"
