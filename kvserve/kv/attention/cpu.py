@@ -3,7 +3,7 @@
 Cache layout per layer: `[num_blocks, num_kv_heads, block_size, row_width]`,
 so one (block, KV head) is a contiguous `[block_size, head_dim]` matrix that
 the decode kernels multiply directly. Batch order: decodes first, so all of
-them run as one batched decode: on an fp32 cache, the C++ kernel that reads
+them run as one batched decode: on an fp32/fp16/bf16 cache, the C++ kernel that reads
 the blocks in place (cpu_kernels.py), else the torch kernels (cpu_decode.py),
 which gather them first. Prefill chunks (compute-bound)
 gather their request's blocks and run SDPA with a bottom-right-aligned causal
@@ -44,7 +44,7 @@ class PagedKVContext(AttentionContext):
                  decode_kernel: ModuleType | None = None) -> None:
         self.cache = cache
         self.layer_metadata = layer_metadata
-        self.decode_kernel = decode_kernel  # reads fp32 blocks in place; None: gather, then torch kernels
+        self.decode_kernel = decode_kernel  # reads float blocks in place; None: gather, then torch kernels
         # The kernel's work split per attention kind (layers of one kind share their metadata).
         kinds = {id(m.decode): m.decode for m in layer_metadata if m.decode is not None}
         self._splits = {key: _num_splits(decode, cache.spec.num_kv_heads) for key, decode in kinds.items()} \
@@ -80,6 +80,10 @@ class PagedKVContext(AttentionContext):
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
+# Cache dtypes the C++ kernel reads (16-bit ones are widened block by block); quantized ones use the torch path.
+_KERNEL_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _num_splits(decode: DecodeMetadata, num_kv_heads: int) -> int:
     """Runs of blocks per (request, KV head) for the C++ kernel: enough work items to keep every
     thread busy (4 per thread) when few requests decode, never under 4 blocks a run."""
@@ -106,9 +110,10 @@ class CpuAttentionBackend(AttentionBackend):
         self, cache: PagedKVCache, slices: Sequence[SequenceSlice], layer_windows: Sequence[int | None]
     ) -> PagedKVContext:
         kinds = build_step_metadata(slices, cache.block_size, layer_windows)
-        plain_fp32 = not cache.k_params and not cache.v_params and cache.k[0].dtype == cache.v[0].dtype == torch.float32
+        plain = not cache.k_params and not cache.v_params and cache.k[0].dtype == cache.v[0].dtype \
+            and cache.k[0].dtype in _KERNEL_CACHE_DTYPES
         return PagedKVContext(cache, [kinds[window] for window in layer_windows],
-                              self.decode_kernel if plain_fp32 else None)
+                              self.decode_kernel if plain else None)
 
 
 class TorchCpuAttentionBackend(CpuAttentionBackend):

@@ -1,6 +1,6 @@
 """The cpu backend's C++ kernels, compiled on first use with this machine's compiler, or None.
 
-`paged_decode` reads each request's fp32 K/V blocks where they lie in the
+`paged_decode` reads each request's fp32, fp16 or bf16 K/V blocks where they lie in the
 paged cache (csrc/paged_decode.cpp): the torch path gathers every block of
 every layer with index_select and copies it again into SDPA's layout, which
 at a 4096-token context was most of a decode step. Built with -march=native

@@ -7,21 +7,22 @@ from kvserve.kv.attention import CpuAttentionBackend, PagedKVContext, SequenceSl
 from kvserve.kv.attention.cpu_kernels import paged_decode_kernel
 from kvserve.kv.spec import KVSpec
 from tests.helpers import write_tokens
-from tests.kv.attention.test_cpu import poison
+from tests.kv.attention.test_cpu import poison, stored
 
 KERNEL = paged_decode_kernel()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="the C++ paged-decode kernel could not be built here "
                                                       "(no compiler or ninja): the torch path is tested elsewhere")
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block", [(6, 2, 8, 4), (9, 3, 64, 16), (4, 4, 16, 8)])
 @pytest.mark.parametrize("window", [None, 5, 40])
-def test_kernel_decode_matches_per_sequence_attention(heads, kv_heads, head_dim, block, window):
+def test_kernel_decode_matches_per_sequence_attention(heads, kv_heads, head_dim, block, window, cache_dtype):
     gen = torch.Generator().manual_seed(heads * block)
     # Tokens cached before this step's one new token: a fresh request, short and long ones, block edges.
     cached_lengths = [0, 3, block - 1, block, 5 * block + 2, 300]
     num_blocks = sum(-(-(n + 1) // block) for n in cached_lengths) + 8
-    cache = CpuAttentionBackend().allocate_kv_cache(KVSpec(1, kv_heads, head_dim, "float32"), num_blocks, block)
+    cache = CpuAttentionBackend().allocate_kv_cache(KVSpec(1, kv_heads, head_dim, cache_dtype), num_blocks, block)
     poison(cache)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     keys, values, slices = [], [], []
@@ -43,6 +44,7 @@ def test_kernel_decode_matches_per_sequence_attention(heads, kv_heads, head_dim,
     torch_path = PagedKVContext(cache, [meta]).attend(0, q, new_k, new_v, scale)
 
     for i, (k, v) in enumerate(zip(keys, values)):
+        k, v = stored(cache.keys, k), stored(cache.values, v)  # as the cache holds them
         expected = attend(q[i : i + 1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                           torch.tensor([len(k) - 1]), scale, window)
         torch.testing.assert_close(out[i : i + 1], expected, rtol=1e-5, atol=1e-5)
@@ -69,9 +71,10 @@ def test_requests_sharing_prefix_blocks_read_them_in_place():
     torch.testing.assert_close(out, union, rtol=1e-5, atol=1e-5)
 
 
-def test_the_backend_uses_the_kernel_only_on_a_plain_fp32_cache():
+def test_the_backend_uses_the_kernel_only_on_a_float_cache():
     backend = CpuAttentionBackend()
     slices = [SequenceSlice([0], 0, 1)]
-    for dtype, expected in [("float32", KERNEL), ("float16", None), ("int8", None)]:
+    for dtype, expected in [("float32", KERNEL), ("float16", KERNEL), ("bfloat16", KERNEL), ("int8", None),
+                            ("fp8_e4m3", None), ("int8/int4", None)]:
         cache = backend.allocate_kv_cache(KVSpec(1, 2, 8, dtype), 4, 4)
         assert backend.build_context(cache, slices, [None]).decode_kernel is expected

@@ -1,4 +1,4 @@
-// Decode attention that reads the paged fp32 K/V blocks where they lie.
+// Decode attention that reads the paged K/V blocks (fp32, fp16 or bf16) where they lie.
 //
 // One query token per request. Work items are (request, KV head, split): a
 // split is a run of the request's blocks, so one long request still keeps
@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -44,16 +45,31 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 // One work item: query heads qh[0..G) (each D wide) over blocks [lo, hi) of one request and KV head.
 // Per block: every K row is read once for all G heads, the block's scores get one max and one
 // vectorized exp per head, and every V row is read once for all G heads.
-template <int64_t FixedD>
-void attend_blocks(const float* qh, int64_t G, int64_t D, const float* kp, const float* vp, const int64_t* blocks,
-                   const bool* valid, int64_t lo, int64_t hi, int64_t KVH, int64_t h, int64_t BS, float scale,
-                   float* m, float* l, float* acc) {
+// A block of a 16-bit cache is widened to fp32 once (into `buffer`); an fp32 block is used where it lies.
+template <typename scalar_t>
+inline const float* as_float(const scalar_t* src, float* buffer, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return src;
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(src[i]);
+    return buffer;
+  }
+}
+
+template <typename scalar_t, int64_t FixedD>
+void attend_blocks(const float* qh, int64_t G, int64_t D, const scalar_t* kp, const scalar_t* vp,
+                   const int64_t* blocks, const bool* valid, int64_t lo, int64_t hi, int64_t KVH, int64_t h,
+                   int64_t BS, float scale, float* m, float* l, float* acc) {
   float scores[kMaxGroup * kMaxBlock];
+  std::vector<float> k_buffer(std::is_same_v<scalar_t, float> ? 0 : BS * D);
+  std::vector<float> v_buffer(k_buffer.size());
   for (int64_t idx = lo; idx < hi; ++idx) {
     const int64_t base = (blocks[idx] * KVH + h) * BS;
     const bool* row_valid = valid + idx * BS;
+    const float* k_block = as_float(kp + base * D, k_buffer.data(), BS * D);
     for (int64_t r = 0; r < BS; ++r) {
-      const float* krow = kp + (base + r) * D;
+      const float* krow = k_block + r * D;
       for (int64_t g = 0; g < G; ++g) {
         const float score = FixedD ? dot_fixed<FixedD>(qh + g * D, krow) : dot(qh + g * D, krow, D);
         scores[g * BS + r] = row_valid[r] ? score * scale : kEmpty;
@@ -78,9 +94,10 @@ void attend_blocks(const float* qh, int64_t G, int64_t D, const float* kp, const
       for (int64_t i = 0; i < D; ++i) ag[i] *= correction;
       m[g] = new_max;
     }
+    const float* v_block = as_float(vp + base * D, v_buffer.data(), BS * D);
     for (int64_t r = 0; r < BS; ++r) {
       if (!row_valid[r]) continue;
-      const float* vrow = vp + (base + r) * D;
+      const float* vrow = v_block + r * D;
       for (int64_t g = 0; g < G; ++g) {
         if (m[g] > kEmpty) axpy(scores[g * BS + r], vrow, acc + g * D, FixedD ? FixedD : D);
       }
@@ -90,14 +107,14 @@ void attend_blocks(const float* qh, int64_t G, int64_t D, const float* kp, const
 
 }  // namespace
 
-// q [B, H, D]; k_cache, v_cache [num_blocks, KVH, block_size, D] (fp32, contiguous);
+// q [B, H, D] fp32; k_cache, v_cache [num_blocks, KVH, block_size, D] (fp32 / fp16 / bf16, contiguous);
 // block_ids [NB] (int64, request by request); seq_offsets [B + 1] (int64: request b's
 // blocks are block_ids[seq_offsets[b] : seq_offsets[b + 1]]); key_valid [NB, block_size]
 // (bool: rows the query may see). Returns [B, H * D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_ids,
                            torch::Tensor seq_offsets, torch::Tensor key_valid, double scale, int64_t num_splits) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "paged_decode: fp32 q and cache only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode: fp32 queries only");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: K and V caches of one dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: contiguous cache");
   q = q.contiguous();
   block_ids = block_ids.contiguous();
@@ -115,13 +132,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   std::vector<float> part_acc(B * KVH * S * G * D, 0.f);
 
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   const int64_t* blocks = block_ids.data_ptr<int64_t>();
   const int64_t* offsets = seq_offsets.data_ptr<int64_t>();
   const bool* valid = key_valid.data_ptr<bool>();
   const float fscale = static_cast<float>(scale);
 
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "paged_decode", [&] {
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
   at::parallel_for(0, B * KVH * S, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (KVH * S), h = (item / S) % KVH, s = item % S;
@@ -131,13 +149,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       float *m = &part_max[item * G], *l = &part_sum[item * G], *acc = &part_acc[item * G * D];
       // head_dim as a constant where it is common: the dot products unroll fully.
       if (D == 64) {
-        attend_blocks<64>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, fscale, m, l, acc);
+        attend_blocks<scalar_t, 64>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, fscale, m, l, acc);
       } else if (D == 128) {
-        attend_blocks<128>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, fscale, m, l, acc);
+        attend_blocks<scalar_t, 128>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, fscale, m, l, acc);
       } else {
-        attend_blocks<0>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, fscale, m, l, acc);
+        attend_blocks<scalar_t, 0>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, fscale, m, l, acc);
       }
     }
+  });
   });
 
   auto out = torch::empty({B, H * D}, q.options());
