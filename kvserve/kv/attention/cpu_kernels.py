@@ -4,7 +4,7 @@
 paged cache (csrc/paged_decode.cpp): the torch path gathers every block of
 every layer with index_select and copies it again into SDPA's layout, which
 at a 4096-token context was most of a decode step. Built with -march=native
-for the CPU it runs on; the build is cached per CPU feature set (a cache
+for the CPU it runs on; the build is cached per CPU feature set and torch version (a cache
 shared by machines with other CPUs never loads a binary built for another),
 and any failure (no compiler, no ninja) logs once and leaves the torch path.
 `make install` builds it ahead of time; KVSERVE_NO_CPP_KERNELS=1 turns it off.
@@ -46,7 +46,10 @@ def _build() -> ModuleType | None:
 
         # ninja may live next to this interpreter (a venv not on PATH).
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        machine = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:10]
+        import torch
+
+        # One build per CPU feature set and torch version: a shared cache never loads a foreign binary.
+        machine = hashlib.sha1(" ".join([torch.__version__, *sorted(cpu_flags())]).encode()).hexdigest()[:10]
         started = time.perf_counter()
         module = load(name=f"kvserve_paged_decode_{machine}", sources=[str(_SOURCE)],
                       extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"],
