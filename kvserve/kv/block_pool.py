@@ -44,7 +44,8 @@ class FreeBlockQueue:
 
     def append(self, block: KVBlock) -> None:
         last = self._tail.prev_free
-        assert last is not None
+        if last is None:  # the sentinels are linked at construction; only corruption unlinks them
+            raise KVIntegrityError("the free queue's tail sentinel lost its link")
         last.next_free, block.prev_free = block, last
         block.next_free, self._tail.prev_free = self._tail, block
         self._len += 1

@@ -15,6 +15,7 @@ model code does not change.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,20 +66,20 @@ def new_parameter(*shape: int, dtype: torch.dtype = torch.float32,
 # --- linear layers -----------------------------------------------------------------------------
 
 
-class LinearMethod:
+class LinearMethod(abc.ABC):
     """How a linear layer holds and multiplies its weight. Stateless: the tensors live on the layer."""
 
+    @abc.abstractmethod
     def create_weights(self, layer: Linear, input_size: int, output_size: int, bias: bool) -> None:
         """Register `layer.weight` (and `layer.bias`, or None) plus any tensors the format needs."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def load(self, layer: Linear, param: nn.Parameter, loaded: torch.Tensor, rows: slice) -> None:
         """Write checkpoint tensor `loaded` (logical rows `rows` of `param`) in this format."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x `[N, input_size]` -> `[N, output_size]`."""
-        raise NotImplementedError
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         """Turn the loaded weight into this format's tensors (kvserve.model.quantized_linear); fp32 keeps it."""

@@ -25,6 +25,7 @@ native bf16 (`has_fast_bf16_matmul()` false) these methods are slow, and
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterable
 
 import torch
@@ -67,7 +68,21 @@ class Bf16LinearMethod(UnquantizedLinearMethod):
         return _dense_bf16(layer, x)
 
 
-class Int8LinearMethod(UnquantizedLinearMethod):
+class _PackedLinearMethod(UnquantizedLinearMethod):
+    """Packed low-bit weights for a few rows (decode), the bf16 dequantized copy for more."""
+
+    @abc.abstractmethod
+    def packed_matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """x `[N <= PACKED_MAX_ROWS, in]` bf16 -> `[N, out]` bf16, from the packed weight (each format's kernel)."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > PACKED_MAX_ROWS:
+            return _dense_bf16(layer, x)
+        y = self.packed_matmul(layer, x.to(torch.bfloat16)).float()
+        return y if layer.bias is None else y + layer.bias
+
+
+class Int8LinearMethod(_PackedLinearMethod):
     """Symmetric int8 per output channel (scale = max|w| / 127), plus the bf16 dequantized weight."""
 
     def process_weights_after_loading(self, layer: Linear) -> None:
@@ -78,14 +93,11 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         layer.scales = _frozen(scales.to(torch.bfloat16))
         layer.weight = _frozen((codes.float() * layer.scales.float()[:, None]).to(torch.bfloat16))
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > PACKED_MAX_ROWS:
-            return _dense_bf16(layer, x)
-        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), layer.qweight, layer.scales).float()
-        return y if layer.bias is None else y + layer.bias
+    def packed_matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales)
 
 
-class Int4LinearMethod(UnquantizedLinearMethod):
+class Int4LinearMethod(_PackedLinearMethod):
     """Asymmetric 4-bit codes in groups of 32 along the input (Q4_1's layout), plus the bf16 dequantized weight.
 
     w = scale * (q - 8) + zero with q in 0..15, scale = (max - min) / 15 and
@@ -105,12 +117,8 @@ class Int4LinearMethod(UnquantizedLinearMethod):
         layer.scales_and_zeros = _frozen(torch.stack([scales.T, zeros.T], dim=-1).to(torch.bfloat16).contiguous())
         layer.weight = _frozen(dequantize_int4_groups(codes, layer.scales_and_zeros).to(torch.bfloat16))
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > PACKED_MAX_ROWS:
-            return _dense_bf16(layer, x)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), layer.qweight, INT4_GROUP_SIZE, layer.scales_and_zeros).float()
-        return y if layer.bias is None else y + layer.bias
+    def packed_matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.qweight, INT4_GROUP_SIZE, layer.scales_and_zeros)
 
 
 def quantize_int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

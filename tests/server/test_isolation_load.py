@@ -71,7 +71,7 @@ def test_256_streams_with_leavers_and_a_hostile_tenant(two_tenant_server):
     async def hostile(http: httpx.AsyncClient) -> list[int]:
         statuses = []
         for _ in range(3):
-            for payload in HOSTILE_BODIES:  # json.dumps escapes lone surrogates as \\udXXX, as clients do
+            for payload in HOSTILE_BODIES:  # json.dumps escapes a lone surrogate as \\ud800, as clients do
                 response = await http.post(url, content=json.dumps(payload), headers=JSON)
                 statuses.append(response.status_code)
             response = await http.post(url, content=b'{"prompt": "unterminated', headers=JSON)

@@ -109,11 +109,11 @@ class CpuAttentionBackend(AttentionBackend):
     def build_context(
         self, cache: PagedKVCache, slices: Sequence[SequenceSlice], layer_windows: Sequence[int | None]
     ) -> PagedKVContext:
-        kinds = build_step_metadata(slices, cache.block_size, layer_windows)
         plain = not cache.k_params and not cache.v_params and cache.k[0].dtype == cache.v[0].dtype \
             and cache.k[0].dtype in _KERNEL_CACHE_DTYPES
-        return PagedKVContext(cache, [kinds[window] for window in layer_windows],
-                              self.decode_kernel if plain else None)
+        kernel = self.decode_kernel if plain else None
+        kinds = build_step_metadata(slices, cache.block_size, layer_windows, with_union=kernel is None)
+        return PagedKVContext(cache, [kinds[window] for window in layer_windows], kernel)
 
 
 class TorchCpuAttentionBackend(CpuAttentionBackend):

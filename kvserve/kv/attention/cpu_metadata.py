@@ -69,7 +69,7 @@ class AttentionMetadata:
 
 
 def _decode_metadata(
-    decodes: Sequence[tuple[Sequence[int], int]], block_size: int, sliding_window: int | None
+    decodes: Sequence[tuple[Sequence[int], int]], block_size: int, sliding_window: int | None, with_union: bool
 ) -> DecodeMetadata | None:
     """Decode metadata for (block table, query position) pairs, reading only blocks inside the window."""
     if not decodes:
@@ -91,14 +91,16 @@ def _decode_metadata(
         offsets.append(len(dec_blocks))
     key_pos = torch.tensor(dec_block_start)[:, None] + torch.arange(block_size)[None, :]
     key_valid = (key_pos <= torch.tensor(dec_qpos)[:, None]) & (key_pos >= torch.tensor(dec_lo)[:, None])
-    return _with_union(DecodeMetadata(len(decodes), torch.tensor(dec_blocks), torch.tensor(dec_seq), key_valid,
-                                      torch.tensor(offsets)), block_size)
+    meta = DecodeMetadata(len(decodes), torch.tensor(dec_blocks), torch.tensor(dec_seq), key_valid,
+                          torch.tensor(offsets))
+    return _with_union(meta, block_size) if with_union else meta
 
 
 def build_step_metadata(
-    slices: Sequence[SequenceSlice], block_size: int, windows: Iterable[int | None]
+    slices: Sequence[SequenceSlice], block_size: int, windows: Iterable[int | None], with_union: bool = True
 ) -> dict[int | None, AttentionMetadata]:
     """Metadata per distinct window in `windows`, for a step whose token batch is `slices` in order.
+    `with_union=False` skips the shared-block union, which only the torch decode kernels use.
 
     Single-token slices before the first longer one are decodes (the batch
     order puts them there); any later one is attended as a one-token prefill.
@@ -128,7 +130,7 @@ def build_step_metadata(
     slot_rows_t = torch.tensor(slot_rows, dtype=torch.long)
     return {
         window: AttentionMetadata(slot_blocks_t, slot_rows_t, len(decodes),
-                                  _decode_metadata(decodes, block_size, window), prefills, window)
+                                  _decode_metadata(decodes, block_size, window, with_union), prefills, window)
         for window in dict.fromkeys(windows)  # distinct, in order
     }
 

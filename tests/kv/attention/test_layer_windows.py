@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.kv.attention import CpuAttentionBackend, SequenceSlice, attend
+from kvserve.kv.attention import SequenceSlice, attend
+from kvserve.kv.attention.cpu import TorchCpuAttentionBackend
 from kvserve.kv.spec import KVSpec
 from kvserve.model.loader import load_model
 from tests.helpers import TINY_VOCAB, build_hf_model, paged_logits, save_hf_model, write_tokens
@@ -12,7 +13,9 @@ from tests.helpers import TINY_VOCAB, build_hf_model, paged_logits, save_hf_mode
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
 LAYER_WINDOWS = (None, 5, None)
 SCALE = HEAD_DIM**-0.5
-CPU = CpuAttentionBackend()
+# The torch kernels (split-KV, union), whose per-layer windows these tests check; the C++ kernel's
+# windows are checked in test_cpu_kernels.py.
+CPU = TorchCpuAttentionBackend()
 
 
 def run_layers(cache_dtype: str, tables: list[list[int]], lengths: list[tuple[int, int]], layer_windows=LAYER_WINDOWS):
