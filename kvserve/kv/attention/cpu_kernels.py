@@ -4,8 +4,9 @@
 paged cache (csrc/paged_decode.cpp): the torch path gathers every block of
 every layer with index_select and copies it again into SDPA's layout, which
 at a 4096-token context was most of a decode step. Built with -march=native
-for the CPU it runs on; the build is cached per CPU feature set and torch version (a cache
-shared by machines with other CPUs never loads a binary built for another),
+for the CPU it runs on; the build is kept in the environment (the venv), one per
+CPU feature set and torch version (an environment shared by machines with other
+CPUs never loads a binary built for another),
 and any failure (no compiler, no ninja) logs once and leaves the torch path.
 `make install` builds it ahead of time; KVSERVE_NO_CPP_KERNELS=1 turns it off.
 """
@@ -50,8 +51,13 @@ def _build() -> ModuleType | None:
 
         # One build per CPU feature set and torch version: a shared cache never loads a foreign binary.
         machine = hashlib.sha1(" ".join([torch.__version__, *sorted(cpu_flags())]).encode()).hexdigest()[:10]
+        name = f"kvserve_paged_decode_{machine}"
+        # Built inside the environment (the venv), not in a per-user cache shared by every checkout:
+        # two checkouts alternating in one cache rebuild each other's binary (ninja sees another source path).
+        build_directory = Path(sys.prefix) / "kvserve-kernels" / name
+        build_directory.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
-        module = load(name=f"kvserve_paged_decode_{machine}", sources=[str(_SOURCE)],
+        module = load(name=name, sources=[str(_SOURCE)], build_directory=str(build_directory),
                       extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"],
                       extra_ldflags=["-lmvec"], verbose=False)
         log.info("C++ paged-decode kernel ready in %.1fs (compiled once per CPU, then loaded from the cache)",
