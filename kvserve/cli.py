@@ -49,6 +49,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="context limit (default: the model's; more only if the model configures RoPE scaling)")
     group.add_argument("--no-kv-cache", action="store_true", help="recompute every sequence in full every step (baseline)")
     group.add_argument("--no-prefix-caching", action="store_true", help="do not share K/V of identical prompt prefixes")
+    group.add_argument("--kv-disk-path", default=None,
+                       help="a second KV tier on disk in this directory (off by default): prefix blocks are written "
+                            "through to it, hit again after the pool evicts them, and survive restarts")
+    group.add_argument("--kv-disk-size", default="8GiB",
+                       help="capacity of the disk tier, e.g. 20GiB (default 8GiB; least recently used blocks go beyond it)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -63,7 +68,7 @@ def engine_config_from_args(args: argparse.Namespace):
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_kv_cache=not args.no_kv_cache, enable_prefix_caching=not args.no_prefix_caching,
-        allow_kv_overcommit=args.allow_kv_overcommit,
+        allow_kv_overcommit=args.allow_kv_overcommit, kv_disk_path=args.kv_disk_path, kv_disk_size=args.kv_disk_size,
     )
 
 
@@ -78,7 +83,7 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for name in ("kv_cache_memory", "memory"):
+    for name in ("kv_cache_memory", "kv_disk_size", "memory"):
         value = getattr(args, name, None)
         if value is not None:
             try:
@@ -195,6 +200,14 @@ def _generate(args: argparse.Namespace) -> int:
         stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
     )
     engine = Engine(config)
+    try:
+        _generate_each(args, engine, params)
+    finally:
+        engine.close()  # the disk tier writes what it queued
+    return 0
+
+
+def _generate_each(args: argparse.Namespace, engine, params) -> None:
     for prompt in _prompts(args, engine):
         final = _stream_one(engine, prompt, params, args.cache_salt)
         m = final.metrics
@@ -209,7 +222,6 @@ def _generate(args: argparse.Namespace) -> int:
         )
         if args.explain_cache and final.prefix_cache is not None:
             print(final.prefix_cache.describe(), file=sys.stderr)
-    return 0
 
 
 def _stream_one(engine, prompt, params, cache_salt):

@@ -151,6 +151,10 @@ class EngineConfig:
     # A kv_cache_memory above the RAM available now is refused unless this is
     # set (the pool is committed lazily, so an overcommit fails late: at OOM).
     allow_kv_overcommit: bool = False
+    # A second KV tier on disk (kvserve/kv/disk_tier.py): full prefix blocks are written through to
+    # this directory and found again after pool evictions and restarts. None: off.
+    kv_disk_path: str | None = None
+    kv_disk_size: int | str = "8GiB"  # the tier's capacity (least recently used blocks go beyond it)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -163,11 +167,16 @@ class EngineConfig:
             raise ConfigError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {self.weights_dtype!r}")
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise ConfigError(f"attention_backend must be a backend name such as 'auto', got {self.attention_backend!r}")
-        if self.kv_cache_memory is not None:
-            try:
-                parse_memory(self.kv_cache_memory)
-            except ValueError as exc:
-                raise ConfigError(f"kv_cache_memory: {exc}") from None
+        for name in ("kv_cache_memory", "kv_disk_size"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    parse_memory(value)
+                except ValueError as exc:
+                    raise ConfigError(f"{name}: {exc}") from None
+        if self.kv_disk_path is not None and not (self.enable_prefix_caching and self.enable_kv_cache):
+            raise ConfigError("kv_disk_path needs the KV cache and prefix caching on: the disk tier holds "
+                              "prefix-cache blocks")
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -171,3 +171,16 @@ def test_every_command_flag_is_documented_in_the_readme():
     for command, flags in _parser_flags().items():
         missing = sorted(f for f in flags if f.startswith("--") and f != "--help" and f not in readme)
         assert not missing, f"kvserve {command} flags missing from README.md: {missing}"
+
+
+def test_explain_cache_says_what_came_from_disk_after_a_restart(tiny_model_dir, tmp_path):
+    disk = str(tmp_path / "tier")
+    args = ["generate", "--model", str(tiny_model_dir), "--token-ids", ",".join(str(i) for i in range(1, 40)),
+            "--max-tokens", "3", "--temperature", "0", "--explain-cache", "--block-size", "4",
+            "--kv-disk-path", disk, "--kv-disk-size", "1MiB"]
+    first, second = kvserve(*args), kvserve(*args)  # two processes: a restart in between
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert "(0 cached)" in first.stderr and "KV disk tier:" in first.stderr
+    assert "prompt 39 tokens (36 cached)" in second.stderr
+    assert "36 of 39 prompt tokens cached (0 from the pool, 36 from disk)" in second.stderr
+    assert first.stdout == second.stdout

@@ -8,11 +8,13 @@ import logging
 from kvserve.config import EngineConfig
 from kvserve.engine.config_checks import check_kv_budget, checked_max_model_len
 from kvserve.engine.output import OutputTracker, PrefixCacheReport, RequestDelta
+from kvserve.engine.prefix_report import build_prefix_report
 from kvserve.engine.request import Request
 from kvserve.engine.runner import ModelRunner, StepResult
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.stats import EngineStats, take_stats, with_added
+from kvserve.engine.tiering import TierTraffic, open_disk_tier
 from kvserve.errors import ConfigError, InvalidRequestError, KVIntegrityError
 from kvserve.kv.attention import get_attention_backend
 from kvserve.kv.manager import KVCacheManager
@@ -52,7 +54,13 @@ class Engine:
         self.kv_cache = self.attention_backend.allocate_kv_cache(self.kv_spec, num_blocks, config.block_size)
         # Without a KV cache there is nothing to share: a hit would skip the recompute.
         self.prefix_caching = config.enable_prefix_caching and config.enable_kv_cache
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=self.prefix_caching)
+        self.tiering: TierTraffic | None = None
+        tier = (open_disk_tier(config, self.loaded, self.kv_cache, self.kv_spec.dtype)
+                if config.kv_disk_path is not None else None)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=self.prefix_caching,
+                                         record_cached_blocks=tier is not None)
+        if tier is not None:
+            self.tiering = TierTraffic(tier, self.kv_manager, self.kv_cache)
         self.scheduler = Scheduler(config, self.kv_manager)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.attention_backend)
         self._ids = itertools.count()
@@ -148,12 +156,15 @@ class Engine:
         return self._stats
 
     def _take_stats(self) -> EngineStats:
-        return take_stats(self.scheduler, self._num_steps, self._num_generated_tokens)
+        tier = self.tiering.tier.stats() if self.tiering is not None else None
+        return take_stats(self.scheduler, self._num_steps, self._num_generated_tokens, tier)
 
     def step(self) -> list[RequestDelta]:
         """Run one batched forward. A request that fails in it (its sampling, its post-processing,
         or a forward that also fails when it runs alone) is finished with an error output; every
         other request goes on as if it had not been there."""
+        if self.tiering is not None:
+            self.tiering.load_for(self.scheduler.admission_candidates())
         scheduled = self.scheduler.schedule()
         if scheduled.empty:
             self._stats = self._take_stats()  # a request may have been preempted without anything running
@@ -165,6 +176,8 @@ class Engine:
         outputs = self._fail_requests(scheduled, result.failures)
         self._record_logprobs(result)
         touched = self.scheduler.update(scheduled, result.tokens)
+        if self.tiering is not None:
+            self.tiering.write_through()  # before the next step can hand these blocks out again
         self._num_steps += 1
         self._num_generated_tokens += len(touched)
         self._stats = self._take_stats()
@@ -242,35 +255,9 @@ class Engine:
         if request.num_cached_tokens is None:
             return None  # not admitted yet
         if request.prefix_cache_report is None:  # once per request, not on every step's output
-            request.prefix_cache_report = self._build_prefix_report(request)
+            request.prefix_cache_report = build_prefix_report(request, self.prefix_caching, self.config.block_size,
+                                                              self.loaded.tokenizer)
         return request.prefix_cache_report
-
-    def _build_prefix_report(self, request: Request) -> PrefixCacheReport:
-        report = PrefixCacheReport(request.num_prompt_tokens, request.num_cached_tokens, "")
-        block_size = self.config.block_size
-        if not self.prefix_caching:
-            report.reason = "prefix caching is off"
-        elif request.sampling_params.skip_reading_prefix_cache:
-            report.reason = "this request skipped reading the cache"
-        elif request.num_cached_tokens >= (request.num_prompt_tokens - 1) // block_size * block_size:
-            report.reason = ("every full block of the prompt was cached (the last token is always computed)"
-                             if request.num_cached_tokens else
-                             f"the prompt is shorter than one {block_size}-token block plus one token")
-        elif request.prefix_divergence is None:
-            report.reason = ("no cached prompt continues past the cached prefix" if request.num_cached_tokens
-                             else "nothing cached starts like this prompt (for this cache salt)")
-        else:
-            div = request.prefix_divergence
-            report.divergence_position = div.position
-            report.reason = f"diverged from the closest cached prompt at token {div.position}"
-            tokenizer = self.loaded.tokenizer
-            if tokenizer is not None:
-                context = request.prompt_token_ids[max(div.position - 8, 0) : div.position]
-                ours = request.prompt_token_ids[div.position : div.position + 8]
-                theirs = list(div.cached_token_ids[div.position - div.block_start :][:8])
-                report.prompt_snippet = tokenizer.decode(context) + "[" + tokenizer.decode(ours) + "]"
-                report.cached_snippet = tokenizer.decode(context) + "[" + tokenizer.decode(theirs) + "]"
-        return report
 
     def _held_bytes(self, request: Request) -> int:
         """KV memory the request holds now (when finished: what it held when it finished)."""
@@ -279,9 +266,17 @@ class Engine:
         blocks = request.kv_blocks_held if request.finished else self.kv_manager.num_blocks_held(request.request_id)
         return blocks * self.config.block_size * self.kv_spec.bytes_per_token
 
+    def close(self) -> None:
+        """Finish background work (the disk tier's queued writes). The engine is not used after."""
+        if self.tiering is not None:
+            self.tiering.close()
+
     def check_integrity(self) -> None:
-        """Block accounting holds (DESIGN §4); raises KVIntegrityError otherwise."""
+        """Block accounting holds (DESIGN §4), in the pool and in a lower tier (what it holds and what is
+        in flight to it); raises KVIntegrityError otherwise."""
         self.kv_manager.check_integrity()
+        if self.tiering is not None:
+            self.tiering.tier.check_integrity()
         block_size = self.config.block_size
         for request in self.scheduler.running:
             held = self.kv_manager.num_blocks_held(request.request_id)

@@ -144,9 +144,20 @@ class PrefixCacheReport:
     divergence_position: int | None = None  # first prompt token that differs from the closest cached prompt
     prompt_snippet: str = ""  # text around the divergence: this prompt ...
     cached_snippet: str = ""  # ... and the cached one
+    num_tier_cached_tokens: int = 0  # of num_cached_tokens, those loaded from a lower tier (disk)
+
+    @property
+    def sources(self) -> str:
+        """Where the cached tokens came from, e.g. "256 from the pool, 768 from disk" ("" if none came from disk)."""
+        if not self.num_tier_cached_tokens:
+            return ""
+        pool = self.num_cached_tokens - self.num_tier_cached_tokens
+        return f"{pool} from the pool, {self.num_tier_cached_tokens} from disk"
 
     def describe(self) -> str:
-        lines = [f"prefix cache: {self.num_cached_tokens} of {self.num_prompt_tokens} prompt tokens cached; {self.reason}"]
+        sources = f" ({self.sources})" if self.sources else ""
+        lines = [f"prefix cache: {self.num_cached_tokens} of {self.num_prompt_tokens} prompt tokens cached{sources}; "
+                 f"{self.reason}"]
         if self.divergence_position is not None:
             lines.append(f"  this prompt: {self.prompt_snippet!r}")
             lines.append(f"  cached:      {self.cached_snippet!r}")

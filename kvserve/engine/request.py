@@ -56,6 +56,7 @@ class Request:
         # Prefix cache outcome at first admission: prompt tokens served from the
         # cache, and where the prompt left the closest cached chain (or None).
         self.num_cached_tokens: int | None = None
+        self.num_tier_cached_tokens = 0  # of those, loaded from a lower tier (disk) for this request
         self.prefix_divergence = None
         self.prefix_cache_report = None  # built once from the two above, for outputs
         # Logprob entries recorded and not yet handed out: outputs are deltas, so each entry goes

@@ -65,6 +65,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def admission_candidates(self) -> list[Request]:
+        """The waiting requests the next step could admit, in the order it would try them."""
+        slots = self.config.max_num_seqs - len(self.running)
+        return [self.waiting[i] for i in range(min(slots, len(self.waiting)))]
+
     def schedule(self) -> SchedulerOutput:
         """This step's batch: running requests first (decodes, then prefill chunks), then admissions."""
         out = SchedulerOutput()
@@ -145,6 +150,7 @@ class Scheduler:
         """On first admission: the prefix-cache counters, and where the prompt left the cache."""
         num_hit = request.num_computed_tokens
         request.num_cached_tokens = num_hit
+        request.num_tier_cached_tokens = match.num_tier_tokens if match is not None else 0
         self.prefix_cache_queries += request.num_prompt_tokens
         self.prefix_cache_hits += num_hit
         if match is not None and num_hit < request.num_prompt_tokens - 1:

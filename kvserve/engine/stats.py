@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.tier import TierStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,7 @@ class RequestStats:
     status: str  # "waiting", "preempted" (waiting again), "prefilling" or "decoding"
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache at first admission (0 before)
+    num_tier_cached_tokens: int  # of those, loaded from a lower tier (disk)
     num_computed_tokens: int  # tokens whose K/V are in the cache now
     num_output_tokens: int
     num_blocks: int  # KV blocks it holds now
@@ -51,6 +53,7 @@ class EngineStats:
     num_generated_tokens: int  # output tokens sampled (monotonic)
     running: tuple[RequestStats, ...]  # admission order
     waiting: tuple[RequestStats, ...]  # queue order
+    tier: TierStats | None = None  # the lower KV tier (disk), if there is one
 
     @property
     def num_running(self) -> int:
@@ -81,12 +84,13 @@ def request_stats(request: Request, kv: KVCacheManager) -> RequestStats:
     metrics = request.metrics
     return RequestStats(
         request.request_id, status, request.num_prompt_tokens, request.num_cached_tokens or 0,
-        request.num_computed_tokens, metrics.num_output_tokens, kv.num_blocks_held(request.request_id),
+        request.num_tier_cached_tokens, request.num_computed_tokens, metrics.num_output_tokens, kv.num_blocks_held(request.request_id),
         request.num_preemptions, metrics.ttft, metrics.tpot,
     )
 
 
-def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int) -> EngineStats:
+def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int,
+               tier: TierStats | None = None) -> EngineStats:
     """A snapshot of the pool and of every unfinished request. Call it between steps, on the engine's thread."""
     kv = scheduler.kv
     num_free = kv.num_free_blocks
@@ -97,7 +101,7 @@ def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int) 
         prefix_cache_hits=scheduler.prefix_cache_hits, num_preemptions=scheduler.num_preemptions,
         num_steps=num_steps, num_generated_tokens=num_generated_tokens,
         running=tuple(request_stats(r, kv) for r in scheduler.running),
-        waiting=tuple(request_stats(r, kv) for r in scheduler.waiting),
+        waiting=tuple(request_stats(r, kv) for r in scheduler.waiting), tier=tier,
     )
 
 

@@ -26,6 +26,8 @@ class KVBlock:
     block_hash: BlockHash | None = None
     parent_hash: BlockHash | None = None  # hash of the previous block of the chain (the salt's root: first block)
     token_ids: tuple[int, ...] = ()  # kept so a hash collision can never serve the wrong K/V
+    # Loaded from a lower tier and not yet claimed by a request: that request's hit counts as the tier's.
+    from_tier: bool = False
 
 
 class FreeBlockQueue:
@@ -135,16 +137,17 @@ class BlockPool:
                     self.num_cached_free_blocks += 1
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash | None,
-                    token_ids: tuple[int, ...]) -> None:
-        """Register a full, computed (held) block under its hash. If another block already
-        holds the same content, that one stays the cached copy."""
+                    token_ids: tuple[int, ...]) -> bool:
+        """Register a full, computed (held) block under its hash; whether it was registered. If another
+        block already holds the same content, that one stays the cached copy."""
         if block.block_hash is not None or block_hash in self.cached:
-            return
+            return False
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self.cached[block_hash] = block
         self.children.setdefault(parent_hash, {})[block_hash] = block
         if block.ref_cnt == 0:
             self.num_cached_free_blocks += 1
+        return True
 
     def lookup(self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: Sequence[int]) -> KVBlock | None:
         block = self.cached.get(block_hash)
@@ -159,6 +162,7 @@ class BlockPool:
         if not siblings:
             del self.children[block.parent_hash]
         block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+        block.from_tier = False
 
     def check_integrity(self) -> None:
         """Raise KVIntegrityError (never a bare assert: `python -O` must not silence it) if the pool is inconsistent."""
@@ -176,6 +180,8 @@ class BlockPool:
                 cached_free += block.block_hash is not None
             elif block.ref_cnt <= 0:
                 raise KVIntegrityError(f"block {block.block_id} is neither free nor referenced (leak)")
+            if block.from_tier and block.block_hash is None:
+                raise KVIntegrityError(f"block {block.block_id} is marked as loaded from a lower tier but holds no prefix")
             if block.block_hash is not None:
                 if len(block.token_ids) != self.block_size:
                     raise KVIntegrityError(f"hashed block {block.block_id} holds {len(block.token_ids)} tokens, "

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvserve.arith import cdiv
 from kvserve.errors import KVIntegrityError
 from kvserve.kv.block_pool import BlockPool, KVBlock
 from kvserve.kv.hashing import BlockHash, BlockHashChain
+from kvserve.kv.tier import BlockKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,7 @@ class PrefixMatch:
     blocks: tuple[KVBlock, ...]
     num_tokens: int
     last_hash: BlockHash  # hash of the last matched block (the chain root if none matched)
+    num_tier_tokens: int = 0  # of num_tokens, those in blocks just loaded from a lower tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +45,13 @@ class Divergence:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_caching: bool = False,
+                 record_cached_blocks: bool = False) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # With a lower tier, blocks registered in the cache are also handed to the engine to write through.
+        self._record_cached = record_cached_blocks
+        self._newly_cached: list[tuple[int, BlockKey]] = []
         self.pool = BlockPool(num_blocks, block_size)
         # Per request: how many leading blocks of its table are registered in the cache (shared or cached).
         self._num_cached: dict[str, int] = {}
@@ -94,14 +100,64 @@ class KVCacheManager:
         self._check_chain(block_hashes)
         bs, hashes = self.block_size, block_hashes.hashes
         parent, blocks = block_hashes.root, []
-        for index in range(min(len(hashes), (len(token_ids) - 1) // bs)):
+        for index in range(self._max_hit_blocks(token_ids, block_hashes)):
             block_hash = hashes[index]
             block = self.pool.lookup(block_hash, parent, token_ids[index * bs : (index + 1) * bs])
             if block is None:
                 break
             blocks.append(block)
             parent = block_hash
-        return PrefixMatch(tuple(blocks), len(blocks) * bs, parent)
+        from_tier = sum(block.from_tier for block in blocks)
+        return PrefixMatch(tuple(blocks), len(blocks) * bs, parent, from_tier * bs)
+
+    def _max_hit_blocks(self, token_ids: Sequence[int], block_hashes: BlockHashChain) -> int:
+        return min(len(block_hashes), (len(token_ids) - 1) // self.block_size)
+
+    def keys_after(self, token_ids: Sequence[int], block_hashes: BlockHashChain, match: PrefixMatch) -> list[BlockKey]:
+        """The keys of the blocks a hit could still cover after `match`: where a lower tier may continue it."""
+        if not self.enable_caching:
+            return []
+        bs, hashes = self.block_size, block_hashes.hashes
+        start = len(match.blocks)
+        return [BlockKey(hashes[i], block_hashes.parent(i), tuple(token_ids[i * bs : (i + 1) * bs]))
+                for i in range(start, self._max_hit_blocks(token_ids, block_hashes))]
+
+    def room_for_loads(self, match: PrefixMatch) -> int:
+        """How many blocks `adopt_loaded` could bring in after `match` now."""
+        return self.num_free_blocks - sum(1 for block in match.blocks if block.ref_cnt == 0)
+
+    def adopt_loaded(self, match: PrefixMatch, keys: Sequence[BlockKey],
+                     fill: Callable[[list[int]], None]) -> int:
+        """Bring blocks read from a lower tier into the pool as cached, free blocks continuing `match`.
+
+        `fill(block_ids)` writes their K/V (the manager holds no tensors); only
+        then are they registered under their keys, so a failed fill leaves no
+        hashed block with unknown contents. The matched blocks are held meanwhile,
+        so taking free blocks cannot evict them. Returns how many were adopted
+        (0 if the free blocks do not suffice).
+        """
+        if not keys or len(keys) > self.room_for_loads(match):
+            return 0
+        self.pool.touch(match.blocks)
+        fresh: list[KVBlock] = []
+        try:
+            fresh = self.pool.allocate(len(keys))
+            fill([block.block_id for block in fresh])
+            for block, key in zip(fresh, keys):
+                # A key already cached in the pool (past a gap in the chain) keeps its pool copy.
+                block.from_tier = self.pool.cache_block(block, key.block_hash, key.parent_hash, key.token_ids)
+        finally:
+            # Tail first, as a finished request frees: chain ends are evicted before their roots.
+            self.pool.free(reversed(fresh))
+            self.pool.free(reversed(match.blocks))
+        return len(fresh)
+
+    def take_cached_blocks(self) -> list[tuple[int, BlockKey]]:
+        """(block id, key) of every block registered in the cache since the last call (with
+        `record_cached_blocks`): what to write through to a lower tier. Read their contents before
+        the next step can reuse them."""
+        taken, self._newly_cached = self._newly_cached, []
+        return taken
 
     def pending_block_keys(self, request_id: str, block_hashes: BlockHashChain, end: int) -> set[BlockHash]:
         """Hashes of the request's full blocks up to token `end` not yet computed: what it is about
@@ -153,6 +209,8 @@ class KVCacheManager:
             return False
         if shared:
             self.pool.touch(shared)
+            for block in shared:
+                block.from_tier = False  # counted as the tier's once, for this request
             self._num_cached[request_id] = len(shared)
         table = self._tables.setdefault(request_id, table)
         table.extend(shared)
@@ -175,7 +233,9 @@ class KVCacheManager:
         bs, hashes = self.block_size, block_hashes.hashes
         for index in range(done, end):
             chunk = tuple(token_ids[index * bs : (index + 1) * bs])
-            self.pool.cache_block(table[index], hashes[index], block_hashes.parent(index), chunk)
+            parent = block_hashes.parent(index)
+            if self.pool.cache_block(table[index], hashes[index], parent, chunk) and self._record_cached:
+                self._newly_cached.append((table[index].block_id, BlockKey(hashes[index], parent, chunk)))
         self._num_cached[request_id] = end
 
     def block_ids(self, request_id: str) -> list[int]:

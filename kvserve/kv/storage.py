@@ -118,6 +118,39 @@ class PagedKVCache:
             tensor[self._zeroed_upto : end].zero_()
         self._zeroed_upto = end
 
+    def block_layout(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+        """Shape and dtype of one block's slice of every tensor of the pool, in `read_blocks` order."""
+        return tuple((tuple(t.shape[1:]), t.dtype) for t in self._tensors())
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across every layer, K and V, data and parameters."""
+        return sum(t[0].numel() * t.element_size() for t in self._tensors())
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's bytes in every tensor of the pool (a copy: the blocks may be reused after)."""
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        parts = [t.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8) for t in self._tensors()]
+        rows = torch.cat(parts, dim=1).numpy()
+        return [row.tobytes() for row in rows]
+
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        """Put `read_blocks`' bytes back into blocks `block_ids` (their rows become those K/V)."""
+        if not block_ids:
+            return
+        if any(len(p) != self.block_nbytes for p in payloads) or len(payloads) != len(block_ids):
+            raise ValueError(f"expected {len(block_ids)} payloads of {self.block_nbytes} bytes")
+        # Zero-initialisation must never run over these blocks later and wipe what is loaded here.
+        self.initialize_blocks_through(max(block_ids))
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        rows = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(block_ids), -1)
+        offset = 0
+        for tensor in self._tensors():
+            width = tensor[0].numel() * tensor.element_size()
+            chunk = rows[:, offset : offset + width].contiguous().view(tensor.dtype)
+            tensor.index_copy_(0, ids, chunk.view(len(block_ids), *tensor.shape[1:]))
+            offset += width
+
     @property
     def bytes_allocated(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -48,6 +50,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         yield
         await async_engine.stop()
         serving.close()
+        # The step loop has stopped: the disk tier may finish its queued writes (a restart finds them).
+        await asyncio.get_running_loop().run_in_executor(None, engine.close)
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.async_engine = async_engine
@@ -142,6 +146,7 @@ def _kv_cache_report(engine: Engine) -> dict:
         "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
         "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits,
         "num_preemptions": stats.num_preemptions, "integrity": integrity,
+        "tier": dataclasses.asdict(stats.tier) if stats.tier is not None else None,
     }
 
 

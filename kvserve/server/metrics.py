@@ -12,10 +12,11 @@ import logging
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.output import RequestDelta
+from kvserve.kv.tier import LOAD_SECONDS_BUCKETS
 
 log = logging.getLogger("kvserve.requests")
 
@@ -61,6 +62,34 @@ class _EngineCollector:
                       stats.prefix_cache_hits)
         yield counter("kvserve:num_preemptions", "Requests preempted to free KV blocks.",
                       stats.num_preemptions)
+        tier = stats.tier
+        if tier is None:
+            return
+        yield gauge("kvserve:kv_tier_enabled", "1 while the disk tier works (0 once it disabled itself).",
+                    int(tier.enabled))
+        yield gauge("kvserve:kv_tier_capacity_bytes", "Capacity of the disk tier.", tier.capacity_bytes)
+        yield gauge("kvserve:kv_tier_used_bytes", "Bytes the disk tier holds.", tier.bytes_used)
+        yield gauge("kvserve:kv_tier_blocks", "Blocks the disk tier holds.", tier.num_blocks)
+        yield gauge("kvserve:kv_tier_pending_writes", "Blocks queued for the disk tier's writer.", tier.pending_writes)
+        for name, doc, value in (
+            ("queries_tokens", "Prompt tokens looked up in the disk tier (past the pool's match).", tier.query_tokens),
+            ("hits_tokens", "Prompt tokens loaded from the disk tier into the pool.", tier.hit_tokens),
+            ("blocks_written", "Blocks written to the disk tier.", tier.blocks_written),
+            ("bytes_written", "Bytes written to the disk tier.", tier.bytes_written),
+            ("blocks_read", "Blocks read from the disk tier.", tier.blocks_read),
+            ("bytes_read", "Bytes read from the disk tier.", tier.bytes_read),
+            ("blocks_evicted", "Blocks dropped from the disk tier for capacity.", tier.blocks_evicted),
+            ("bytes_evicted", "Bytes dropped from the disk tier for capacity.", tier.bytes_evicted),
+            ("writes_dropped", "Blocks not written (writer behind, or tier disabled).", tier.writes_dropped),
+            ("files_rejected", "Truncated, corrupted or foreign files skipped and removed.", tier.files_rejected),
+        ):
+            yield counter(f"kvserve:kv_tier_{name}", doc, value)
+        histogram = HistogramMetricFamily("kvserve:kv_tier_load_seconds",
+                                          "Time to load one request's run of blocks from the disk tier.",
+                                          labels=["model_name"])
+        buckets = [(str(bound), count) for bound, count in zip(LOAD_SECONDS_BUCKETS, tier.load_seconds_buckets)]
+        histogram.add_metric(labels, buckets + [("+Inf", tier.load_seconds_count)], tier.load_seconds_sum)
+        yield histogram
 
 
 class ServerMetrics:
@@ -115,6 +144,8 @@ def log_request(delta: RequestDelta) -> None:
     m = delta.metrics
     ttft = f"{m.ttft * 1000:.0f} ms" if m.ttft is not None else "n/a"
     tpot = f"{m.tpot * 1000:.1f} ms" if m.tpot is not None else "n/a"
-    log.info("request %s: prompt %d tokens (%d cached), output %d tokens, TTFT %s, TPOT %s, finish_reason %s",
-             delta.request_id, m.num_prompt_tokens, delta.num_cached_tokens, m.num_output_tokens, ttft, tpot,
+    report = delta.prefix_cache
+    sources = f": {report.sources}" if report is not None and report.sources else ""
+    log.info("request %s: prompt %d tokens (%d cached%s), output %d tokens, TTFT %s, TPOT %s, finish_reason %s",
+             delta.request_id, m.num_prompt_tokens, delta.num_cached_tokens, sources, m.num_output_tokens, ttft, tpot,
              delta.finish_reason or "abort")

@@ -34,3 +34,38 @@ def test_engine_gauges_follow_the_snapshot(tiny_models):
     assert samples["kvserve:kv_cache_blocks_used"] == 0 and samples["kvserve:num_requests_running"] == 0
     assert samples["kvserve:prefix_cache_hits_total"] == 12 and samples["kvserve:prefix_cache_queries_total"] == 39
     assert samples["kvserve:kv_cache_blocks_cached"] == engine.stats().num_cached_blocks > 0
+
+
+def test_disk_tier_metrics_and_the_request_log_line(tiny_models, tmp_path, caplog):
+    import logging
+
+    from kvserve.engine.output import RequestOutputAssembler
+    from kvserve.server.metrics import log_request
+
+    loaded = tiny_models("llama-gqa")
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompt = list(range(1, 35))
+    writer = make_engine(loaded, kv_disk_path=str(tmp_path))
+    writer.add_request(prompt, params)
+    while writer.has_unfinished():
+        writer.step()
+    writer.close()
+    engine = make_engine(loaded, kv_disk_path=str(tmp_path))
+    metrics = ServerMetrics(AsyncEngine(engine), "tiny")
+    samples = scrape(metrics)
+    assert samples["kvserve:kv_tier_blocks"] == 8  # 35 computed tokens and samples["kvserve:kv_tier_enabled"] == 1
+    assert samples["kvserve:kv_tier_hits_tokens_total"] == 0
+    engine.add_request(prompt, params)
+    assembler, final = RequestOutputAssembler(), None
+    with caplog.at_level(logging.INFO, logger="kvserve.requests"):
+        while engine.has_unfinished():
+            for delta in engine.step():
+                log_request(delta)
+                final = assembler.add(delta) or final
+    samples = scrape(metrics)
+    assert samples["kvserve:kv_tier_hits_tokens_total"] == 32 == samples["kvserve:kv_tier_queries_tokens_total"]
+    assert samples["kvserve:kv_tier_blocks_read_total"] == 8
+    assert samples["kvserve:kv_tier_load_seconds_count"] == 1
+    assert samples["kvserve:kv_tier_used_bytes"] > 0 and samples["kvserve:kv_tier_files_rejected_total"] == 0
+    assert final.num_cached_tokens == 32
+    assert "(32 cached: 0 from the pool, 32 from disk)" in caplog.text

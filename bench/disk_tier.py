@@ -1,0 +1,213 @@
+"""W7 (DESIGN §5): the disk KV tier. Two tables, with the tier and without, in one run.
+
+(1) Restart: a server warms a 1,024-token prefix (one request), is stopped
+    (SIGTERM, graceful) and started again; the first request after the
+    restart (same prefix, another question) is timed: TTFT with the tier vs
+    without. With --drop-caches (root only) the page cache is dropped before
+    the restart, so the tier is read from the disk itself, not from memory.
+(2) Working set larger than the pool: --docs distinct 1,024-token documents,
+    each asked about --questions times in shuffled order, one request at a
+    time, with a pool that holds about --pool-docs of them: prefix-cache hit
+    rate and mean TTFT with the tier vs without (in process, no HTTP).
+
+Also per block: reading a block from the tier (read + checksum), writing it
+into the pool, and recomputing it (prefill time per block of a 1,024-token
+prompt), measured in process.
+
+    .venv/bin/python bench/disk_tier.py [--docs 64] [--questions 4] [--pool-docs 16] [--drop-caches]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from serve import start_server
+from workloads import greedy, random_prompts, save
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.engine.output import RequestOutputAssembler
+from kvserve.kv.hashing import block_hashes
+from kvserve.model.loader import load_model
+
+PREFIX = 1024
+QUESTION = 16
+OUTPUT = 8
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def stream_ttft(url: str, prompt: list[int]) -> float:
+    body = {"prompt": prompt, "max_tokens": OUTPUT, "temperature": 0, "ignore_eos": True, "stream": True}
+    started = time.perf_counter()
+    with httpx.stream("POST", url + "/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:]).get("choices"):
+                ttft = time.perf_counter() - started
+                for _ in response.iter_lines():
+                    pass
+                return ttft
+    raise RuntimeError("no token streamed")
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=120)
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def restart_table(disk: Path, drop_caches: bool) -> dict:
+    prefix = random_prompts(1, PREFIX, seed=7)[0]
+    first, second = random_prompts(2, QUESTION, seed=8)
+    rows = {}
+    for mode in ("without tier", "with tier"):
+        shutil.rmtree(disk, ignore_errors=True)
+        extra = ["--kv-disk-path", str(disk)] if mode == "with tier" else []
+        process, url = start_server(extra)
+        warm = stream_ttft(url, prefix + first)
+        stop(process)
+        dropped = drop_caches and drop_page_cache()
+        process, url = start_server(extra)
+        after = stream_ttft(url, prefix + second)
+        stop(process)
+        rows[mode] = {"warm_ttft_s": warm, "after_restart_ttft_s": after, "page_cache_dropped": dropped}
+    rows["ratio_without_over_with"] = rows["without tier"]["after_restart_ttft_s"] / rows["with tier"]["after_restart_ttft_s"]
+    return rows
+
+
+def working_set_table(loaded, disk: Path, docs: int, questions: int, pool_docs: int) -> dict:
+    documents = random_prompts(docs, PREFIX, seed=11)
+    asks = random_prompts(docs * questions, QUESTION, seed=12)
+    order = np.random.default_rng(13).permutation([d for d in range(docs) for _ in range(questions)]).tolist()
+    prompts = [documents[d] + asks[i] for i, d in enumerate(order)]
+    rows = {}
+    for mode in ("without tier", "with tier"):
+        shutil.rmtree(disk, ignore_errors=True)
+        probe = Engine(EngineConfig(kv_cache_memory=2**20), loaded=loaded)
+        per_token = probe.kv_spec.bytes_per_token
+        memory = pool_docs * (PREFIX + QUESTION + OUTPUT) * per_token
+        engine = Engine(EngineConfig(kv_cache_memory=memory, kv_disk_path=str(disk) if mode == "with tier" else None,
+                                     kv_disk_size="64GiB"), loaded=loaded)
+        ttfts, cached, from_disk = [], 0, 0
+        started = time.perf_counter()
+        for prompt in prompts:
+            engine.add_request(prompt, greedy(OUTPUT))
+            assembler, final = RequestOutputAssembler(), None
+            while engine.has_unfinished():
+                for delta in engine.step():
+                    final = assembler.add(delta) or final
+            ttfts.append(final.metrics.ttft)
+            cached += final.num_cached_tokens
+            from_disk += final.prefix_cache.num_tier_cached_tokens
+            if engine.tiering is not None:
+                engine.tiering.tier.flush()  # one request at a time: its blocks are on disk before the next
+        engine.close()
+        queried = sum(len(p) for p in prompts)
+        rows[mode] = {"hit_rate": cached / queried, "tokens_from_disk": from_disk, "mean_ttft_s": float(np.mean(ttfts)),
+                      "p50_ttft_s": float(np.median(ttfts)), "wall_s": time.perf_counter() - started,
+                      "pool_blocks": engine.kv_manager.num_blocks,
+                      "tier": None if engine.tiering is None else dataclasses.asdict(engine.tiering.tier.stats())}
+    rows["mean_ttft_ratio_without_over_with"] = rows["without tier"]["mean_ttft_s"] / rows["with tier"]["mean_ttft_s"]
+    return rows
+
+
+def per_block_costs(loaded, disk: Path) -> dict:
+    """Read + checksum, write into the pool, and recompute, per block of a 1,024-token prefix."""
+    shutil.rmtree(disk, ignore_errors=True)
+    prompt = random_prompts(1, PREFIX + 1, seed=21)[0]
+    engine = Engine(EngineConfig(kv_cache_memory=256 * 2**20, kv_disk_path=str(disk)), loaded=loaded)
+    started = time.perf_counter()
+    engine.add_request(prompt, greedy(1))
+    while engine.has_unfinished():
+        engine.step()
+    prefill_s = time.perf_counter() - started
+    engine.close()
+    num_blocks = PREFIX // engine.config.block_size
+    fresh = Engine(EngineConfig(kv_cache_memory=256 * 2**20, kv_disk_path=str(disk)), loaded=loaded)
+    tier, kv = fresh.tiering.tier, fresh.kv_manager
+    chain = block_hashes(prompt, fresh.config.block_size)
+    keys = kv.keys_after(prompt, chain, kv.find_cached_prefix(prompt, chain))
+    started = time.perf_counter()
+    payloads = tier.load(keys)
+    read_s = time.perf_counter() - started
+    block_ids = list(range(len(payloads)))  # a throwaway engine: free blocks, written directly to time the copy
+    started = time.perf_counter()
+    fresh.kv_cache.write_blocks(block_ids, payloads)
+    write_s = time.perf_counter() - started
+    fresh.close()
+    return {"blocks": num_blocks, "block_bytes": fresh.kv_cache.block_nbytes,
+            "read_ms_per_block": 1000 * read_s / len(payloads), "pool_write_ms_per_block": 1000 * write_s / len(payloads),
+            "recompute_ms_per_block": 1000 * prefill_s / num_blocks,
+            "recompute_over_load": prefill_s / (read_s + write_s)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=int, default=64)
+    parser.add_argument("--questions", type=int, default=4)
+    parser.add_argument("--pool-docs", type=int, default=16)
+    parser.add_argument("--drop-caches", action="store_true", help="drop the page cache before each restart (root)")
+    parser.add_argument("--skip-restart", action="store_true")
+    parser.add_argument("--skip-working-set", action="store_true")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="kvserve-tier-bench-"))
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; tier directory {work}")
+    loaded = load_model()
+    result: dict = {"cpu": cpu_model()}
+    costs = per_block_costs(loaded, work / "per-block")
+    result["per_block"] = costs
+    print(f"\nper block ({costs['block_bytes'] / 2**10:.0f} KiB, {loaded.config.num_layers} layers): read+checksum "
+          f"{costs['read_ms_per_block']:.3f} ms, write into pool {costs['pool_write_ms_per_block']:.3f} ms, "
+          f"recompute {costs['recompute_ms_per_block']:.2f} ms -> loading is {costs['recompute_over_load']:.0f}x cheaper")
+    if not args.skip_restart:
+        rows = restart_table(work / "restart", args.drop_caches)
+        result["restart"] = rows
+        print(f"\n(1) restart, {PREFIX}-token prefix + {QUESTION}-token question, {OUTPUT} output tokens")
+        print(f"{'':>14} {'warm TTFT':>10} {'TTFT after restart':>19}")
+        for mode in ("without tier", "with tier"):
+            row = rows[mode]
+            cold = " (page cache dropped)" if row["page_cache_dropped"] else ""
+            print(f"{mode:>14} {row['warm_ttft_s']:>9.3f}s {row['after_restart_ttft_s']:>18.3f}s{cold}")
+        print(f"first request after a restart: {rows['ratio_without_over_with']:.1f}x lower TTFT with the tier")
+    if not args.skip_working_set:
+        rows = working_set_table(loaded, work / "working-set", args.docs, args.questions, args.pool_docs)
+        result["working_set"] = rows
+        print(f"\n(2) {args.docs} documents x {args.questions} questions, shuffled, pool of ~{args.pool_docs} documents")
+        print(f"{'':>14} {'hit rate':>9} {'from disk':>10} {'mean TTFT':>10} {'p50 TTFT':>9} {'wall':>8}")
+        for mode in ("without tier", "with tier"):
+            row = rows[mode]
+            print(f"{mode:>14} {row['hit_rate']:>8.1%} {row['tokens_from_disk']:>10,} {row['mean_ttft_s']:>9.3f}s "
+                  f"{row['p50_ttft_s']:>8.3f}s {row['wall_s']:>7.1f}s")
+        print(f"mean TTFT {rows['mean_ttft_ratio_without_over_with']:.1f}x lower with the tier")
+    print(f"\nsaved {save('disk_tier', result)}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Why a request's prompt hit the prefix cache as far as it did, in words a user can act on."""
+
+from __future__ import annotations
+
+from kvserve.engine.output import PrefixCacheReport
+from kvserve.engine.request import Request
+from kvserve.model.tokenizer import Tokenizer
+
+
+def build_prefix_report(request: Request, prefix_caching: bool, block_size: int,
+                        tokenizer: Tokenizer | None) -> PrefixCacheReport:
+    """The report of an admitted request: how many prompt tokens were cached (and how many of those
+    came from a lower tier), and where the prompt left the closest cached one."""
+    cached = request.num_cached_tokens or 0
+    report = PrefixCacheReport(request.num_prompt_tokens, cached, "",
+                               num_tier_cached_tokens=request.num_tier_cached_tokens)
+    if not prefix_caching:
+        report.reason = "prefix caching is off"
+    elif request.sampling_params.skip_reading_prefix_cache:
+        report.reason = "this request skipped reading the cache"
+    elif cached >= (request.num_prompt_tokens - 1) // block_size * block_size:
+        report.reason = ("every full block of the prompt was cached (the last token is always computed)"
+                         if cached else f"the prompt is shorter than one {block_size}-token block plus one token")
+    elif request.prefix_divergence is None:
+        report.reason = ("no cached prompt continues past the cached prefix" if cached
+                         else "nothing cached starts like this prompt (for this cache salt)")
+    else:
+        div = request.prefix_divergence
+        report.divergence_position = div.position
+        report.reason = f"diverged from the closest cached prompt at token {div.position}"
+        if tokenizer is not None:
+            context = request.prompt_token_ids[max(div.position - 8, 0) : div.position]
+            ours = request.prompt_token_ids[div.position : div.position + 8]
+            theirs = list(div.cached_token_ids[div.position - div.block_start :][:8])
+            report.prompt_snippet = tokenizer.decode(context) + "[" + tokenizer.decode(ours) + "]"
+            report.cached_snippet = tokenizer.decode(context) + "[" + tokenizer.decode(theirs) + "]"
+    return report

@@ -1,0 +1,94 @@
+"""Blocks between the pool and a lower tier, on the engine's thread (DESIGN §3, Tiers).
+
+Before a step is scheduled, the requests about to be admitted have their
+prefix match continued into the tier: the blocks found there are read,
+checked, and written into free pool blocks, registered as cached. The
+scheduler then finds them like any other cached prefix; it never learns
+where they came from (the match only counts how many tokens were loaded, for
+reporting). After a step, the blocks it registered in the cache are copied
+out of the pool and handed to the tier's background writer.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from kvserve.arith import cdiv
+from kvserve.config import EngineConfig, parse_memory
+from kvserve.engine.request import Request
+from kvserve.kv.disk_tier import DiskTier
+from kvserve.kv.fingerprint import cache_fingerprint, tensor_digest
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.storage import PagedKVCache
+from kvserve.kv.tier import KVTier
+from kvserve.model.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+def open_disk_tier(config: EngineConfig, loaded: LoadedModel, kv_cache: PagedKVCache, kv_dtype: str) -> DiskTier:
+    """The disk tier at `config.kv_disk_path`, filed under a fingerprint of this model and cache layout."""
+    model = loaded.model
+    weights = tensor_digest([*model.named_parameters(), *model.named_buffers()])
+    fingerprint = cache_fingerprint(weights, {
+        "model_config": loaded.config, "linear_dtype": loaded.linear_dtype, "kv_dtype": kv_dtype,
+        "block_size": config.block_size, "block_layout": kv_cache.block_layout(),
+    })
+    return DiskTier(Path(config.kv_disk_path).expanduser(), parse_memory(config.kv_disk_size), fingerprint,
+                    config.block_size, kv_cache.block_nbytes)
+
+
+class TierTraffic:
+    """Loads before scheduling, write-through after each step, for one engine's pool and tier."""
+
+    def __init__(self, tier: KVTier, kv: KVCacheManager, kv_cache: PagedKVCache) -> None:
+        self.tier = tier
+        self.kv = kv
+        self.kv_cache = kv_cache
+        # request id -> (preemptions, hashed blocks, pool hit) when last looked up: a request waiting
+        # for a slot is not looked up again every step unless something that matters changed.
+        self._looked_up: dict[str, tuple[int, int, int]] = {}
+
+    def load_for(self, candidates: list[Request]) -> None:
+        """Continue the prefix match of the requests next in line into the tier and load what it holds,
+        as far as free blocks allow without evicting what an earlier candidate loaded."""
+        budget = self.kv.num_free_blocks
+        looked_up: dict[str, tuple[int, int, int]] = {}
+        for request in candidates:
+            budget -= cdiv(request.num_tokens, self.kv.block_size)
+            if budget < 0:
+                break
+            if request.sampling_params.skip_reading_prefix_cache:
+                continue
+            token_ids, chain = request.all_token_ids, request.block_hashes
+            match = self.kv.find_cached_prefix(token_ids, chain)
+            room = self.kv.room_for_loads(match)
+            if room <= 0:
+                continue  # not marked: looked up once blocks are free
+            marker = (request.num_preemptions, len(chain), match.num_tokens)
+            looked_up[request.request_id] = marker
+            if self._looked_up.get(request.request_id) == marker:
+                continue
+            keys = self.kv.keys_after(token_ids, chain, match)
+            held = min(self.tier.lookup(keys), room) if keys else 0
+            if held <= 0:
+                continue
+            payloads = self.tier.load(keys[:held])
+            if payloads:
+                self.kv.adopt_loaded(match, keys[: len(payloads)],
+                                     lambda block_ids: self.kv_cache.write_blocks(block_ids, payloads))
+        self._looked_up = looked_up
+
+    def write_through(self) -> None:
+        """Copy the blocks cached since the last call out of the pool and queue them for the tier."""
+        cached = self.kv.take_cached_blocks()
+        if not cached or not self.tier.enabled:
+            return
+        cached = [(block_id, key) for block_id, key in cached if not self.tier.contains(key.block_hash)]
+        if cached:
+            payloads = self.kv_cache.read_blocks([block_id for block_id, _ in cached])
+            self.tier.store([(key, payload) for (_, key), payload in zip(cached, payloads)])
+
+    def close(self) -> None:
+        self.tier.close()

@@ -1,0 +1,111 @@
+"""The on-disk format of one KV block: a fixed header, the key, a checksum, the K/V bytes.
+
+Plain bytes, parsed field by field (no pickle: reading a file can never
+execute code). Little-endian:
+
+    magic         8 bytes   b"KVSBLK01" (format version in the last two)
+    fingerprint  16 bytes   what produced it (kvserve/kv/fingerprint.py)
+    block_hash   16 bytes
+    parent_hash  16 bytes
+    num_tokens    u32
+    payload_len   u64
+    token_ids     num_tokens x i64
+    checksum     16 bytes   BLAKE2b-128 of everything above and the payload
+    payload       payload_len bytes: the block's K/V, every layer
+
+The header is enough to index a file at startup (key, size); the checksum is
+verified whenever the payload is read, so a truncated or corrupted file is
+caught before any of it reaches the pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+from dataclasses import dataclass
+
+from kvserve.kv.tier import BlockKey
+
+MAGIC = b"KVSBLK01"
+SUFFIX = ".kvblock"
+_FIXED = struct.Struct("<8s16s16s16sIQ")
+_CHECKSUM_SIZE = 16
+_MAX_TOKENS = 1 << 16  # a block size above this is not a block: reject before allocating
+
+
+class BlockFileError(ValueError):
+    """The bytes are not a valid block file for what was expected (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockFileHeader:
+    fingerprint: bytes
+    key: BlockKey
+    payload_len: int
+    header_len: int  # bytes before the payload (the checksum included)
+
+    @property
+    def file_len(self) -> int:
+        return self.header_len + self.payload_len
+
+
+def _token_bytes(token_ids: tuple[int, ...]) -> bytes:
+    encoded = array("q", token_ids)
+    if array("q", [1]).tobytes()[0] != 1:  # big-endian host: the file is little-endian everywhere
+        encoded.byteswap()
+    return encoded.tobytes()
+
+
+def encode(fingerprint: bytes, key: BlockKey, payload: bytes) -> bytes:
+    """A whole block file."""
+    head = _FIXED.pack(MAGIC, fingerprint, key.block_hash, key.parent_hash, len(key.token_ids), len(payload))
+    head += _token_bytes(key.token_ids)
+    checksum = hashlib.blake2b(head, digest_size=_CHECKSUM_SIZE)
+    checksum.update(payload)
+    return head + checksum.digest() + payload
+
+
+def read_header(data: bytes) -> BlockFileHeader:
+    """Parse the header at the start of `data` (at least `header_len` bytes); raises BlockFileError."""
+    if len(data) < _FIXED.size:
+        raise BlockFileError(f"{len(data)} bytes: shorter than a block file header")
+    magic, fingerprint, block_hash, parent_hash, num_tokens, payload_len = _FIXED.unpack_from(data)
+    if magic != MAGIC:
+        raise BlockFileError("not a kvserve block file (or another format version)")
+    if num_tokens > _MAX_TOKENS:
+        raise BlockFileError(f"header claims {num_tokens} tokens")
+    tokens_end = _FIXED.size + 8 * num_tokens
+    if len(data) < tokens_end + _CHECKSUM_SIZE:
+        raise BlockFileError("truncated inside the header")
+    tokens = array("q")
+    tokens.frombytes(data[_FIXED.size : tokens_end])
+    if array("q", [1]).tobytes()[0] != 1:
+        tokens.byteswap()
+    key = BlockKey(block_hash, parent_hash, tuple(tokens))
+    return BlockFileHeader(fingerprint, key, payload_len, tokens_end + _CHECKSUM_SIZE)
+
+
+def decode(data: bytes, fingerprint: bytes, key: BlockKey, payload_len: int) -> bytes:
+    """The payload of a whole block file, after checking that it is exactly what `key` names under
+    `fingerprint`, complete, and intact. Raises BlockFileError otherwise."""
+    header = read_header(data)
+    if header.fingerprint != fingerprint:
+        raise BlockFileError("written by another model or cache configuration (fingerprint differs)")
+    if header.key != key:
+        raise BlockFileError("holds another block (hash, parent or tokens differ)")
+    if header.payload_len != payload_len:
+        raise BlockFileError(f"payload of {header.payload_len} bytes, expected {payload_len}")
+    if len(data) != header.file_len:
+        raise BlockFileError(f"{len(data)} bytes, expected {header.file_len} (truncated or padded)")
+    checksum = hashlib.blake2b(data[: header.header_len - _CHECKSUM_SIZE], digest_size=_CHECKSUM_SIZE)
+    payload = memoryview(data)[header.header_len :]
+    checksum.update(payload)
+    if checksum.digest() != data[header.header_len - _CHECKSUM_SIZE : header.header_len]:
+        raise BlockFileError("checksum mismatch (corrupted)")
+    return bytes(payload)
+
+
+def header_bytes_needed(num_tokens: int) -> int:
+    """How many leading bytes of a file hold the header of a block of `num_tokens` tokens."""
+    return _FIXED.size + 8 * num_tokens + _CHECKSUM_SIZE
