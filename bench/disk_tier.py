@@ -20,6 +20,7 @@ prompt), measured in process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,6 +30,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import numpy as np
@@ -56,21 +58,30 @@ def cpu_model() -> str:
 
 def stream_ttft(url: str, prompt: list[int]) -> float:
     body = {"prompt": prompt, "max_tokens": OUTPUT, "temperature": 0, "ignore_eos": True, "stream": True}
-    started = time.perf_counter()
+    started, ttft = time.perf_counter(), None
     with httpx.stream("POST", url + "/completions", json=body, timeout=600) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:]).get("choices"):
+        for line in response.iter_lines():  # read to the end: the request finishes before the server stops
+            if ttft is None and line.startswith("data: ") and line != "data: [DONE]" \
+                    and json.loads(line[6:]).get("choices"):
                 ttft = time.perf_counter() - started
-                for _ in response.iter_lines():
-                    pass
-                return ttft
-    raise RuntimeError("no token streamed")
+    if ttft is None:
+        raise RuntimeError("no token streamed")
+    return ttft
 
 
-def stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=120)
+@contextlib.contextmanager
+def running_server(extra: list[str]) -> Iterator[str]:
+    """A server for the block; stopped with SIGTERM (a graceful shutdown flushes the tier's writes)."""
+    process, url = start_server(extra)
+    try:
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def drop_page_cache() -> bool:
@@ -89,13 +100,11 @@ def restart_table(disk: Path, drop_caches: bool) -> dict:
     for mode in ("without tier", "with tier"):
         shutil.rmtree(disk, ignore_errors=True)
         extra = ["--kv-disk-path", str(disk)] if mode == "with tier" else []
-        process, url = start_server(extra)
-        warm = stream_ttft(url, prefix + first)
-        stop(process)
+        with running_server(extra) as url:
+            warm = stream_ttft(url, prefix + first)
         dropped = drop_caches and drop_page_cache()
-        process, url = start_server(extra)
-        after = stream_ttft(url, prefix + second)
-        stop(process)
+        with running_server(extra) as url:
+            after = stream_ttft(url, prefix + second)
         rows[mode] = {"warm_ttft_s": warm, "after_restart_ttft_s": after, "page_cache_dropped": dropped}
     rows["ratio_without_over_with"] = rows["without tier"]["after_restart_ttft_s"] / rows["with tier"]["after_restart_ttft_s"]
     return rows

@@ -156,7 +156,7 @@ class Engine:
         return self._stats
 
     def _take_stats(self) -> EngineStats:
-        tier = self.tiering.tier.stats() if self.tiering is not None else None
+        tier = self.tiering.stats() if self.tiering is not None else None
         return take_stats(self.scheduler, self._num_steps, self._num_generated_tokens, tier)
 
     def step(self) -> list[RequestDelta]:

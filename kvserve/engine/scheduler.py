@@ -15,6 +15,7 @@ later) and nobody new is admitted that step.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -67,8 +68,7 @@ class Scheduler:
 
     def admission_candidates(self) -> list[Request]:
         """The waiting requests the next step could admit, in the order it would try them."""
-        slots = self.config.max_num_seqs - len(self.running)
-        return [self.waiting[i] for i in range(min(slots, len(self.waiting)))]
+        return list(itertools.islice(self.waiting, max(self.config.max_num_seqs - len(self.running), 0)))
 
     def schedule(self) -> SchedulerOutput:
         """This step's batch: running requests first (decodes, then prefill chunks), then admissions."""

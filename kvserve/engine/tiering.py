@@ -11,6 +11,7 @@ out of the pool and handed to the tier's background writer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.fingerprint import cache_fingerprint, tensor_digest
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import PagedKVCache
-from kvserve.kv.tier import KVTier
+from kvserve.kv.tier import BlockKey, KVTier, TierStats
 from kvserve.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,30 @@ class TierTraffic:
         # request id -> (preemptions, hashed blocks, pool hit) when last looked up: a request waiting
         # for a slot is not looked up again every step unless something that matters changed.
         self._looked_up: dict[str, tuple[int, int, int]] = {}
+        self.active = True  # False after an unexpected error: the engine goes on without the tier
 
     def load_for(self, candidates: list[Request]) -> None:
         """Continue the prefix match of the requests next in line into the tier and load what it holds,
         as far as free blocks allow without evicting what an earlier candidate loaded."""
+        if self.active:
+            self._guarded(self._load_for, candidates)
+
+    def write_through(self) -> None:
+        """Copy the blocks cached since the last call out of the pool and queue them for the tier."""
+        cached = self.kv.take_cached_blocks()
+        if cached and self.active and self.tier.enabled:
+            self._guarded(self._write_through, cached)
+
+    def _guarded(self, work, argument) -> None:
+        # A tier is an optimisation: a bug or an exhausted resource in it must never stop the step loop
+        # (the pool is consistent either way: adopt_loaded registers nothing it did not fill).
+        try:
+            work(argument)
+        except Exception:
+            self.active = False
+            log.exception("KV disk tier turned off after an unexpected error; serving goes on without it")
+
+    def _load_for(self, candidates: list[Request]) -> None:
         budget = self.kv.num_free_blocks
         looked_up: dict[str, tuple[int, int, int]] = {}
         for request in candidates:
@@ -80,15 +101,15 @@ class TierTraffic:
                                      lambda block_ids: self.kv_cache.write_blocks(block_ids, payloads))
         self._looked_up = looked_up
 
-    def write_through(self) -> None:
-        """Copy the blocks cached since the last call out of the pool and queue them for the tier."""
-        cached = self.kv.take_cached_blocks()
-        if not cached or not self.tier.enabled:
-            return
+    def _write_through(self, cached: list[tuple[int, BlockKey]]) -> None:
         cached = [(block_id, key) for block_id, key in cached if not self.tier.contains(key.block_hash)]
         if cached:
             payloads = self.kv_cache.read_blocks([block_id for block_id, _ in cached])
             self.tier.store([(key, payload) for (_, key), payload in zip(cached, payloads)])
+
+    def stats(self) -> TierStats:
+        stats = self.tier.stats()
+        return stats if self.active else dataclasses.replace(stats, enabled=False)
 
     def close(self) -> None:
         self.tier.close()

@@ -166,6 +166,27 @@ def test_damaged_files_are_skipped_and_the_request_recomputes(tiny_models, tmp_p
     restarted.check_integrity()
 
 
+def test_an_unexpected_tier_error_turns_the_tier_off_and_serving_goes_on(tiny_models, tmp_path, caplog):
+    loaded = tiny_models("llama-gqa")
+    doc = documents(1, 40)[0] + [2]
+    (expected,) = tokens(ask(make_engine(loaded, enable_prefix_caching=False), [doc]))
+    engine = make_engine(loaded, tmp_path)
+    ask(engine, [doc])
+    engine.close()
+    restarted = make_engine(loaded, tmp_path)
+
+    def broken(block_ids, payloads):
+        raise MemoryError("no room to copy")
+
+    restarted.kv_cache.write_blocks = broken
+    (final,) = ask(restarted, [doc])
+    assert final.outputs[0].token_ids == expected and final.num_cached_tokens == 0
+    assert "KV disk tier turned off" in caplog.text
+    assert restarted.stats().tier.enabled is False
+    restarted.check_integrity()
+    assert restarted.kv_manager.num_cached_blocks == 11  # its own 46 computed tokens; nothing half-loaded
+
+
 def test_the_tier_needs_prefix_caching():
     with pytest.raises(ConfigError, match="prefix caching"):
         EngineConfig(kv_disk_path="/tmp/x", enable_prefix_caching=False)
