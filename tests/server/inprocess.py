@@ -44,13 +44,14 @@ def with_tiny_tokenizer(loaded: LoadedModel) -> LoadedModel:
 
 
 @contextlib.contextmanager
-def serve_in_process(loaded: LoadedModel, kv_cache_memory: str = "4MiB", **settings) -> Iterator[TestClient]:
+def serve_in_process(loaded: LoadedModel, kv_cache_memory: str = "4MiB", kv_disk_path: str | None = None,
+                     **settings) -> Iterator[TestClient]:
     """A TestClient on a fresh engine for `loaded`; `settings` override ServerSettings' defaults.
 
     Steps run on the compute thread with one torch thread: these models gain nothing from a second
     OpenMP thread, and on a busy machine its spin-waits made a tiny model's step ~30x slower.
     """
-    engine = Engine(EngineConfig(kv_cache_memory=kv_cache_memory), loaded=loaded)
+    engine = Engine(EngineConfig(kv_cache_memory=kv_cache_memory, kv_disk_path=kv_disk_path), loaded=loaded)
     app = create_app(engine, ServerSettings(model_name="tiny", **settings))
     threads = run_on_compute_thread(torch.get_num_threads)
     run_on_compute_thread(torch.set_num_threads, 1)

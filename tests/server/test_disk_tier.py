@@ -1,0 +1,29 @@
+"""The disk tier behind the server: a restart keeps each tenant's prefixes, and only theirs."""
+
+from tests.server.inprocess import serve_in_process, with_tiny_tokenizer
+
+KEYS = ["alice-key", "bob-key"]
+PROMPT = "The capital of the tiny model is a string of characters long enough for two blocks."
+
+
+def cached_tokens(client, key: str) -> int:
+    response = client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                           json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_restart_keeps_each_tenants_prefix_blocks_and_only_theirs(tiny_models, tmp_path):
+    loaded = with_tiny_tokenizer(tiny_models("llama-gqa"))
+    disk = str(tmp_path / "tier")
+    with serve_in_process(loaded, kv_disk_path=disk, api_keys=KEYS) as client:
+        assert cached_tokens(client, "alice-key") == 0
+    # The app's shutdown closed the engine: the tier's queued writes are on disk.
+    with serve_in_process(loaded, kv_disk_path=disk, api_keys=KEYS) as client:
+        assert cached_tokens(client, "bob-key") == 0
+        hits = cached_tokens(client, "alice-key")
+        assert hits >= 32 and hits % 16 == 0
+        report = client.get("/v1/kv_cache", headers={"Authorization": "Bearer alice-key"}).json()
+        assert report["integrity"] == "ok"
+        assert report["tier"]["hit_tokens"] == hits and report["tier"]["enabled"] is True
+        assert report["tier"]["files_rejected"] == 0
