@@ -146,14 +146,20 @@ def test_another_model_or_cache_layout_never_hits(tiny_models, tmp_path, change)
     assert tier_stats(other).blocks_read == 0
 
 
+def written_to_disk(loaded, disk, doc):
+    """Run `doc` on an engine with a tier at `disk` and close it; returns the output of a recompute."""
+    (expected,) = tokens(ask(make_engine(loaded, enable_prefix_caching=False), [doc]))
+    engine = make_engine(loaded, disk)
+    ask(engine, [doc])
+    engine.close()
+    return expected
+
+
 def test_damaged_files_are_skipped_and_the_request_recomputes(tiny_models, tmp_path):
     loaded = tiny_models("llama-gqa")
     doc = documents(1, 40)[0] + [2]
-    (expected,) = tokens(ask(make_engine(loaded, enable_prefix_caching=False), [doc]))
-    engine = make_engine(loaded, tmp_path)
-    ask(engine, [doc])
-    engine.close()
-    files = sorted(tmp_path.rglob("*" + block_file.SUFFIX), key=lambda p: p.stat().st_size)
+    expected = written_to_disk(loaded, tmp_path, doc)
+    files = sorted(tmp_path.rglob("*" + block_file.SUFFIX))
     for number, path in enumerate(files):
         data = path.read_bytes()
         # Every third file truncated, the others with a flipped byte in their K/V.
@@ -169,10 +175,7 @@ def test_damaged_files_are_skipped_and_the_request_recomputes(tiny_models, tmp_p
 def test_an_unexpected_tier_error_turns_the_tier_off_and_serving_goes_on(tiny_models, tmp_path, caplog):
     loaded = tiny_models("llama-gqa")
     doc = documents(1, 40)[0] + [2]
-    (expected,) = tokens(ask(make_engine(loaded, enable_prefix_caching=False), [doc]))
-    engine = make_engine(loaded, tmp_path)
-    ask(engine, [doc])
-    engine.close()
+    expected = written_to_disk(loaded, tmp_path, doc)
     restarted = make_engine(loaded, tmp_path)
 
     def broken(block_ids, payloads):
