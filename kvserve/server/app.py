@@ -132,6 +132,7 @@ class _RefuseWhileDraining:
 
 def _kv_cache_report(engine: Engine) -> dict:
     """Run between steps: the snapshot is then the pool as it is now."""
+    engine.expire_pins()  # an idle engine runs no step that would sweep them
     stats = engine.stats()
     try:
         engine.check_integrity()
@@ -147,6 +148,7 @@ def _kv_cache_report(engine: Engine) -> dict:
         "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits,
         "num_preemptions": stats.num_preemptions, "integrity": integrity,
         "tier": dataclasses.asdict(stats.tier) if stats.tier is not None else None,
+        "pins": dataclasses.asdict(stats.pins) if stats.pins is not None else None,
     }
 
 
