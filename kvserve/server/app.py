@@ -29,6 +29,7 @@ from kvserve.server.errors import (
 from kvserve.server.metrics import ServerMetrics, log_request
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.serving import ServerSettings, Serving
+from kvserve.server.session_routes import install_session_routes
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions", responses=generation_errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request, key: str = Depends(api_key)):
         return await chat_serving.create(body, request, key)
+
+    install_session_routes(app, serving, api_key)
 
     @app.get("/v1/kv_cache", responses=error_responses(401))
     async def kv_cache(_: str = Depends(api_key)) -> dict:
