@@ -10,7 +10,9 @@ from collections.abc import Callable
 
 from fastapi import Depends, FastAPI, Query, Request
 
-from kvserve.server.errors import error_responses
+from kvserve.server.anthropic_protocol import MessagesRequest
+from kvserve.server.errors import error_responses, unauthorized
+from kvserve.server.messages import MessagesServing
 from kvserve.server.responses import ResponsesServing
 from kvserve.server.responses_protocol import ResponsesRequest
 from kvserve.server.responses_store import ResponsesStore
@@ -22,6 +24,19 @@ def install_session_routes(app: FastAPI, serving: Serving, api_key: Callable) ->
     store = ResponsesStore(settings.responses_store_max_count, settings.responses_store_max_bytes)
     responses = ResponsesServing(serving, store)
     app.state.responses_store = store
+    messages = MessagesServing(serving)
+
+    async def anthropic_key(request: Request) -> str:
+        """Anthropic's clients send `x-api-key`; a Bearer header works too. Both name the same tenants."""
+        x_api_key = request.headers.get("x-api-key")
+        key = serving.tenancy.authenticate(f"Bearer {x_api_key}" if x_api_key else request.headers.get("authorization"))
+        if key is None:
+            raise unauthorized()
+        return key
+
+    @app.post("/v1/messages", responses=error_responses(400, 401, 404, 413, 429, 500, 503))
+    async def create_message(body: MessagesRequest, request: Request, key: str = Depends(anthropic_key)):
+        return await messages.create(body, request, key)
 
     @app.post("/v1/responses", responses=error_responses(400, 401, 404, 413, 429, 500, 503))
     async def create_response(body: ResponsesRequest, request: Request, key: str = Depends(api_key)):
