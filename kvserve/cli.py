@@ -52,6 +52,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-disk-path", default=None,
                        help="a second KV tier on disk in this directory (off by default): prefix blocks are written "
                             "through to it, hit again after the pool evicts them, and survive restarts")
+    group.add_argument("--max-pinned-fraction", type=float, default=0.5,
+                       help="most of the KV pool that pinned prefixes (cache breakpoints with a TTL) may hold "
+                            "(default 0.5); past it the least recently used pins lapse")
     group.add_argument("--kv-disk-size", default="8GiB",
                        help="capacity of the disk tier, e.g. 20GiB (default 8GiB; least recently used blocks go beyond it)")
 
@@ -69,6 +72,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_kv_cache=not args.no_kv_cache, enable_prefix_caching=not args.no_prefix_caching,
         allow_kv_overcommit=args.allow_kv_overcommit, kv_disk_path=args.kv_disk_path, kv_disk_size=args.kv_disk_size,
+        max_pinned_fraction=args.max_pinned_fraction,
     )
 
 

@@ -155,6 +155,9 @@ class EngineConfig:
     # this directory and found again after pool evictions and restarts. None: off.
     kv_disk_path: str | None = None
     kv_disk_size: int | str = "8GiB"  # the tier's capacity (least recently used blocks go beyond it)
+    # The most of the pool that pinned prefixes (cache breakpoints with a TTL, kv/pins.py) may hold;
+    # past it the least recently refreshed pins lapse. Pins are evicted last, never "never".
+    max_pinned_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -174,6 +177,9 @@ class EngineConfig:
                     parse_memory(value)
                 except ValueError as exc:
                     raise ConfigError(f"{name}: {exc}") from None
+        if (not isinstance(self.max_pinned_fraction, (int, float)) or isinstance(self.max_pinned_fraction, bool)
+                or not 0 <= self.max_pinned_fraction <= 1):
+            raise ConfigError(f"max_pinned_fraction must be between 0 and 1, got {self.max_pinned_fraction!r}")
         if self.kv_disk_path is not None and not (self.enable_prefix_caching and self.enable_kv_cache):
             raise ConfigError("kv_disk_path needs the KV cache and prefix caching on: the disk tier holds "
                               "prefix-cache blocks")

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
@@ -23,6 +23,7 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.output import RequestDelta
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import KVServeError, RequestFailedError
+from kvserve.kv.pins import PinRequest
 from kvserve.runtime import compute_executor
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
+        pins: Sequence[PinRequest] = (),
     ) -> AsyncIterator[RequestDelta]:
         """Queue a request now and return the stream of its deltas until it finishes (feed them to a
         RequestOutputAssembler for the final output).
@@ -138,7 +140,8 @@ class AsyncEngine:
 
         def add() -> None:
             try:
-                self.engine.add_request(prompt_token_ids, params, request_id, cache_salt, arrival_time=arrival)
+                self.engine.add_request(prompt_token_ids, params, request_id, cache_salt, arrival_time=arrival,
+                                        pins=pins)
             except Exception:
                 self._streams.pop(request_id, None)  # even if nobody ever reads the stream
                 raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable, Sequence
 
 from kvserve.config import EngineConfig
 from kvserve.engine.config_checks import check_kv_budget, checked_max_model_len
@@ -18,6 +19,7 @@ from kvserve.engine.tiering import TierTraffic, open_disk_tier
 from kvserve.errors import ConfigError, InvalidRequestError, KVIntegrityError
 from kvserve.kv.attention import get_attention_backend
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.pins import PinRequest, cache_write_tokens
 from kvserve.kv.spec import kv_spec
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.runtime import keep_freed_memory
@@ -36,7 +38,9 @@ class Engine:
     `stats()` may be called from another thread at any time.
     """
 
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
+        """`clock` (seconds, monotonic) times pin TTLs; tests pass a fake one."""
         self.config = config = config or EngineConfig()
         check_kv_budget(config)  # before the load: an impossible budget fails in a second
         keep_freed_memory()
@@ -58,7 +62,10 @@ class Engine:
         tier = (open_disk_tier(config, self.loaded, self.kv_cache, self.kv_spec.dtype)
                 if config.kv_disk_path is not None else None)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=self.prefix_caching,
-                                         record_cached_blocks=tier is not None)
+                                         record_cached_blocks=tier is not None,
+                                         max_pinned_fraction=config.max_pinned_fraction, clock=clock)
+        # Breakpoints of requests whose prompt is not computed yet: pinned once it is (kv/pins.py).
+        self._pending_pins: dict[str, tuple[PinRequest, ...]] = {}
         if tier is not None:
             self.tiering = TierTraffic(tier, self.kv_manager, self.kv_cache)
         self.scheduler = Scheduler(config, self.kv_manager)
@@ -87,15 +94,19 @@ class Engine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        pins: Sequence[PinRequest] = (),
     ) -> str:
         """Queue a request (text or token ids); invalid ones raise InvalidRequestError and change nothing.
 
         Requests with different `cache_salt` never share cached blocks (the
         server derives it from the caller's identity). `arrival_time`
         (time.perf_counter) is when the request really arrived, if earlier than
-        now; TTFT counts from it.
+        now; TTFT counts from it. `pins` are cache breakpoints in the prompt:
+        once the prompt is computed, its whole blocks up to each are pinned
+        (or their pin renewed) for the breakpoint's TTL.
         """
         params = params or SamplingParams()
+        self.kv_manager.expire_pins()  # also while idle: a new request sweeps what expired meanwhile
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -107,8 +118,14 @@ class Engine:
                           block_size=self.config.block_size if self.prefix_caching else None)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
+        bad_pin = next((p for p in pins if not 0 < p.num_tokens <= len(token_ids) or p.ttl_s <= 0), None)
+        if bad_pin is not None:
+            raise InvalidRequestError(f"a cache breakpoint must lie in the prompt ({len(token_ids)} tokens) and "
+                                      f"have a positive TTL, got {bad_pin}")
         self.runner.add_request(request_id, params, token_ids)
         self.scheduler.add(request)
+        if pins and self.prefix_caching:
+            self._pending_pins[request_id] = tuple(pins)
         self._stats = with_added(self._stats, request, self.kv_manager)
         return request_id
 
@@ -157,12 +174,33 @@ class Engine:
 
     def _take_stats(self) -> EngineStats:
         tier = self.tiering.stats() if self.tiering is not None else None
-        return take_stats(self.scheduler, self._num_steps, self._num_generated_tokens, tier)
+        return take_stats(self.scheduler, self._num_steps, self._num_generated_tokens, tier,
+                          pins=self.kv_manager.pin_stats())
+
+    def expire_pins(self) -> int:
+        """Drop the pins whose TTL ran out (every step does this too); returns how many. Between steps."""
+        expired = self.kv_manager.expire_pins()
+        if expired:
+            self._stats = self._take_stats()
+        return expired
+
+    def _pin_breakpoints(self, request: Request) -> None:
+        """A request's prompt is computed (it sampled a token): pin its breakpoints, and count the
+        tokens it wrote to the cache at the last one."""
+        pins = self._pending_pins.pop(request.request_id, None)
+        if not pins:
+            return
+        for pin in pins:
+            self.kv_manager.pin(request.block_hashes, pin.num_tokens, pin.ttl_s)
+        last = max(pin.num_tokens for pin in pins)
+        self.kv_manager.record_cache_write(cache_write_tokens(last, request.num_cached_tokens or 0,
+                                                              self.config.block_size))
 
     def step(self) -> list[RequestDelta]:
         """Run one batched forward. A request that fails in it (its sampling, its post-processing,
         or a forward that also fails when it runs alone) is finished with an error output; every
         other request goes on as if it had not been there."""
+        self.kv_manager.expire_pins()
         if self.tiering is not None:
             self.tiering.load_for(self.scheduler.admission_candidates())
         scheduled = self.scheduler.schedule()
@@ -178,6 +216,9 @@ class Engine:
         touched = self.scheduler.update(scheduled, result.tokens)
         if self.tiering is not None:
             self.tiering.write_through()  # before the next step can hand these blocks out again
+        for request in touched:
+            if request.request_id in self._pending_pins:
+                self._pin_breakpoints(request)
         self._num_steps += 1
         self._num_generated_tokens += len(touched)
         self._stats = self._take_stats()
@@ -217,6 +258,7 @@ class Engine:
             log.error("request %s failed and was finished alone: %s: %s", request_id, type(exc).__name__, exc,
                       exc_info=exc)
             request = self.scheduler.requests[request_id]
+            self._pending_pins.pop(request_id, None)
             self.scheduler.finish(request, "error")
             self.runner.remove_request(request_id)
             output = self._output(request, [])
@@ -235,6 +277,7 @@ class Engine:
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return None
+        self._pending_pins.pop(request_id, None)
         self.scheduler.finish(request, "abort")
         self.runner.remove_request(request_id)
         self._stats = self._take_stats()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.pins import PinStats
 from kvserve.kv.tier import TierStats
 
 
@@ -54,6 +55,7 @@ class EngineStats:
     running: tuple[RequestStats, ...]  # admission order
     waiting: tuple[RequestStats, ...]  # queue order
     tier: TierStats | None = None  # the lower KV tier (disk), if there is one
+    pins: PinStats | None = None  # pinned prefixes (cache breakpoints with a TTL)
 
     @property
     def num_running(self) -> int:
@@ -90,7 +92,7 @@ def request_stats(request: Request, kv: KVCacheManager) -> RequestStats:
 
 
 def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int,
-               tier: TierStats | None = None) -> EngineStats:
+               tier: TierStats | None = None, pins: PinStats | None = None) -> EngineStats:
     """A snapshot of the pool and of every unfinished request. Call it between steps, on the engine's thread."""
     kv = scheduler.kv
     num_free = kv.num_free_blocks
@@ -101,7 +103,7 @@ def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int,
         prefix_cache_hits=scheduler.prefix_cache_hits, num_preemptions=scheduler.num_preemptions,
         num_steps=num_steps, num_generated_tokens=num_generated_tokens,
         running=tuple(request_stats(r, kv) for r in scheduler.running),
-        waiting=tuple(request_stats(r, kv) for r in scheduler.waiting), tier=tier,
+        waiting=tuple(request_stats(r, kv) for r in scheduler.waiting), tier=tier, pins=pins,
     )
 
 

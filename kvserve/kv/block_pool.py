@@ -5,12 +5,19 @@ or in the free queue, never both. A full block can carry a hash (prefix
 caching) and keeps it while free, until it is handed out again. The free queue is a doubly linked list so a
 block can leave it from the middle in O(1): prefix caching (a freed block keeps
 its contents and can be claimed back before it is reused) needs exactly that.
+
+Pinned blocks (a cache breakpoint with a TTL, kv/pins.py) hold no reference:
+a reference would keep a block from every request, and a pool full of pins
+would then stall running requests (SGLang's hard session pins deadlocked its
+worker that way). Instead a free pinned block waits in a second free queue
+that `allocate` reaches only once the ordinary one is empty: pins are evicted
+last, never "never", and every free block stays allocatable.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvserve.errors import KVIntegrityError
 from kvserve.kv.hashing import BlockHash
@@ -28,6 +35,7 @@ class KVBlock:
     token_ids: tuple[int, ...] = ()  # kept so a hash collision can never serve the wrong K/V
     # Loaded from a lower tier and not yet claimed by a request: that request's hit counts as the tier's.
     from_tier: bool = False
+    pin_count: int = 0  # live pins covering this block (kv/pins.py); while free it sits in the pinned queue
 
 
 class FreeBlockQueue:
@@ -43,6 +51,15 @@ class FreeBlockQueue:
 
     def __len__(self) -> int:
         return self._len
+
+    def appendleft(self, block: KVBlock) -> None:
+        """Put a block at the head: it is the next one handed out."""
+        first = self._head.next_free
+        if first is None:
+            raise KVIntegrityError("the free queue's head sentinel lost its link")
+        self._head.next_free, block.prev_free = block, self._head
+        block.next_free, first.prev_free = first, block
+        self._len += 1
 
     def append(self, block: KVBlock) -> None:
         last = self._tail.prev_free
@@ -91,6 +108,11 @@ class BlockPool:
         # parent hash -> cached children: what lets a miss be explained to the token.
         self.children: dict[BlockHash | None, dict[BlockHash, KVBlock]] = {}
         self.num_cached_free_blocks = 0  # free blocks still holding a reusable prefix (kept up to date: O(1) stats)
+        # Free blocks with pin_count > 0, handed out only when `free_queue` is empty (see the module doc).
+        self.pinned_free_queue = FreeBlockQueue(())
+        self.num_pinned_blocks = 0  # blocks with pin_count > 0, free or in use
+        # Called with a pinned block that `allocate` is about to evict; it must drop every pin on it.
+        self.on_pinned_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -98,13 +120,13 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + len(self.pinned_free_queue)
 
     def allocate(self, count: int) -> list[KVBlock]:
         """Take `count` blocks from the head of the free queue (ref_cnt 1 each), evicting their cached content."""
         if count > self.num_free_blocks:
             raise ValueError(f"asked for {count} blocks, {self.num_free_blocks} are free")
-        taken = [self.free_queue.popleft() for _ in range(count)]
+        taken = [self._pop_free() for _ in range(count)]
         for block in taken:
             if block.block_hash is not None:
                 self.num_cached_free_blocks -= 1
@@ -112,11 +134,61 @@ class BlockPool:
             block.ref_cnt = 1
         return taken
 
+    def _pop_free(self) -> KVBlock:
+        if len(self.free_queue):
+            return self.free_queue.popleft()
+        # Only pinned blocks are left: a request that needs a block wins over a pin. The pin lapses
+        # (its owner unpins every block of it) before the block's content is evicted.
+        block = self.pinned_free_queue.popleft()
+        if self.on_pinned_evict is not None:
+            self.on_pinned_evict(block)
+        if block.pin_count:
+            raise KVIntegrityError(f"block {block.block_id} is still pinned as it is evicted")
+        return block
+
+    def _queue_of(self, block: KVBlock) -> FreeBlockQueue:
+        return self.pinned_free_queue if block.pin_count else self.free_queue
+
+    def pin(self, block: KVBlock) -> None:
+        """One more pin on a cached block; a free one moves to the pinned queue's tail."""
+        if block.block_hash is None:
+            raise KVIntegrityError(f"block {block.block_id} holds no prefix and cannot be pinned")
+        if self._is_queued(block):
+            self._queue_of(block).remove(block)
+            block.pin_count += 1
+            self.pinned_free_queue.append(block)
+        else:
+            block.pin_count += 1
+        self.num_pinned_blocks += block.pin_count == 1
+
+    def bump_pinned(self, block: KVBlock) -> None:
+        """A refreshed pin's free block goes to the pinned queue's tail: the last to lapse under pressure."""
+        if block.pin_count and self._is_queued(block):
+            self.pinned_free_queue.remove(block)
+            self.pinned_free_queue.append(block)
+
+    def unpin(self, block: KVBlock) -> None:
+        """Drop one pin; a free block with none left goes to the HEAD of the ordinary queue: nobody
+        used it for its whole TTL, so it is the least recently used block there is."""
+        if block.pin_count <= 0:
+            raise KVIntegrityError(f"block {block.block_id} unpinned more often than pinned")
+        queued = self._is_queued(block)
+        if queued and block.pin_count == 1:
+            self.pinned_free_queue.remove(block)
+        block.pin_count -= 1
+        self.num_pinned_blocks -= block.pin_count == 0
+        if queued and block.pin_count == 0:
+            self.free_queue.appendleft(block)
+
+    @staticmethod
+    def _is_queued(block: KVBlock) -> bool:
+        return block.ref_cnt == 0 and block.prev_free is not None
+
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on cached blocks, claiming free ones back from the free queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                self._queue_of(block).remove(block)
                 if block.block_hash is not None:
                     self.num_cached_free_blocks -= 1
             block.ref_cnt += 1
@@ -132,7 +204,7 @@ class BlockPool:
                 raise ValueError(f"block {block.block_id} freed more often than allocated")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                self._queue_of(block).append(block)
                 if block.block_hash is not None:
                     self.num_cached_free_blocks += 1
 
@@ -166,9 +238,23 @@ class BlockPool:
 
     def check_integrity(self) -> None:
         """Raise KVIntegrityError (never a bare assert: `python -O` must not silence it) if the pool is inconsistent."""
-        free = list(self.free_queue)
-        if len(free) != len(self.free_queue):
-            raise KVIntegrityError(f"free queue length is {len(self.free_queue)} but it links {len(free)} blocks")
+        pinned_free = list(self.pinned_free_queue)
+        if len(pinned_free) != len(self.pinned_free_queue):
+            raise KVIntegrityError(f"pinned free queue length is {len(self.pinned_free_queue)} but it links "
+                                   f"{len(pinned_free)} blocks")
+        if any(block.pin_count <= 0 for block in pinned_free):
+            raise KVIntegrityError("an unpinned block sits in the pinned free queue")
+        unpinned_free = list(self.free_queue)
+        if len(unpinned_free) != len(self.free_queue):
+            raise KVIntegrityError(f"free queue length is {len(self.free_queue)} but it links {len(unpinned_free)} blocks")
+        if any(block.pin_count for block in unpinned_free):
+            raise KVIntegrityError("a pinned block sits in the ordinary free queue")
+        pinned = [block for block in self.blocks if block.pin_count]
+        if len(pinned) != self.num_pinned_blocks:
+            raise KVIntegrityError(f"{len(pinned)} blocks are pinned, the counter says {self.num_pinned_blocks}")
+        if any(block.block_hash is None for block in pinned):
+            raise KVIntegrityError("a pinned block holds no prefix")
+        free = unpinned_free + pinned_free
         free_ids = {b.block_id for b in free}
         if len(free_ids) != len(free):
             raise KVIntegrityError("a block is in the free queue twice")

@@ -22,6 +22,7 @@ from kvserve.arith import cdiv
 from kvserve.errors import KVIntegrityError
 from kvserve.kv.block_pool import BlockPool, KVBlock
 from kvserve.kv.hashing import BlockHash, BlockHashChain
+from kvserve.kv.pins import PinStats, PinTable
 from kvserve.kv.tier import BlockKey
 
 
@@ -46,7 +47,8 @@ class Divergence:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_caching: bool = False,
-                 record_cached_blocks: bool = False) -> None:
+                 record_cached_blocks: bool = False, max_pinned_fraction: float = 0.5,
+                 clock: Callable[[], float] | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         # With a lower tier, blocks registered in the cache are also handed to the engine to write through.
@@ -59,6 +61,8 @@ class KVCacheManager:
         # a little before anyone has to be preempted.
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 and num_blocks > 1 else 0
         self._tables: dict[str, list[KVBlock]] = {}
+        # Cache breakpoints with a TTL (kv/pins.py): evicted last, within a share of the pool.
+        self.pins = PinTable(self.pool, int(max_pinned_fraction * num_blocks), clock)
 
     @property
     def num_blocks(self) -> int:
@@ -208,6 +212,7 @@ class KVCacheManager:
         if max(needed, 0) + claimed > self.num_free_blocks - reserve:
             return False
         if shared:
+            self.pins.refresh_hit(shared)  # a hit on a pinned prefix renews its TTL
             self.pool.touch(shared)
             for block in shared:
                 block.from_tier = False  # counted as the tier's once, for this request
@@ -238,6 +243,23 @@ class KVCacheManager:
                 self._newly_cached.append((table[index].block_id, BlockKey(hashes[index], parent, chunk)))
         self._num_cached[request_id] = end
 
+    def pin(self, block_hashes: BlockHashChain, num_tokens: int, ttl_s: float) -> int:
+        """Pin the cached whole blocks of the first `num_tokens` tokens of a chain for `ttl_s` seconds
+        (or renew that pin); returns the blocks pinned. Without prefix caching there is nothing to pin."""
+        if not self.enable_caching:
+            return 0
+        return self.pins.pin(block_hashes.hashes[: num_tokens // self.block_size], ttl_s)
+
+    def record_cache_write(self, num_tokens: int) -> None:
+        """Count tokens a request wrote to the cache at a breakpoint (reported with the pins)."""
+        self.pins.cache_write_tokens += num_tokens
+
+    def expire_pins(self) -> int:
+        return self.pins.expire()
+
+    def pin_stats(self) -> PinStats:
+        return self.pins.stats()
+
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._tables.get(request_id, ())]
 
@@ -261,6 +283,7 @@ class KVCacheManager:
         """free + used == total; every held block's ref_cnt equals the number of tables holding it.
         Raises KVIntegrityError otherwise."""
         self.pool.check_integrity()
+        self.pins.check_integrity()
         holders = Counter(block.block_id for table in self._tables.values() for block in table)
         for block in self.pool.blocks:
             held_by = holders.get(block.block_id, 0)

@@ -29,6 +29,7 @@ from kvserve.server.errors import (
 from kvserve.server.metrics import ServerMetrics, log_request
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.serving import ServerSettings, Serving
+from kvserve.server.session_routes import install_session_routes
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request, key: str = Depends(api_key)):
         return await chat_serving.create(body, request, key)
 
+    install_session_routes(app, serving, api_key)
+
     @app.get("/v1/kv_cache", responses=error_responses(401))
     async def kv_cache(_: str = Depends(api_key)) -> dict:
         """The pool right now, and a full block-accounting check (run between steps)."""
@@ -132,6 +135,7 @@ class _RefuseWhileDraining:
 
 def _kv_cache_report(engine: Engine) -> dict:
     """Run between steps: the snapshot is then the pool as it is now."""
+    engine.expire_pins()  # an idle engine runs no step that would sweep them
     stats = engine.stats()
     try:
         engine.check_integrity()
@@ -147,6 +151,7 @@ def _kv_cache_report(engine: Engine) -> dict:
         "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits,
         "num_preemptions": stats.num_preemptions, "integrity": integrity,
         "tier": dataclasses.asdict(stats.tier) if stats.tier is not None else None,
+        "pins": dataclasses.asdict(stats.pins) if stats.pins is not None else None,
     }
 
 

@@ -62,6 +62,21 @@ class _EngineCollector:
                       stats.prefix_cache_hits)
         yield counter("kvserve:num_preemptions", "Requests preempted to free KV blocks.",
                       stats.num_preemptions)
+        pins = stats.pins
+        if pins is not None:
+            yield gauge("kvserve:kv_pins", "Live pinned prefixes (cache breakpoints with a TTL).", pins.num_pins)
+            yield gauge("kvserve:kv_pinned_blocks", "KV-cache blocks covered by pins (evicted last).",
+                        pins.num_pinned_blocks)
+            yield gauge("kvserve:kv_pinned_blocks_max", "Most blocks pins may hold (--max-pinned-fraction).",
+                        pins.max_pinned_blocks)
+            yield counter("kvserve:kv_pins_created", "Pins created.", pins.pins_created)
+            yield counter("kvserve:kv_pins_refreshed", "Pins renewed by a breakpoint or a prefix hit.",
+                          pins.pins_refreshed)
+            yield counter("kvserve:kv_pins_expired", "Pins whose TTL ran out.", pins.pins_expired)
+            yield counter("kvserve:kv_pins_lapsed", "Pins dropped early: over the cap, or their blocks were "
+                                                    "needed by a request.", pins.pins_lapsed)
+            yield counter("kvserve:cache_write_tokens", "Prompt tokens written to the cache at breakpoints.",
+                          pins.cache_write_tokens)
         tier = stats.tier
         if tier is None:
             return

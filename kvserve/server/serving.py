@@ -49,6 +49,9 @@ class ServerSettings:
     max_waiting_requests: int = 256  # past this, new requests get 429 at once
     log_prompts: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413
+    # Stored responses (/v1/responses with store=true), in memory: least recently used go past either bound.
+    responses_store_max_count: int = 10_000
+    responses_store_max_bytes: int = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -170,11 +173,14 @@ class Serving:
             jobs.append(Job(first_index + choice, prompt_index, token_ids, choice_params, prompt_text))
         return jobs
 
+    def context_limit(self) -> int:
+        """Most tokens (prompt + output) one request can hold: the context, or the whole KV pool if smaller."""
+        stats = self.engine.stats()
+        return min(self.engine.max_model_len, stats.num_blocks * stats.block_size)
+
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         """Room left in the context (and in the whole KV pool), as vLLM defaults max_tokens."""
-        stats = self.engine.stats()
-        limit = min(self.engine.max_model_len, stats.num_blocks * stats.block_size)
-        return max(limit - num_prompt_tokens, 1)
+        return max(self.context_limit() - num_prompt_tokens, 1)
 
     # --- answering (event loop) ------------------------------------------------
 

@@ -20,7 +20,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
@@ -29,6 +29,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.output import RequestDelta, RequestOutput, RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import KVServeError
+from kvserve.kv.pins import PinRequest
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class Job:
     token_ids: list[int]
     params: SamplingParams
     prompt_text: str = ""
+    pins: tuple[PinRequest, ...] = field(default=())  # cache breakpoints in the prompt (kv/pins.py)
 
 
 class OutputFormat(abc.ABC):
@@ -103,7 +105,7 @@ class Fanout:
         self.request_ids = [f"{request_id}-{job.index}" for job in jobs]
         self._finished: set[str] = set()
         self._queue: asyncio.Queue = asyncio.Queue()
-        streams = [async_engine.generate(job.token_ids, job.params, rid, salt)
+        streams = [async_engine.generate(job.token_ids, job.params, rid, salt, job.pins)
                    for job, rid in zip(jobs, self.request_ids)]
         self._tasks = [asyncio.create_task(self._pump(job.index, stream)) for job, stream in zip(jobs, streams)]
 

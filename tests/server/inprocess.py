@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from fastapi.testclient import TestClient
@@ -45,13 +45,16 @@ def with_tiny_tokenizer(loaded: LoadedModel) -> LoadedModel:
 
 @contextlib.contextmanager
 def serve_in_process(loaded: LoadedModel, kv_cache_memory: str = "4MiB", kv_disk_path: str | None = None,
+                     clock: Callable[[], float] | None = None, engine_options: dict | None = None,
                      **settings) -> Iterator[TestClient]:
-    """A TestClient on a fresh engine for `loaded`; `settings` override ServerSettings' defaults.
+    """A TestClient on a fresh engine for `loaded`; `settings` override ServerSettings' defaults,
+    `engine_options` EngineConfig's; `clock` times pin TTLs.
 
     Steps run on the compute thread with one torch thread: these models gain nothing from a second
     OpenMP thread, and on a busy machine its spin-waits made a tiny model's step ~30x slower.
     """
-    engine = Engine(EngineConfig(kv_cache_memory=kv_cache_memory, kv_disk_path=kv_disk_path), loaded=loaded)
+    config = EngineConfig(kv_cache_memory=kv_cache_memory, kv_disk_path=kv_disk_path, **(engine_options or {}))
+    engine = Engine(config, loaded=loaded, clock=clock)
     app = create_app(engine, ServerSettings(model_name="tiny", **settings))
     threads = run_on_compute_thread(torch.get_num_threads)
     run_on_compute_thread(torch.set_num_threads, 1)

@@ -1,0 +1,111 @@
+"""Anthropic Messages API request bodies (`POST /v1/messages`) and their SamplingParams.
+
+Text blocks only; `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}`
+on system and message blocks marks breakpoints (at most 4, as Anthropic).
+Images, documents, tools and extended thinking are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic_core import PydanticCustomError
+
+from kvserve.engine.sampling import SamplingParams
+from kvserve.errors import InvalidRequestError
+from kvserve.kv.pins import TTL_SECONDS
+from kvserve.server.protocol import Number, Text, _bounded
+
+MAX_BREAKPOINTS = 4  # as Anthropic
+
+
+class CacheControl(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+    @property
+    def ttl_s(self) -> float:
+        return TTL_SECONDS[self.ttl]
+
+
+class TextBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Text = Field(json_schema_extra={"enum": ["text"]})
+    text: Text | None = None
+    cache_control: CacheControl | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "TextBlock":
+        if self.type != "text":
+            raise PydanticCustomError("unsupported_content", "{block_type} content blocks are not supported "
+                                      "(text only)", {"block_type": self.type})
+        if self.text is None:
+            raise PydanticCustomError("missing_text", "a text block needs `text`")
+        return self
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["user", "assistant"]
+    content: Text | list[TextBlock]
+
+    def blocks(self) -> list[TextBlock]:
+        return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text
+    max_tokens: StrictInt = _bounded(minimum=1)
+    messages: list[Message] = Field(min_length=1)
+    system: Text | list[TextBlock] | None = None
+    stop_sequences: list[Text] | None = None
+    temperature: Number | None = _bounded(minimum=0, maximum=1)
+    top_p: Number | None = _bounded(exclusiveMinimum=0, maximum=1)
+    top_k: StrictInt | None = _bounded(minimum=0)
+    stream: StrictBool = False
+    metadata: dict[str, Any] | None = None
+    ignore_eos: StrictBool = False  # vLLM's extra, as on the other endpoints (benchmarks)
+    # Refused: the model cannot serve them.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    thinking: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if self.tools:
+            raise InvalidRequestError("tools are not supported by this server (text generation only)", param="tools")
+        if self.tool_choice is not None:
+            raise InvalidRequestError("tool_choice is not supported (no tools)", param="tool_choice")
+        if self.thinking is not None and self.thinking.get("type") != "disabled":
+            raise InvalidRequestError("extended thinking is not supported by this model", param="thinking")
+        if self.messages[-1].role == "assistant":
+            raise InvalidRequestError("a last assistant message (prefilling the answer) is not supported; end with "
+                                      "a user message", param="messages")
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
+        breakpoints = sum(block.cache_control is not None for block in self.system_blocks()) + sum(
+            block.cache_control is not None for m in self.messages for block in m.blocks())
+        if breakpoints > MAX_BREAKPOINTS:
+            raise InvalidRequestError(f"{breakpoints} blocks have cache_control; at most {MAX_BREAKPOINTS} "
+                                      f"breakpoints are allowed", param="cache_control")
+
+    def system_blocks(self) -> list[TextBlock]:
+        if self.system is None:
+            return []
+        return [TextBlock(type="text", text=self.system)] if isinstance(self.system, str) else self.system
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        values: dict[str, Any] = dict(max_tokens=max_tokens, stop=self.stop_sequences or [], ignore_eos=self.ignore_eos)
+        if self.temperature is not None:
+            values["temperature"] = self.temperature
+        if self.top_p is not None:
+            values["top_p"] = self.top_p
+        if self.top_k:  # Anthropic's 0 means "not set"
+            values["top_k"] = self.top_k
+        return SamplingParams(**values)

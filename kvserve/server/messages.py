@@ -1,0 +1,176 @@
+"""/v1/messages: Anthropic's Messages API, with cache_control breakpoints that really pin the prefix.
+
+A breakpoint ends at a text block; its position in tokens is found by
+rendering the conversation with a marker after each such block, then taking
+the tokens the text up to the marker shares with the whole prompt (a token
+that straddles the boundary is not part of the prefix). The engine pins the
+whole blocks up to each breakpoint for its TTL once the prompt is computed
+(kv/pins.py). Usage is the cache's own accounting: `cache_read_input_tokens`
+are the prompt tokens served from the prefix cache, `cache_creation_input_tokens`
+the tokens this request wrote to the cache up to its last breakpoint
+(kv/pins.cache_write_tokens), `input_tokens` the rest.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+
+import jinja2
+
+from fastapi import Request as HTTPRequest
+
+from kvserve.engine.output import RequestDelta, RequestOutput
+from kvserve.errors import InvalidRequestError, KVServeError
+from kvserve.kv.pins import PinRequest, cache_write_tokens
+from kvserve.server.anthropic_protocol import MessagesRequest
+from kvserve.server.serving import Serving
+from kvserve.server.streaming import Job, OutputFormat, sse_event
+
+_MARKER = "\x00kvserve-breakpoint\x00"
+
+
+class MessagesServing:
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+
+    async def create(self, body: MessagesRequest, http: HTTPRequest, api_key: str):
+        serving = self.serving
+        serving.check_model(body.model)
+        body.check()
+        job = await serving.off_loop(self._job, body)
+        return await serving.respond(MessagesFormat(serving, body, job), [job], http, api_key, None, body.stream)
+
+    def _job(self, body: MessagesRequest) -> Job:
+        """(worker) Render with breakpoint markers, tokenize, place the breakpoints, validate."""
+        serving = self.serving
+        tokenizer = serving.require_tokenizer()
+        ttls: list[float] = []
+
+        def text_of(blocks) -> str:
+            pieces = []
+            for block in blocks:
+                pieces.append(block.text)
+                if block.cache_control is not None:
+                    pieces.append(_MARKER)
+                    ttls.append(block.cache_control.ttl_s)
+            return "".join(pieces)
+
+        system = body.system_blocks()
+        messages = ([{"role": "system", "content": text_of(system)}] if system else []) + [
+            {"role": m.role, "content": text_of(m.blocks())} for m in body.messages]
+        serving.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        if any(_MARKER in block.text for block in system) or any(
+                _MARKER in block.text for m in body.messages for block in m.blocks()):
+            raise InvalidRequestError("message text contains a reserved control sequence", param="messages")
+        try:
+            marked = tokenizer.apply_chat_template(messages, True)
+        except jinja2.TemplateError as exc:  # e.g. a template that requires alternating roles
+            raise InvalidRequestError(f"the model's chat template refused these messages: {exc}",
+                                      param="messages") from None
+        pieces = marked.split(_MARKER)
+        text = "".join(pieces)
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        pins, end = [], 0
+        for piece, ttl in zip(pieces[:-1], ttls):
+            end += len(piece)
+            prefix = tokenizer.encode(text[:end], add_special_tokens=False)
+            common = 0
+            while common < len(prefix) and common < len(token_ids) and prefix[common] == token_ids[common]:
+                common += 1
+            if common:
+                pins.append(PinRequest(common, ttl))
+        job = serving.jobs(0, token_ids, body.sampling_params(body.max_tokens), 1, 0)[0]
+        job.pins = tuple(pins)
+        return job
+
+
+class MessagesFormat(OutputFormat):
+    """Anthropic's Message object, and its stream (message_start ... message_stop)."""
+
+    def __init__(self, serving: Serving, body: MessagesRequest, job: Job) -> None:
+        self.serving = serving
+        self.body = body
+        self.job = job
+        self.request_id = f"msg_{uuid.uuid4().hex}"
+        self._started = False
+        self._num_output_tokens = 0
+
+    def _usage(self, num_cached_tokens: int, num_output_tokens: int) -> dict:
+        engine = self.serving.engine
+        breakpoint = max((pin.num_tokens for pin in self.job.pins), default=0)
+        written = cache_write_tokens(breakpoint, num_cached_tokens, engine.config.block_size) \
+            if engine.prefix_caching and breakpoint else 0
+        ttl = max((pin for pin in self.job.pins if pin.num_tokens == breakpoint), key=lambda p: p.ttl_s,
+                  default=None)
+        long_lived = ttl is not None and ttl.ttl_s > 300
+        return {
+            "input_tokens": len(self.job.token_ids) - num_cached_tokens - written,
+            "cache_creation_input_tokens": written, "cache_read_input_tokens": num_cached_tokens,
+            "cache_creation": {"ephemeral_5m_input_tokens": 0 if long_lived else written,
+                               "ephemeral_1h_input_tokens": written if long_lived else 0},
+            "output_tokens": num_output_tokens, "service_tier": "standard",
+        }
+
+    def _stop(self, output: RequestOutput) -> tuple[str, str | None]:
+        completion = output.outputs[0]
+        if completion.finish_reason == "length":
+            return "max_tokens", None
+        tokenizer = self.serving.tokenizer
+        if completion.finish_reason == "stop" and completion.token_ids and tokenizer is not None and \
+                completion.token_ids[-1] not in tokenizer.stop_token_ids:
+            whole = tokenizer.decode(completion.token_ids)  # the text before the stop sequence cut it
+            for sequence in self.body.stop_sequences or []:
+                if whole.startswith(sequence, len(completion.text)) or sequence in whole[len(completion.text):]:
+                    return "stop_sequence", sequence
+        return "end_turn", None
+
+    def _message(self, content: list[dict], stop: tuple[str | None, str | None], usage: dict) -> dict:
+        return {"id": self.request_id, "type": "message", "role": "assistant", "model": self.body.model,
+                "content": content, "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+
+    def response(self, jobs: list[Job], finals: dict[int, RequestOutput]) -> dict:
+        final = finals.get(0)
+        if final is None:  # the client left; nobody reads this
+            return self._message([], (None, None), self._usage(0, 0))
+        completion = final.outputs[0]
+        return self._message([{"type": "text", "text": completion.text}], self._stop(final),
+                             self._usage(final.num_cached_tokens, len(completion.token_ids)))
+
+    # --- streaming -------------------------------------------------------------
+
+    @staticmethod
+    def _event(event_type: str, **fields) -> str:
+        return sse_event({"type": event_type, **fields}, event=event_type)
+
+    def _start(self, num_cached_tokens: int) -> list[str]:
+        """message_start waits for the first delta: only then are the cache numbers known."""
+        self._started = True
+        return [self._event("message_start", message=self._message([], (None, None),
+                                                                    self._usage(num_cached_tokens, 0))),
+                self._event("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+                self._event("ping")]
+
+    def output_events(self, job: Job, delta: RequestDelta) -> Iterable[str]:
+        events = [] if self._started else self._start(delta.num_cached_tokens)
+        if delta.new_text:
+            events.append(self._event("content_block_delta", index=0,
+                                      delta={"type": "text_delta", "text": delta.new_text}))
+        return events
+
+    def closing_events(self, jobs: list[Job], finals: dict[int, RequestOutput], error: KVServeError | None
+                       ) -> Iterable[str]:
+        final = finals.get(0)
+        if error is not None or final is None:
+            kind = "invalid_request_error" if isinstance(error, InvalidRequestError) else "api_error"
+            yield self._event("error", error={"type": kind,
+                                              "message": str(error or "the request ended without an answer")})
+            return
+        if not self._started:
+            yield from self._start(final.num_cached_tokens)
+        usage = self._usage(final.num_cached_tokens, len(final.outputs[0].token_ids))
+        stop_reason, stop_sequence = self._stop(final)
+        yield self._event("content_block_stop", index=0)
+        yield self._event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                          usage=usage)
+        yield self._event("message_stop")
