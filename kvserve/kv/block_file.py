@@ -10,18 +10,21 @@ execute code). Little-endian:
     num_tokens    u32
     payload_len   u64
     token_ids     num_tokens x i64
-    checksum     16 bytes   BLAKE2b-128 of everything above and the payload
+    checksum      u32       CRC-32 of everything above and the payload
     payload       payload_len bytes: the block's K/V, every layer
 
 The header is enough to index a file at startup (key, size); the checksum is
 verified whenever the payload is read, so a truncated or corrupted file is
-caught before any of it reaches the pool.
+caught before any of it reaches the pool. It guards against damage, not
+forgery (the directory is owner-only, and what a block stands for is its key,
+compared in full): CRC-32 catches every burst of up to 32 flipped bits and
+reads a 720 KiB block in 0.11 ms, where BLAKE2b took 0.61 ms, most of a load.
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
+import zlib
 from array import array
 from dataclasses import dataclass
 
@@ -30,7 +33,7 @@ from kvserve.kv.tier import BlockKey
 MAGIC = b"KVSBLK01"
 SUFFIX = ".kvblock"
 _FIXED = struct.Struct("<8s16s16s16sIQ")
-_CHECKSUM_SIZE = 16
+_CHECKSUM = struct.Struct("<I")
 _MAX_TOKENS = 1 << 16  # a block size above this is not a block: reject before allocating
 
 
@@ -57,13 +60,16 @@ def _token_bytes(token_ids: tuple[int, ...]) -> bytes:
     return encoded.tobytes()
 
 
-def encode(fingerprint: bytes, key: BlockKey, payload: bytes) -> bytes:
-    """A whole block file."""
+def encode_header(fingerprint: bytes, key: BlockKey, payload: bytes | memoryview) -> bytes:
+    """Everything before the payload (the checksum covers the payload too): a file is this, then the payload."""
     head = _FIXED.pack(MAGIC, fingerprint, key.block_hash, key.parent_hash, len(key.token_ids), len(payload))
     head += _token_bytes(key.token_ids)
-    checksum = hashlib.blake2b(head, digest_size=_CHECKSUM_SIZE)
-    checksum.update(payload)
-    return head + checksum.digest() + payload
+    return head + _CHECKSUM.pack(zlib.crc32(payload, zlib.crc32(head)))
+
+
+def encode(fingerprint: bytes, key: BlockKey, payload: bytes | memoryview) -> bytes:
+    """A whole block file."""
+    return encode_header(fingerprint, key, payload) + payload
 
 
 def read_header(data: bytes) -> BlockFileHeader:
@@ -76,19 +82,19 @@ def read_header(data: bytes) -> BlockFileHeader:
     if num_tokens > _MAX_TOKENS:
         raise BlockFileError(f"header claims {num_tokens} tokens")
     tokens_end = _FIXED.size + 8 * num_tokens
-    if len(data) < tokens_end + _CHECKSUM_SIZE:
+    if len(data) < tokens_end + _CHECKSUM.size:
         raise BlockFileError("truncated inside the header")
     tokens = array("q")
     tokens.frombytes(data[_FIXED.size : tokens_end])
     if array("q", [1]).tobytes()[0] != 1:
         tokens.byteswap()
     key = BlockKey(block_hash, parent_hash, tuple(tokens))
-    return BlockFileHeader(fingerprint, key, payload_len, tokens_end + _CHECKSUM_SIZE)
+    return BlockFileHeader(fingerprint, key, payload_len, tokens_end + _CHECKSUM.size)
 
 
-def decode(data: bytes, fingerprint: bytes, key: BlockKey, payload_len: int) -> bytes:
-    """The payload of a whole block file, after checking that it is exactly what `key` names under
-    `fingerprint`, complete, and intact. Raises BlockFileError otherwise."""
+def decode(data: bytes, fingerprint: bytes, key: BlockKey, payload_len: int) -> memoryview:
+    """The payload of a whole block file (a view of `data`, not a copy), after checking that it is exactly
+    what `key` names under `fingerprint`, complete, and intact. Raises BlockFileError otherwise."""
     header = read_header(data)
     if header.fingerprint != fingerprint:
         raise BlockFileError("written by another model or cache configuration (fingerprint differs)")
@@ -98,14 +104,14 @@ def decode(data: bytes, fingerprint: bytes, key: BlockKey, payload_len: int) -> 
         raise BlockFileError(f"payload of {header.payload_len} bytes, expected {payload_len}")
     if len(data) != header.file_len:
         raise BlockFileError(f"{len(data)} bytes, expected {header.file_len} (truncated or padded)")
-    checksum = hashlib.blake2b(data[: header.header_len - _CHECKSUM_SIZE], digest_size=_CHECKSUM_SIZE)
-    payload = memoryview(data)[header.header_len :]
-    checksum.update(payload)
-    if checksum.digest() != data[header.header_len - _CHECKSUM_SIZE : header.header_len]:
+    view = memoryview(data)
+    checksum_at = header.header_len - _CHECKSUM.size
+    payload = view[header.header_len :]
+    if zlib.crc32(payload, zlib.crc32(view[:checksum_at])) != _CHECKSUM.unpack_from(data, checksum_at)[0]:
         raise BlockFileError("checksum mismatch (corrupted)")
-    return bytes(payload)
+    return payload
 
 
 def header_bytes_needed(num_tokens: int) -> int:
     """How many leading bytes of a file hold the header of a block of `num_tokens` tokens."""
-    return _FIXED.size + 8 * num_tokens + _CHECKSUM_SIZE
+    return _FIXED.size + 8 * num_tokens + _CHECKSUM.size

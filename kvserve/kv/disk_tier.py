@@ -32,7 +32,7 @@ from typing import Sequence
 from kvserve.errors import KVIntegrityError
 from kvserve.kv import block_file
 from kvserve.kv.hashing import BlockHash, hash_block
-from kvserve.kv.tier import LOAD_SECONDS_BUCKETS, BlockKey, KVTier, TierStats
+from kvserve.kv.tier import LOAD_SECONDS_BUCKETS, BlockKey, KVTier, Payload, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class DiskTier(KVTier):
         self._index: OrderedDict[BlockHash, _Entry] = OrderedDict()  # least recently used first
         self._bytes_used = 0
         self._foreign: list[tuple[float, str, int]] = []  # (mtime, path, size) of other fingerprints' files, oldest first
-        self._pending: dict[BlockHash, tuple[BlockKey, bytes]] = {}  # queued for the writer
+        self._pending: dict[BlockHash, tuple[BlockKey, Payload]] = {}  # queued for the writer
         self._pending_bytes = 0
         self._counters = _Counters()
         self._load_buckets = [0] * len(LOAD_SECONDS_BUCKETS)
@@ -179,9 +179,9 @@ class DiskTier(KVTier):
                 held += 1
             return held
 
-    def load(self, keys: Sequence[BlockKey]) -> list[bytes]:
+    def load(self, keys: Sequence[BlockKey]) -> list[Payload]:
         started = time.perf_counter()
-        payloads: list[bytes] = []
+        payloads: list[Payload] = []
         for key in keys:
             payload = self._read(key)
             if payload is None:
@@ -198,7 +198,7 @@ class DiskTier(KVTier):
                 self._load_buckets[slot] += 1
         return payloads
 
-    def _read(self, key: BlockKey) -> bytes | None:
+    def _read(self, key: BlockKey) -> Payload | None:
         path = self._path(key.block_hash)
         try:
             data = path.read_bytes()
@@ -224,7 +224,7 @@ class DiskTier(KVTier):
             pass
         return payload
 
-    def store(self, entries: Sequence[tuple[BlockKey, bytes]]) -> None:
+    def store(self, entries: Sequence[tuple[BlockKey, Payload]]) -> None:
         with self._lock:
             for key, payload in entries:
                 if not self.enabled or self._pending_bytes + len(payload) > self.max_pending_bytes:
@@ -325,15 +325,16 @@ class DiskTier(KVTier):
             finally:
                 self._queue.task_done()
 
-    def _write(self, key: BlockKey, payload: bytes) -> None:
-        data = block_file.encode(self.fingerprint, key, payload)
+    def _write(self, key: BlockKey, payload: Payload) -> None:
+        header = block_file.encode_header(self.fingerprint, key, payload)
         path = self._path(key.block_hash)
         temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
         try:
             path.parent.mkdir(mode=0o700, exist_ok=True)
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as file:
-                file.write(data)
+                file.write(header)
+                file.write(payload)  # not concatenated first: one copy less of 720 KiB
             os.replace(temporary, path)
         except OSError as exc:
             _unlink(temporary)
@@ -341,11 +342,12 @@ class DiskTier(KVTier):
             with self._lock:
                 self._counters.writes_dropped += 1
             return
+        size = len(header) + len(payload)
         with self._lock:
-            self._index[key.block_hash] = _Entry(key, len(data))
-            self._bytes_used += len(data)
+            self._index[key.block_hash] = _Entry(key, size)
+            self._bytes_used += size
             self._counters.blocks_written += 1
-            self._counters.bytes_written += len(data)
+            self._counters.bytes_written += size
             self._evict_to_capacity()
 
     # -- helpers ---------------------------------------------------------------------------------

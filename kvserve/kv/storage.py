@@ -21,8 +21,9 @@ the layout, so the backend computes the slots it writes to.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvserve.kv.quant import PARAM_DTYPE, KVCodec
@@ -127,14 +128,15 @@ class PagedKVCache:
         """Bytes of one block across every layer, K and V, data and parameters."""
         return sum(t[0].numel() * t.element_size() for t in self._tensors())
 
-    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
-        """Each block's bytes in every tensor of the pool (a copy: the blocks may be reused after)."""
+    def read_blocks(self, block_ids: list[int]) -> list[memoryview]:
+        """Each block's bytes in every tensor of the pool: views of one copy (the blocks may be reused
+        after), in `block_layout` order."""
         ids = torch.tensor(block_ids, dtype=torch.long)
         parts = [t.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8) for t in self._tensors()]
         rows = torch.cat(parts, dim=1).numpy()
-        return [row.tobytes() for row in rows]
+        return [memoryview(row) for row in rows]
 
-    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+    def write_blocks(self, block_ids: list[int], payloads: Sequence[bytes | memoryview]) -> None:
         """Put `read_blocks`' bytes back into blocks `block_ids` (their rows become those K/V)."""
         if not block_ids:
             return
@@ -143,12 +145,19 @@ class PagedKVCache:
         # Zero-initialisation must never run over these blocks later and wipe what is loaded here.
         self.initialize_blocks_through(max(block_ids))
         ids = torch.tensor(block_ids, dtype=torch.long)
-        rows = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(block_ids), -1)
+        rows = np.empty((len(block_ids), self.block_nbytes), dtype=np.uint8)
+        for row, payload in zip(rows, payloads):
+            row[:] = np.frombuffer(payload, dtype=np.uint8)
+        rows = torch.from_numpy(rows)
         offset = 0
         for tensor in self._tensors():
             width = tensor[0].numel() * tensor.element_size()
-            chunk = rows[:, offset : offset + width].contiguous().view(tensor.dtype)
-            tensor.index_copy_(0, ids, chunk.view(len(block_ids), *tensor.shape[1:]))
+            band = rows[:, offset : offset + width]
+            # A band of whole elements views as the tensor's dtype in place when its offset and the row
+            # pitch are multiples of the element size; otherwise it is copied first.
+            aligned = offset % tensor.element_size() == 0 and self.block_nbytes % tensor.element_size() == 0
+            band = (band if aligned else band.contiguous()).view(tensor.dtype)
+            tensor.index_copy_(0, ids, band.view(len(block_ids), *tensor.shape[1:]))
             offset += width
 
     @property

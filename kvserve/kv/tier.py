@@ -22,6 +22,8 @@ from typing import Sequence
 
 from kvserve.kv.hashing import BlockHash
 
+Payload = bytes | memoryview  # one block's K/V bytes, every layer (a view avoids copying 100s of KiB)
+
 # Upper bounds (seconds) of the load-time histogram: one load is one request's run of blocks.
 LOAD_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -75,12 +77,12 @@ class KVTier(abc.ABC):
         """How many of `keys`, from the first, the tier holds (the longest run of consecutive blocks)."""
 
     @abc.abstractmethod
-    def load(self, keys: Sequence[BlockKey]) -> list[bytes]:
+    def load(self, keys: Sequence[BlockKey]) -> list[Payload]:
         """The payloads of `keys`, in order, stopping at the first that is missing or fails its check
         (that one is dropped from the tier). Never raises for a bad entry: a shorter list is a miss."""
 
     @abc.abstractmethod
-    def store(self, entries: Sequence[tuple[BlockKey, bytes]]) -> None:
+    def store(self, entries: Sequence[tuple[BlockKey, Payload]]) -> None:
         """Keep these blocks (written in the background: returns at once; may drop them if behind)."""
 
     @abc.abstractmethod
