@@ -49,6 +49,7 @@ class ServerSettings:
     max_waiting_requests: int = 256  # past this, new requests get 429 at once
     log_prompts: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413
+    admin_key: str | None = None  # opens the lab (/lab), which shows every tenant's activity
 
 
 @dataclass(frozen=True)
