@@ -120,6 +120,7 @@ function setRequests(snapshot) {
 }
 
 function recordHistory(snapshot) {
+  snapshot.received = performance.now() / 1000;
   const h = state.history;
   h.push(snapshot);
   if (h.length > HISTORY) h.shift();
@@ -127,9 +128,10 @@ function recordHistory(snapshot) {
   const usage = h.map((s) => s.pool.used / s.pool.num_blocks);
   const hits = h.map((s) => (s.counters.prefix_cache_queries ? s.counters.prefix_cache_hits / s.counters.prefix_cache_queries : null));
   const preemptions = h.map((s) => s.counters.preemptions);
-  // tokens/s over the last ~2 s, so one step's burst does not dominate
+  // tokens/s over the last ~2 s, so one step's burst does not dominate; by the time each snapshot
+  // arrived, since an idle engine takes no new snapshot (its `t` stands still while the rate is 0)
   const tps = h.map((s, i) => {
-    const j = Math.max(0, i - 8), dt = s.t - h[j].t;
+    const j = Math.max(0, i - 8), dt = s.received - h[j].received;
     return dt > 0 ? (s.counters.generated_tokens - h[j].counters.generated_tokens) / dt : null;
   });
   lab.lineChart(lab.el("chart-usage"), [{ values: usage.map((x) => 100 * x), color: COLORS.used }], { floor: 100, points: HISTORY });
