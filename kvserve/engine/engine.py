@@ -292,7 +292,8 @@ class Engine:
                 ours = request.prompt_token_ids[div.position : div.position + 8]
                 theirs = list(div.cached_token_ids[div.position - div.block_start :][:8])
                 report.common_text = tokenizer.decode(context)
-                report.prompt_continuation, report.cached_continuation = tokenizer.decode(ours), tokenizer.decode(theirs)
+                report.prompt_continuation = tokenizer.decode(ours)
+                report.cached_continuation = tokenizer.decode(theirs)
                 report.prompt_snippet = f"{report.common_text}[{report.prompt_continuation}]"
                 report.cached_snippet = f"{report.common_text}[{report.cached_continuation}]"
         return report

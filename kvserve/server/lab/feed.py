@@ -83,10 +83,11 @@ async def fresh_snapshot(async_engine: AsyncEngine) -> EngineStats:
 
 
 async def feed_events(async_engine: AsyncEngine, settings: FeedSettings) -> AsyncIterator[str]:
-    """SSE events until the client goes away (the response task is then cancelled)."""
+    """SSE events until the client goes away (the response task is then cancelled) or the server begins
+    to shut down: an open page must not hold a graceful shutdown up for its whole timeout."""
     engine = async_engine.engine
     last_view: BlockView | None = None
-    while True:
+    while not async_engine.draining:
         await async_engine.call(engine.request_block_view)
         stats = engine.stats()
         payload = snapshot_json(stats, include_blocks=stats.blocks is not last_view)

@@ -45,8 +45,7 @@ class RecentRequests:
         self._recent.append(RecentRequest(delta.request_id, time.time(), m.num_prompt_tokens, m.num_output_tokens,
                                           delta.finish_reason, m.ttft, m.tpot, delta.prefix_cache, prompt))
 
-    def list(self) -> list[RecentRequest]:
-        """Newest first."""
+    def newest_first(self) -> list[RecentRequest]:
         return list(reversed(self._recent))
 
     def get(self, request_id: str) -> RecentRequest | None:

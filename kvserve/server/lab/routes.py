@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -109,7 +110,7 @@ def lab_router(async_engine: AsyncEngine, serving: Serving, access: LabAccess, r
             "id": r.request_id, "finished_at": r.finished_at, "prompt_tokens": r.num_prompt_tokens,
             "cached_tokens": r.report.num_cached_tokens, "output_tokens": r.num_output_tokens,
             "finish_reason": r.finish_reason, "ttft": r.ttft, "tpot": r.tpot, "reason": r.report.reason,
-            "divergence_position": r.report.divergence_position} for r in recent.list()]}
+            "divergence_position": r.report.divergence_position} for r in recent.newest_first()]}
 
     @api.post("/explain")
     async def explain(body: ExplainBody) -> dict:
@@ -150,6 +151,6 @@ def _tenant_key(serving: Serving, tenant: int | None) -> str:
     return keys[tenant - 1]
 
 
-async def _sse(events) -> object:
+async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
     async for event in events:
         yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"

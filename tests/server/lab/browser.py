@@ -92,7 +92,8 @@ class Browser:
 
     def set_input(self, element_id: str, value) -> None:
         """What dragging a slider or choosing an option does: a new value, then an 'input' event."""
-        self.evaluate(f"(() => {{ const e = document.getElementById({element_id!r}); e.value = {json.dumps(str(value))};"
+        self.evaluate(f"(() => {{ const e = document.getElementById({element_id!r});"
+                      f" e.value = {json.dumps(str(value))};"
                       f" e.dispatchEvent(new Event('input', {{bubbles: true}})); }})()")
 
     def mouse_move(self, x: float, y: float) -> None:

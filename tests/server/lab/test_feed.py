@@ -36,3 +36,12 @@ def test_feed_sends_snapshots_and_the_block_view_only_when_it_changed(lab_app):
     assert first["blocks"] is not None and first["blocks"]["step"] == first["step"]  # idle: built at once
     assert second["blocks"] is None and third["blocks"] is None  # idle: nothing new to send
     assert first["pool"]["num_blocks"] == len(first["blocks"]["ref"]) and first["running"] == []
+
+
+def test_feed_ends_when_the_server_starts_shutting_down(tiny_models):
+    from tests.server.inprocess import serve_in_process, with_tiny_tokenizer
+
+    with serve_in_process(with_tiny_tokenizer(tiny_models("llama-gqa"))) as client:
+        client.app.state.async_engine.draining = True  # what the first SIGTERM does (AsyncEngine.drain)
+        with client.stream("GET", "/lab/api/feed") as response:
+            assert response.status_code == 200 and list(response.iter_lines()) == []  # ends by itself

@@ -70,6 +70,7 @@ function onEvent(e) {
   }
 }
 
+lab.el("examples").addEventListener("input", () => (lab.el("prompt").value = lab.el("examples").value));
 lab.el("max-tokens").addEventListener("input", () => lab.text("max-tokens-label", lab.el("max-tokens").value));
 lab.text("max-tokens-label", lab.el("max-tokens").value);
 
