@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvserve.server.lab.access import LabAccess
 from kvserve.server.errors import APIError
+from kvserve.server.lab.access import LabAccess
 from tests.server.inprocess import serve_in_process, with_tiny_tokenizer
 
 DATA_ROUTES = ["/lab/api/info", "/lab/api/snapshot", "/lab/api/models", "/lab/api/recent",
