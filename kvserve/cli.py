@@ -125,6 +125,10 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", action="append", default=[],
                        help="require this key as 'Authorization: Bearer KEY' (repeatable: one key per tenant; "
                             "tenants never share prefix-cache blocks). Also read from KVSERVE_API_KEY")
+    serve.add_argument("--admin-key", default=None,
+                       help="key that opens the lab (/lab: live block map, request table, prompt explanations); "
+                            "needed once --api-key is set, since the lab shows every tenant's activity. "
+                            "Also read from KVSERVE_ADMIN_KEY")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: from the file name)")
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="requests allowed to wait for a batch slot; beyond that new ones get 429 (default 256)")
@@ -257,6 +261,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     api_keys = list(args.api_key) + [k for k in os.environ.get("KVSERVE_API_KEY", "").split(",") if k]
+    admin_key = args.admin_key or os.environ.get("KVSERVE_ADMIN_KEY") or None
+    if admin_key is not None and admin_key in api_keys:
+        raise ConfigError("--admin-key must differ from every --api-key: a tenant must not open the lab")
     # Bind before the model loads: a taken port fails in a second, not after the load.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -271,11 +278,14 @@ def _serve(args: argparse.Namespace) -> int:
         raise
     name = args.served_model_name or _model_name(engine.loaded.source)
     settings = ServerSettings(model_name=name, api_keys=api_keys, max_waiting_requests=args.max_waiting_requests,
-                              log_prompts=args.log_prompts, max_request_bytes=args.max_request_bytes)
+                              log_prompts=args.log_prompts, max_request_bytes=args.max_request_bytes,
+                              admin_key=admin_key)
     app = create_app(engine, settings)
     host, port = sock.getsockname()[:2]
-    logging.getLogger(__name__).info(
-        "serving %s on http://%s:%d/v1 (API key %s)", name, host, port, "required" if api_keys else "not required")
+    log = logging.getLogger(__name__)
+    log.info("serving %s on http://%s:%d/v1 (API key %s)", name, host, port, "required" if api_keys else "not required")
+    lab_access = "admin key required" if admin_key else "closed: set --admin-key" if api_keys else "open"
+    log.info("lab on http://%s:%d/lab (%s)", host, port, lab_access)
     serve(app, sock, app.state.async_engine, args.shutdown_timeout)
     return 0
 

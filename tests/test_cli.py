@@ -97,6 +97,8 @@ def test_explain_cache_across_prompts():
     (["generate", "--max-num-batched-tokens", "-5", "hi"], "--max-num-batched-tokens must be >= 1, got -5"),
     (["generate", "--max-model-len", "0", "hi"], "--max-model-len must be >= 1, got 0"),
     (["serve", "--kv-cache-memory", "lots"], "--kv-cache-memory: cannot read 'lots' as a memory size"),
+    (["serve", "--api-key", "k1", "--api-key", "k2", "--admin-key", "k2"],
+     "--admin-key must differ from every --api-key"),
     (["memory", "SmolLM2-135M", "--context", "0"], "--context must be >= 1, got 0"),
 ])
 def test_out_of_range_flags_are_one_line_errors_before_anything_loads(args, message, capsys):

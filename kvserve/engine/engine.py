@@ -14,7 +14,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.runner import ModelRunner, StepResult
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
-from kvserve.engine.stats import EngineStats, take_stats, with_added
+from kvserve.engine.stats import BlockView, EngineStats, StepWork, take_block_view, take_stats, with_added
 from kvserve.engine.tiering import TierTraffic, open_disk_tier
 from kvserve.errors import ConfigError, InvalidRequestError, KVIntegrityError
 from kvserve.kv.attention import get_attention_backend
@@ -72,6 +72,9 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.attention_backend)
         self._ids = itertools.count()
         self._num_steps = self._num_generated_tokens = 0
+        self._last_step = StepWork()
+        self._block_view: BlockView | None = None  # the last one built, carried into later snapshots
+        self._block_view_wanted = self._block_view_current = False
         self._stats = self._take_stats()
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %s bytes/token (%s), %.1f MiB, prefix caching %s%s",
@@ -172,10 +175,27 @@ class Engine:
         """The snapshot taken at the end of the last step, add or abort. Safe from any thread, even mid-step."""
         return self._stats
 
+    def request_block_view(self) -> None:
+        """Have the next snapshot carry a fresh BlockView (O(blocks), so built only when asked: the lab's
+        feed asks a few times per second while someone watches). Call it between steps. An idle engine
+        takes the snapshot at once, since no step will come to take it; if nothing changed since its last
+        view, that one stays (readers can tell by identity that nothing is new)."""
+        if self.has_unfinished():
+            self._block_view_wanted = True
+        elif not self._block_view_current:  # idle, and the pool changed since the last view
+            self._block_view_wanted = True
+            self._stats = self._take_stats()
+
     def _take_stats(self) -> EngineStats:
+        # Every snapshot but an add's follows a change of the pool (a step, an abort): the view is
+        # current only if it was built in this one.
+        self._block_view_current = self._block_view_wanted
+        if self._block_view_wanted:
+            self._block_view_wanted = False
+            self._block_view = take_block_view(self.kv_manager, self._num_steps)
         tier = self.tiering.stats() if self.tiering is not None else None
-        return take_stats(self.scheduler, self._num_steps, self._num_generated_tokens, tier,
-                          pins=self.kv_manager.pin_stats())
+        return take_stats(self.scheduler, self._num_steps, self._num_generated_tokens, self._last_step,
+                          self._block_view, tier, pins=self.kv_manager.pin_stats())
 
     def expire_pins(self) -> int:
         """Drop the pins whose TTL ran out (every step does this too); returns how many. Between steps."""
@@ -207,6 +227,8 @@ class Engine:
         if scheduled.empty:
             self._stats = self._take_stats()  # a request may have been preempted without anything running
             return []
+        self._last_step = StepWork(scheduled.num_batched_tokens,
+                                   sum(item.num_computed_tokens for item in scheduled.scheduled))
         try:
             result = self.runner.execute(scheduled)
         except Exception as exc:
@@ -301,6 +323,22 @@ class Engine:
             request.prefix_cache_report = build_prefix_report(request, self.prefix_caching, self.config.block_size,
                                                               self.loaded.tokenizer)
         return request.prefix_cache_report
+
+    def explain_prompt(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixCacheReport:
+        """How the prefix cache would serve this prompt now, and where it would leave the closest cached
+        prompt: the report a request gets at admission, without running anything. Read-only; call it
+        between steps (the server does, through AsyncEngine.call). The pool only: blocks a lower tier
+        could supply are not looked up (that would read them)."""
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        params = SamplingParams(max_tokens=1)
+        request = Request("explain", token_ids, params, OutputTracker(params, None), cache_salt=cache_salt,
+                          block_size=self.config.block_size if self.prefix_caching else None)
+        match = self.kv_manager.find_cached_prefix(request.all_token_ids, request.block_hashes)
+        request.num_cached_tokens = match.num_tokens
+        if match.num_tokens < request.num_prompt_tokens - 1:  # as the scheduler does at admission
+            request.prefix_divergence = self.kv_manager.find_divergence(request.all_token_ids, match)
+        return build_prefix_report(request, self.prefix_caching, self.config.block_size, self.loaded.tokenizer)
 
     def _held_bytes(self, request: Request) -> int:
         """KV memory the request holds now (when finished: what it held when it finished)."""

@@ -144,6 +144,11 @@ class PrefixCacheReport:
     divergence_position: int | None = None  # first prompt token that differs from the closest cached prompt
     prompt_snippet: str = ""  # text around the divergence: this prompt ...
     cached_snippet: str = ""  # ... and the cached one
+    # The snippets' parts, for a display that highlights them: the text both share just before the
+    # divergence, then how this prompt goes on and how the cached one does (bracketed in the snippets).
+    common_text: str = ""
+    prompt_continuation: str = ""
+    cached_continuation: str = ""
     num_tier_cached_tokens: int = 0  # of num_cached_tokens, those loaded from a lower tier (disk)
 
     @property

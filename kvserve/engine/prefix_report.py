@@ -32,6 +32,8 @@ def build_prefix_report(request: Request, prefix_caching: bool, block_size: int,
             context = request.prompt_token_ids[max(div.position - 8, 0) : div.position]
             ours = request.prompt_token_ids[div.position : div.position + 8]
             theirs = list(div.cached_token_ids[div.position - div.block_start :][:8])
-            report.prompt_snippet = tokenizer.decode(context) + "[" + tokenizer.decode(ours) + "]"
-            report.cached_snippet = tokenizer.decode(context) + "[" + tokenizer.decode(theirs) + "]"
+            report.common_text = tokenizer.decode(context)
+            report.prompt_continuation, report.cached_continuation = tokenizer.decode(ours), tokenizer.decode(theirs)
+            report.prompt_snippet = f"{report.common_text}[{report.prompt_continuation}]"
+            report.cached_snippet = f"{report.common_text}[{report.cached_continuation}]"
     return report

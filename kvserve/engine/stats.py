@@ -37,6 +37,44 @@ class RequestStats:
 
 
 @dataclass(frozen=True, slots=True)
+class StepWork:
+    """What one step computed: the new tokens whose K/V it computed, and the cached tokens their
+    attention read instead of recomputing (the lab's cached-vs-recomputed page shows both)."""
+
+    num_tokens: int = 0
+    num_reused_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BlockView:
+    """Every block of the pool after one step, for the lab's block map.
+
+    O(blocks) to build, so the engine builds one only when a reader asked for it
+    (Engine.request_block_view) and otherwise carries the last one forward:
+    `num_steps` says which step it shows.
+    """
+
+    num_steps: int
+    ref_counts: tuple[int, ...]  # by block id
+    hashed: tuple[bool, ...]  # by block id: holds a reusable prefix (in use or free)
+    tables: tuple[tuple[str, tuple[int, ...]], ...]  # (request id, its block ids)
+
+    def state_counts(self) -> dict[str, int]:
+        """Blocks per state: free, cached (free but still holding a prefix), used (one holder), shared (several)."""
+        counts = {"free": 0, "cached": 0, "used": 0, "shared": 0}
+        for ref_count, hashed in zip(self.ref_counts, self.hashed):
+            state = "shared" if ref_count > 1 else "used" if ref_count else "cached" if hashed else "free"
+            counts[state] += 1
+        return counts
+
+
+def take_block_view(kv: KVCacheManager, num_steps: int) -> BlockView:
+    ref_counts, hashed, tables = kv.block_states()
+    return BlockView(num_steps, tuple(ref_counts), tuple(hashed),
+                     tuple((request_id, tuple(ids)) for request_id, ids in tables.items()))
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """The engine between two steps: pool usage, counters, and every unfinished request."""
 
@@ -56,6 +94,8 @@ class EngineStats:
     waiting: tuple[RequestStats, ...]  # queue order
     tier: TierStats | None = None  # the lower KV tier (disk), if there is one
     pins: PinStats | None = None  # pinned prefixes (cache breakpoints with a TTL)
+    last_step: StepWork = StepWork()  # what the last step that ran a batch computed
+    blocks: BlockView | None = None  # the pool block by block, as of blocks.num_steps (only once asked for)
 
     @property
     def num_running(self) -> int:
@@ -91,8 +131,9 @@ def request_stats(request: Request, kv: KVCacheManager) -> RequestStats:
     )
 
 
-def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int,
-               tier: TierStats | None = None, pins: PinStats | None = None) -> EngineStats:
+def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int, last_step: StepWork = StepWork(),
+               blocks: BlockView | None = None, tier: TierStats | None = None,
+               pins: PinStats | None = None) -> EngineStats:
     """A snapshot of the pool and of every unfinished request. Call it between steps, on the engine's thread."""
     kv = scheduler.kv
     num_free = kv.num_free_blocks
@@ -103,7 +144,8 @@ def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int,
         prefix_cache_hits=scheduler.prefix_cache_hits, num_preemptions=scheduler.num_preemptions,
         num_steps=num_steps, num_generated_tokens=num_generated_tokens,
         running=tuple(request_stats(r, kv) for r in scheduler.running),
-        waiting=tuple(request_stats(r, kv) for r in scheduler.waiting), tier=tier, pins=pins,
+        waiting=tuple(request_stats(r, kv) for r in scheduler.waiting), last_step=last_step, blocks=blocks,
+        tier=tier, pins=pins,
     )
 
 

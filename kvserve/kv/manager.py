@@ -267,6 +267,13 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         return len(table) if table else 0
 
+    def block_states(self) -> tuple[list[int], list[bool], dict[str, list[int]]]:
+        """Read-only view for the lab's block map: each block's ref count and whether it holds a
+        cached prefix (by block id), and each request's block ids. O(blocks + held blocks)."""
+        blocks = self.pool.blocks
+        return ([block.ref_cnt for block in blocks], [block.block_hash is not None for block in blocks],
+                {request_id: [block.block_id for block in table] for request_id, table in self._tables.items()})
+
     def free(self, request_id: str) -> None:
         """Return all of a request's blocks (tail first). Freeing an unknown id is a no-op."""
         self._num_cached.pop(request_id, None)

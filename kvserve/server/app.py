@@ -26,6 +26,7 @@ from kvserve.server.completions import CompletionServing
 from kvserve.server.errors import (
     APIError, bad_request, drop_validation_responses, error_responses, internal, unauthorized,
 )
+from kvserve.server.lab import mount_lab
 from kvserve.server.metrics import ServerMetrics, log_request
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.serving import ServerSettings, Serving
@@ -103,6 +104,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         """The pool right now, and a full block-accounting check (run between steps)."""
         return await async_engine.call(lambda: _kv_cache_report(engine))
 
+    mount_lab(app, async_engine, serving)
     _install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
 
@@ -145,11 +147,12 @@ def _kv_cache_report(engine: Engine) -> dict:
     return {
         "block_size": stats.block_size, "num_blocks": stats.num_blocks, "num_used_blocks": stats.num_used_blocks,
         "num_free_blocks": stats.num_free_blocks, "num_cached_blocks": stats.num_cached_blocks,
+        "num_cached_free_blocks": stats.num_cached_free_blocks,
         "capacity_tokens": stats.num_blocks * stats.block_size, "bytes_per_token": engine.kv_spec.bytes_per_token,
         "dtype": engine.kv_spec.dtype, "pool_bytes": engine.kv_cache.bytes_allocated,
         "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
         "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits,
-        "num_preemptions": stats.num_preemptions, "integrity": integrity,
+        "num_preemptions": stats.num_preemptions, "num_steps": stats.num_steps, "integrity": integrity,
         "tier": dataclasses.asdict(stats.tier) if stats.tier is not None else None,
         "pins": dataclasses.asdict(stats.pins) if stats.pins is not None else None,
     }

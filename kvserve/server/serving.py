@@ -52,6 +52,7 @@ class ServerSettings:
     # Stored responses (/v1/responses with store=true), in memory: least recently used go past either bound.
     responses_store_max_count: int = 10_000
     responses_store_max_bytes: int = 256 * 2**20
+    admin_key: str | None = None  # opens the lab (/lab), which shows every tenant's activity
 
 
 @dataclass(frozen=True)

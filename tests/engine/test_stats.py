@@ -112,3 +112,76 @@ def test_engine_integrity_check_raises_kv_integrity_error(tiny_models):
     engine.kv_manager.pool.allocate(1)  # a block nobody's table holds: a leak
     with pytest.raises(KVIntegrityError, match="held by 0 tables"):
         engine.check_integrity()
+
+
+def test_block_view_is_built_only_when_asked_and_matches_the_pool(tiny_models):
+    engine = make_engine(tiny_models("llama-gqa"))
+    assert engine.stats().blocks is None
+    engine.request_block_view()  # idle: the snapshot is taken at once
+    idle = engine.stats().blocks
+    assert idle is not None and idle.state_counts() == {"free": engine.kv_manager.num_blocks, "cached": 0,
+                                                        "used": 0, "shared": 0}
+    shared_prefix = list(range(1, 13))  # three full 4-token blocks
+    engine.add_request(shared_prefix + [50], PARAMS, request_id="a")
+    engine.step()
+    engine.add_request(shared_prefix + [60], PARAMS, request_id="b")
+    engine.step()
+    assert engine.stats().blocks is idle  # nobody asked: the old view is carried, not rebuilt
+    engine.request_block_view()
+    engine.step()
+    stats = engine.stats()
+    view = stats.blocks
+    assert view.num_steps == stats.num_steps == 3
+    tables = dict(view.tables)
+    assert set(tables) == {"a", "b"} and tables["a"][:3] == tables["b"][:3]  # b shares a's prompt blocks
+    for block_id in tables["a"][:3]:
+        assert view.ref_counts[block_id] == 2 and view.hashed[block_id]
+    counts = view.state_counts()
+    assert counts["shared"] == 3 and counts["used"] + counts["shared"] == stats.num_used_blocks
+    assert counts["free"] + counts["cached"] == stats.num_free_blocks
+    assert sum(len(ids) for ids in tables.values()) == sum(r.num_blocks for r in stats.running)
+    while engine.has_unfinished():
+        engine.step()
+    engine.request_block_view()
+    done = engine.stats()
+    assert done.blocks.state_counts()["cached"] == done.num_cached_free_blocks > 0 and not done.blocks.tables
+
+
+def test_last_step_counts_computed_and_reused_tokens(tiny_models):
+    cached = make_engine(tiny_models("llama-gqa"), enable_prefix_caching=False)
+    recompute = make_engine(tiny_models("llama-gqa"), enable_kv_cache=False)
+    prompt = list(range(1, 11))
+    for engine in (cached, recompute):
+        engine.add_request(prompt, PARAMS)
+    work = {id(cached): [], id(recompute): []}
+    while cached.has_unfinished() or recompute.has_unfinished():
+        for engine in (cached, recompute):
+            if engine.has_unfinished():
+                engine.step()
+                step = engine.stats().last_step
+                work[id(engine)].append((step.num_tokens, step.num_reused_tokens))
+    n = PARAMS.max_tokens
+    assert work[id(cached)] == [(10, 0)] + [(1, 10 + k) for k in range(n - 1)]
+    assert work[id(recompute)] == [(10 + k, 0) for k in range(n)]  # step k recomputes prompt + k tokens
+
+
+def test_explain_prompt_reports_hits_and_divergence_without_running(tiny_models):
+    from tests.server.inprocess import with_tiny_tokenizer
+
+    engine = make_engine(with_tiny_tokenizer(tiny_models("llama-gqa")))
+    first = list(range(1, 21))
+    engine.add_request(first, PARAMS)
+    while engine.has_unfinished():
+        engine.step()
+    before = engine.stats()
+    same = engine.explain_prompt(first)
+    assert same.num_cached_tokens == 16 and same.divergence_position is None  # 4 full blocks, last token computed
+    second = first[:10] + [99] + first[11:]
+    report = engine.explain_prompt(second)
+    assert (report.num_cached_tokens, report.divergence_position) == (8, 10)
+    assert report.prompt_snippet == f"{report.common_text}[{report.prompt_continuation}]"
+    assert report.common_text and report.prompt_continuation != report.cached_continuation
+    assert engine.explain_prompt(first, cache_salt="other").num_cached_tokens == 0  # salts never share
+    after = engine.stats()
+    assert (after.prefix_cache_queries, after.num_steps) == (before.prefix_cache_queries, before.num_steps)
+    engine.check_integrity()

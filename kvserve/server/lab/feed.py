@@ -1,0 +1,96 @@
+"""The live feed: the engine's stats snapshot as JSON, pushed as Server-Sent Events a few times a second.
+
+Everything here reads `Engine.stats()` (an immutable snapshot taken between
+steps); nothing reaches into the scheduler or the KV manager. The per-block
+view is O(blocks) to build, so the engine builds it only when asked: each tick
+of a connected feed asks for one (`Engine.request_block_view`, run between
+steps), and the next snapshot carries it. With no page open nothing is asked
+for and the engine pays nothing. A view is sent only when it is a new one, so
+an idle server sends a few hundred bytes per tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.stats import BlockView, EngineStats, RequestStats
+
+FEED_INTERVAL_S = 0.25  # four updates a second: live to the eye, a rounding error for the engine
+_FRESH_POLLS = 1000  # x 10 ms: longer than any step; past it the newest snapshot is returned as it is
+
+
+@dataclass
+class FeedSettings:
+    interval_s: float = FEED_INTERVAL_S
+
+
+def block_view_json(view: BlockView) -> dict:
+    """Compact: ref counts as a list, hashed flags as a '0'/'1' string, tables by request id."""
+    return {
+        "step": view.num_steps,
+        "ref": list(view.ref_counts),
+        "hashed": "".join("1" if hashed else "0" for hashed in view.hashed),
+        "tables": {request_id: list(block_ids) for request_id, block_ids in view.tables},
+        "counts": view.state_counts(),
+    }
+
+
+def _request_json(r: RequestStats) -> dict:
+    return {
+        "id": r.request_id, "status": r.status, "prompt": r.num_prompt_tokens, "cached": r.num_cached_tokens,
+        "computed": r.num_computed_tokens, "output": r.num_output_tokens, "blocks": r.num_blocks,
+        "preemptions": r.num_preemptions, "ttft": r.ttft, "tpot": r.tpot,
+    }
+
+
+def snapshot_json(stats: EngineStats, include_blocks: bool = True) -> dict:
+    """One snapshot as the lab's pages read it."""
+    return {
+        "t": stats.taken_at,
+        "step": stats.num_steps,
+        "pool": {
+            "block_size": stats.block_size, "num_blocks": stats.num_blocks, "used": stats.num_used_blocks,
+            "free": stats.num_free_blocks, "cached": stats.num_cached_blocks,
+            "cached_free": stats.num_cached_free_blocks,
+        },
+        "counters": {
+            "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits,
+            "preemptions": stats.num_preemptions, "generated_tokens": stats.num_generated_tokens,
+        },
+        "last_step": {"tokens": stats.last_step.num_tokens, "reused": stats.last_step.num_reused_tokens},
+        "running": [_request_json(r) for r in stats.running],
+        "waiting": [_request_json(r) for r in stats.waiting],
+        "blocks": block_view_json(stats.blocks) if include_blocks and stats.blocks is not None else None,
+    }
+
+
+async def fresh_snapshot(async_engine: AsyncEngine) -> EngineStats:
+    """A snapshot with a block view of the current step: asked for between steps, then read once the
+    next snapshot (end of the step in flight, or at once when idle) carries it."""
+    engine = async_engine.engine
+    await async_engine.call(engine.request_block_view)
+    stats = engine.stats()
+    for _ in range(_FRESH_POLLS):
+        if stats.blocks is not None and stats.blocks.num_steps >= stats.num_steps:
+            break
+        await asyncio.sleep(0.01)
+        stats = engine.stats()
+    return stats
+
+
+async def feed_events(async_engine: AsyncEngine, settings: FeedSettings) -> AsyncIterator[str]:
+    """SSE events until the client goes away (the response task is then cancelled) or the server begins
+    to shut down: an open page must not hold a graceful shutdown up for its whole timeout."""
+    engine = async_engine.engine
+    last_view: BlockView | None = None
+    while not async_engine.draining:
+        await async_engine.call(engine.request_block_view)
+        stats = engine.stats()
+        payload = snapshot_json(stats, include_blocks=stats.blocks is not last_view)
+        last_view = stats.blocks
+        yield f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+        await asyncio.sleep(settings.interval_s)

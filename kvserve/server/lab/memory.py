@@ -1,0 +1,90 @@
+"""The memory calculator's one source of figures: `kvserve memory`'s planner, called per query.
+
+The page sends its controls as query parameters (the same names it keeps in
+its URL) and shows what comes back, so its numbers are the CLI's to the byte.
+Only catalog names or a custom shape are accepted: a path would let a browser
+make the server read files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.config import format_memory, parse_memory
+from kvserve.errors import InvalidRequestError
+from kvserve.model.catalog import KNOWN_MODELS, find_known_model, num_parameters
+from kvserve.planner import ENGINE_WEIGHTS_DTYPES, WEIGHT_BYTES, MemoryPlan, plan, resolve_model
+
+KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4", "fp8_e4m3", "fp8_e5m2", "int8/int4")
+CUSTOM = "custom"
+
+
+@dataclass(frozen=True)
+class MemoryQuery:
+    """The calculator's controls. `model` is a catalog name or "custom" (then layers, kv_heads and head_dim)."""
+
+    model: str = "Llama-3.1-8B"
+    context: int | None = None  # None: the model's context
+    batch: int = 1
+    kv_dtype: str = "float16"
+    weights_dtype: str = "float16"
+    memory: str | None = None  # e.g. "80GiB"
+    block_size: int = 16
+    overhead: float = 0.1
+    layers: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    heads: int | None = None
+    params: float | None = None
+
+
+def catalog() -> dict:
+    """The presets and choices the page offers."""
+    return {
+        "models": [{"name": name, "layers": c.num_layers, "heads": c.num_heads, "kv_heads": c.num_kv_heads,
+                    "head_dim": c.head_dim, "context": c.max_position_embeddings, "params": num_parameters(c),
+                    "attention": c.attention_kind} for name, c in KNOWN_MODELS.items()],
+        "kv_dtypes": list(KV_DTYPES),
+        "weights_dtypes": [*ENGINE_WEIGHTS_DTYPES, *WEIGHT_BYTES],
+    }
+
+
+def memory_plan(query: MemoryQuery) -> dict:
+    """The planner's figures (MemoryPlan.to_json, what `kvserve memory --json` prints) plus the same
+    numbers formatted as the CLI formats them. Raises InvalidRequestError for impossible inputs."""
+    try:
+        result = _plan(query)
+    except InvalidRequestError:
+        raise
+    except ValueError as exc:  # an impossible custom shape (heads not a multiple of KV heads) and the like
+        raise InvalidRequestError(str(exc)) from None
+    return {"plan": result.to_json(), "display": _display(result)}
+
+
+def _display(p: MemoryPlan) -> dict:
+    sizes = {key: format_memory(getattr(p, key)) for key in
+             ("kv_bytes_per_request", "kv_bytes_total", "weights_bytes", "overhead_bytes", "total_bytes")}
+    if p.memory_bytes is not None:
+        sizes["memory_bytes"] = format_memory(p.memory_bytes)
+        sizes["kv_room_bytes"] = format_memory(p.kv_room_bytes)
+    return sizes
+
+
+def _plan(query: MemoryQuery) -> MemoryPlan:
+    if query.model == CUSTOM:
+        name, config, num_params = resolve_model(None, query.layers, query.kv_heads, query.head_dim, query.heads,
+                                                 query.params, query.context)
+    else:
+        if find_known_model(query.model) is None:
+            raise InvalidRequestError(f"unknown model {query.model!r}: choose one of {', '.join(KNOWN_MODELS)} "
+                                      f"or {CUSTOM!r}", param="model")
+        name, config, num_params = resolve_model(query.model, params=query.params)
+    context = query.context or config.max_position_embeddings
+    if not context:
+        raise InvalidRequestError("a custom shape needs a context length", param="context")
+    try:
+        memory_bytes = parse_memory(query.memory) if query.memory else None
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="memory") from None
+    return plan(name, config, num_params, context, query.batch, query.kv_dtype, query.block_size,
+                query.weights_dtype, memory_bytes, query.overhead)

@@ -1,0 +1,21 @@
+"""The lab in process on the tiny random model (fast), with the settings each test module needs."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server.inprocess import serve_in_process, with_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def lab_app(tiny_models):
+    """An open server (no keys), prompts not logged."""
+    with serve_in_process(with_tiny_tokenizer(tiny_models("llama-gqa"))) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def logging_lab_app(tiny_models):
+    """An open server that logs prompts, so the explainer may show other requests' text."""
+    with serve_in_process(with_tiny_tokenizer(tiny_models("llama-gqa")), log_prompts=True) as client:
+        yield client
