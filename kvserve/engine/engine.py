@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from kvserve.config import EngineConfig
 from kvserve.engine.config_checks import check_kv_budget, checked_max_model_len
@@ -346,6 +347,14 @@ class Engine:
             return 0
         blocks = request.kv_blocks_held if request.finished else self.kv_manager.num_blocks_held(request.request_id)
         return blocks * self.config.block_size * self.kv_spec.bytes_per_token
+
+    def persistent_directory(self) -> Path | None:
+        """Where state tied to this model and cache layout may outlive the process: the disk tier's
+        fingerprinted directory (None without a disk tier, or once it disabled itself)."""
+        if self.tiering is None:
+            return None
+        stats = self.tiering.stats()
+        return Path(stats.location) if stats.enabled else None
 
     def close(self) -> None:
         """Finish background work (the disk tier's queued writes). The engine is not used after."""

@@ -119,9 +119,12 @@ class DiskTier(KVTier):
         found: list[tuple[float, _Entry]] = []
         rejected = 0
         needed = block_file.header_bytes_needed(self.block_size)
-        for path in self.directory.glob("*/*"):
-            if path.name.startswith(".") or ".tmp-" in path.name:
+        # Blocks live in two-hex-digit subdirectories; anything else there (stored responses) is not ours.
+        for path in self.directory.glob("??/*"):
+            if ".tmp-" in path.name:
                 _unlink(path)  # a write that never finished
+                continue
+            if not path.name.endswith(block_file.SUFFIX):
                 continue
             try:
                 stat = path.stat()
@@ -155,7 +158,7 @@ class DiskTier(KVTier):
         for directory in self.root.iterdir():
             if directory == self.directory or not directory.is_dir():
                 continue
-            for path in directory.glob("*/*"):
+            for path in directory.glob("??/*" + block_file.SUFFIX):
                 try:
                     stat = path.stat()
                 except OSError:

@@ -1,7 +1,13 @@
 """Stored responses (the Responses API's `store`): bounded, least recently used first, per tenant.
 
-In memory: a restart forgets every stored response (a follow-up then gets
-"not found"). Each entry keeps the response object as returned, its input
+In memory, and, when the server has a disk KV tier (`--kv-disk-path`), also
+written through to JSON files in the tier's directory for this model and
+cache layout, so a restart keeps them: a follow-up after a restart continues
+the same token ids, and its prefix comes back from the disk tier. Plain JSON,
+no pickle; files owner-only; a bad file is skipped and removed; a disk error
+is logged once and the store goes on in memory. Without a disk tier, a
+restart forgets every stored response (a follow-up then gets "not found").
+Each entry keeps the response object as returned, its input
 items, and the exact token ids of its conversation (server/conversation.py),
 so a follow-up continues from those ids. Bounded by count and by an estimate
 of bytes (token ids counted at 8 bytes, text at its UTF-8 size); past either
@@ -14,9 +20,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+_ID = re.compile(r"resp_[0-9a-f]{32}")  # the ids this server hands out: safe as file names
 
 _BYTES_PER_TOKEN = 8  # a Python int in a tuple: one pointer (small ints are shared)
 
@@ -46,17 +59,108 @@ class StoredResponse:
         text = len(json.dumps(self.body, ensure_ascii=False)) + len(json.dumps(self.input_items, ensure_ascii=False))
         return tokens * _BYTES_PER_TOKEN + text
 
+    def to_json(self) -> dict:
+        return {"version": 1, "response_id": self.response_id, "tenant": self.tenant, "body": self.body,
+                "input_items": list(self.input_items), "instructions": self.instructions,
+                "instruction_ids": list(self.instruction_ids), "turns": [list(turn) for turn in self.turns]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "StoredResponse":
+        """Raises ValueError (or KeyError/TypeError) for anything but what to_json wrote."""
+        if data.get("version") != 1 or not _ID.fullmatch(str(data["response_id"])):
+            raise ValueError("not a stored response of this version")
+        ids = tuple(int(t) for t in data["instruction_ids"])
+        turns = tuple(tuple(int(t) for t in turn) for turn in data["turns"])
+        if not isinstance(data["body"], dict) or not all(isinstance(i, dict) for i in data["input_items"]):
+            raise ValueError("malformed body or input items")
+        return cls(data["response_id"], str(data["tenant"]), data["body"], tuple(data["input_items"]),
+                   data["instructions"], ids, turns)
+
 
 class ResponsesStore:
     """Thread-safe (handlers run on the event loop, rendering on workers)."""
 
-    def __init__(self, max_responses: int = 10_000, max_bytes: int = 256 * 2**20) -> None:
+    def __init__(self, max_responses: int = 10_000, max_bytes: int = 256 * 2**20,
+                 directory: Path | None = None) -> None:
         self.max_responses = max_responses
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._sizes: dict[str, int] = {}  # num_bytes of each entry, computed once
         self._bytes = 0
         self._lock = threading.Lock()
+        self.directory = directory
+        if directory is not None:
+            try:
+                directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._load_all()
+            except OSError as exc:
+                self._give_up_disk(exc)
+
+    @property
+    def persistent(self) -> bool:
+        return self.directory is not None
+
+    def _load_all(self) -> None:
+        """Read back what an earlier process stored, oldest first (file times keep the LRU order)."""
+        paths = sorted(self.directory.glob("resp_*.json"), key=lambda path: path.stat().st_mtime)
+        for path in paths:
+            try:
+                entry = StoredResponse.from_json(json.loads(path.read_text()))
+                if path.stem != entry.response_id:
+                    raise ValueError("file name and id differ")
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("stored responses: removing unreadable %s (%s)", path, exc)
+                self._unlink(path.stem)
+                continue
+            self._remember(entry)
+        if paths:
+            log.info("stored responses: %d read back from %s", len(self._entries), self.directory)
+
+    def _path(self, response_id: str) -> Path:
+        return self.directory / f"{response_id}.json"
+
+    def _write(self, entry: StoredResponse) -> None:
+        if self.directory is None or not _ID.fullmatch(entry.response_id):
+            return
+        path = self._path(entry.response_id)
+        temporary = path.with_name(path.name + f".tmp-{os.getpid()}")
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as file:
+                json.dump(entry.to_json(), file, ensure_ascii=False)
+            os.replace(temporary, path)
+        except OSError as exc:
+            self._give_up_disk(exc)
+
+    def _unlink(self, response_id: str) -> None:
+        if self.directory is not None:
+            try:
+                self._path(response_id).unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self._give_up_disk(exc)
+
+    def _give_up_disk(self, exc: OSError) -> None:
+        log.error("stored responses: cannot use %s (%s); keeping them in memory only", self.directory, exc)
+        self.directory = None
+
+    def _remember(self, entry: StoredResponse) -> list[str]:
+        """Under the lock (or before the store is shared): add an entry, evict past the bounds; the evicted ids."""
+        size = entry.num_bytes
+        if self._entries.pop(entry.response_id, None) is not None:
+            self._bytes -= self._sizes.pop(entry.response_id)
+        self._entries[entry.response_id] = entry
+        self._sizes[entry.response_id] = size
+        self._bytes += size
+        evicted = []
+        while len(self._entries) > self.max_responses or self._bytes > self.max_bytes:
+            response_id, _ = self._entries.popitem(last=False)
+            self._bytes -= self._sizes.pop(response_id)
+            evicted.append(response_id)
+        for response_id in evicted:
+            self._unlink(response_id)
+        return evicted
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -66,18 +170,11 @@ class ResponsesStore:
         return self._bytes
 
     def put(self, entry: StoredResponse) -> None:
-        size = entry.num_bytes
         with self._lock:
-            if size > self.max_bytes:
+            if entry.num_bytes > self.max_bytes:
                 return  # larger than the whole store: keeping it would evict everything else
-            if self._entries.pop(entry.response_id, None) is not None:
-                self._bytes -= self._sizes.pop(entry.response_id)
-            self._entries[entry.response_id] = entry
-            self._sizes[entry.response_id] = size
-            self._bytes += size
-            while len(self._entries) > self.max_responses or self._bytes > self.max_bytes:
-                evicted, _ = self._entries.popitem(last=False)
-                self._bytes -= self._sizes.pop(evicted)
+            self._remember(entry)
+            self._write(entry)
 
     def get(self, response_id: str, tenant: str) -> StoredResponse | None:
         with self._lock:
@@ -85,7 +182,12 @@ class ResponsesStore:
             if entry is None or entry.tenant != tenant:
                 return None
             self._entries.move_to_end(response_id)
-            return entry
+        if self.directory is not None:
+            try:
+                os.utime(self._path(response_id))  # LRU order that survives a restart
+            except OSError:
+                pass
+        return entry
 
     def delete(self, response_id: str, tenant: str) -> bool:
         with self._lock:
@@ -94,4 +196,5 @@ class ResponsesStore:
                 return False
             del self._entries[response_id]
             self._bytes -= self._sizes.pop(response_id)
+            self._unlink(response_id)
             return True

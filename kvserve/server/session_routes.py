@@ -21,7 +21,10 @@ from kvserve.server.serving import Serving
 
 def install_session_routes(app: FastAPI, serving: Serving, api_key: Callable) -> None:
     settings = serving.settings
-    store = ResponsesStore(settings.responses_store_max_count, settings.responses_store_max_bytes)
+    # With a disk KV tier the stored responses persist beside its blocks (same model, same cache layout).
+    state = serving.async_engine.engine.persistent_directory()
+    store = ResponsesStore(settings.responses_store_max_count, settings.responses_store_max_bytes,
+                           state / "responses" if state is not None else None)
     responses = ResponsesServing(serving, store)
     app.state.responses_store = store
     messages = MessagesServing(serving)
