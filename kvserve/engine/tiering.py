@@ -15,7 +15,6 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from kvserve.arith import cdiv
 from kvserve.config import EngineConfig, parse_memory
 from kvserve.engine.request import Request
 from kvserve.kv.disk_tier import DiskTier
@@ -77,7 +76,7 @@ class TierTraffic:
         budget = self.kv.num_free_blocks
         looked_up: dict[str, tuple[int, int, int]] = {}
         for request in candidates:
-            budget -= cdiv(request.num_tokens, self.kv.block_size)
+            budget -= self.kv.blocks_for(request.num_tokens)
             if budget < 0:
                 break
             if request.sampling_params.skip_reading_prefix_cache:

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import struct
 import zlib
-from array import array
 from dataclasses import dataclass
 
+from kvserve.kv.hashing import token_bytes, tokens_from_bytes
 from kvserve.kv.tier import BlockKey
 
 MAGIC = b"KVSBLK01"
@@ -53,17 +53,10 @@ class BlockFileHeader:
         return self.header_len + self.payload_len
 
 
-def _token_bytes(token_ids: tuple[int, ...]) -> bytes:
-    encoded = array("q", token_ids)
-    if array("q", [1]).tobytes()[0] != 1:  # big-endian host: the file is little-endian everywhere
-        encoded.byteswap()
-    return encoded.tobytes()
-
-
 def encode_header(fingerprint: bytes, key: BlockKey, payload: bytes | memoryview) -> bytes:
     """Everything before the payload (the checksum covers the payload too): a file is this, then the payload."""
     head = _FIXED.pack(MAGIC, fingerprint, key.block_hash, key.parent_hash, len(key.token_ids), len(payload))
-    head += _token_bytes(key.token_ids)
+    head += token_bytes(key.token_ids)
     return head + _CHECKSUM.pack(zlib.crc32(payload, zlib.crc32(head)))
 
 
@@ -84,11 +77,7 @@ def read_header(data: bytes) -> BlockFileHeader:
     tokens_end = _FIXED.size + 8 * num_tokens
     if len(data) < tokens_end + _CHECKSUM.size:
         raise BlockFileError("truncated inside the header")
-    tokens = array("q")
-    tokens.frombytes(data[_FIXED.size : tokens_end])
-    if array("q", [1]).tobytes()[0] != 1:
-        tokens.byteswap()
-    key = BlockKey(block_hash, parent_hash, tuple(tokens))
+    key = BlockKey(block_hash, parent_hash, tokens_from_bytes(data[_FIXED.size : tokens_end]))
     return BlockFileHeader(fingerprint, key, payload_len, tokens_end + _CHECKSUM.size)
 
 

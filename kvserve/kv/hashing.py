@@ -24,11 +24,21 @@ _BLOCK_PERSON = b"kvserve-block"
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
-def _token_bytes(token_ids: Sequence[int]) -> bytes:
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64: the one encoding hashes and block files share."""
     encoded = array("q", token_ids)
     if _BIG_ENDIAN:
         encoded.byteswap()
     return encoded.tobytes()
+
+
+def tokens_from_bytes(data: bytes | memoryview) -> tuple[int, ...]:
+    """The inverse of `token_bytes`."""
+    decoded = array("q")
+    decoded.frombytes(data)
+    if _BIG_ENDIAN:
+        decoded.byteswap()
+    return tuple(decoded)
 
 
 def chain_root(salt: str | None) -> BlockHash:
@@ -39,7 +49,7 @@ def chain_root(salt: str | None) -> BlockHash:
 
 def hash_block(parent_hash: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b"") -> BlockHash:
     """The one prefix-hash formula: digest(parent hash, token count, token ids, extra keys)."""
-    return _hash_encoded(parent_hash, len(token_ids), _token_bytes(token_ids), extra_keys)
+    return _hash_encoded(parent_hash, len(token_ids), token_bytes(token_ids), extra_keys)
 
 
 _BLOCK_HASHER = hashlib.blake2b(digest_size=_DIGEST_SIZE, person=_BLOCK_PERSON)  # copied: cheaper than building one
@@ -80,7 +90,7 @@ class BlockHashChain:
         start = len(self.hashes)
         end = len(token_ids) // bs
         # Encode the new tokens once and hash slices of that buffer, not one array per block.
-        encoded = memoryview(_token_bytes(token_ids[start * bs : end * bs]))
+        encoded = memoryview(token_bytes(token_ids[start * bs : end * bs]))
         width = bs * 8  # bytes per block: int64 token ids
         parent = self.parent(start)
         for offset in range(0, (end - start) * width, width):
