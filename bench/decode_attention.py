@@ -47,7 +47,7 @@ def main() -> None:
             tensor.normal_()
         free = torch.randperm(num_blocks).tolist()
         prefix = [free.pop() for _ in range(shared_blocks)]
-        slices = [SequenceSlice(prefix + [free.pop() for _ in range(blocks_each - shared_blocks)], context_len, 1)
+        slices = [SequenceSlice((prefix + [free.pop() for _ in range(blocks_each - shared_blocks)],), context_len, 1)
                   for _ in range(num_seqs)]
         meta = build_attention_metadata(slices, BLOCK)
         q, k = torch.randn(num_seqs, HEADS, HEAD_DIM), torch.randn(num_seqs, KV_HEADS, HEAD_DIM)

@@ -47,6 +47,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens computed per step at most")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="context limit (default: the model's; more only if the model configures RoPE scaling)")
+    group.add_argument("--context-overflow", default="error", choices=("error", "shift"),
+                       help="when a sequence reaches --max-model-len: error (default: refuse requests whose prompt + "
+                            "max_tokens exceed it) or shift (drop the oldest tokens after --keep-tokens and go on)")
+    group.add_argument("--keep-tokens", type=int, default=4,
+                       help="with --context-overflow shift: leading tokens never dropped (attention sinks, system "
+                            "prompt; default 4)")
     group.add_argument("--no-kv-cache", action="store_true", help="recompute every sequence in full every step (baseline)")
     group.add_argument("--no-prefix-caching", action="store_true", help="do not share K/V of identical prompt prefixes")
     group.add_argument("--kv-disk-path", default=None,
@@ -72,7 +78,8 @@ def engine_config_from_args(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_kv_cache=not args.no_kv_cache, enable_prefix_caching=not args.no_prefix_caching,
         allow_kv_overcommit=args.allow_kv_overcommit, kv_disk_path=args.kv_disk_path, kv_disk_size=args.kv_disk_size,
-        max_pinned_fraction=args.max_pinned_fraction,
+        max_pinned_fraction=args.max_pinned_fraction, context_overflow=args.context_overflow,
+        keep_tokens=args.keep_tokens,
     )
 
 

@@ -124,6 +124,7 @@ def default_kv_cache_memory() -> int:
 
 
 WEIGHTS_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+CONTEXT_OVERFLOW = ("error", "shift")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +159,12 @@ class EngineConfig:
     # The most of the pool that pinned prefixes (cache breakpoints with a TTL, kv/pins.py) may hold;
     # past it the least recently refreshed pins lapse. Pins are evicted last, never "never".
     max_pinned_fraction: float = 0.5
+    # What a running sequence does when it reaches max_model_len: "error" refuses requests that could get
+    # there (prompt + max_tokens over the context); "shift" drops the oldest tokens after the first
+    # `keep_tokens` (attention sinks, a system prompt) and re-rotates the kept keys, as llama.cpp's context
+    # shift does, so generation goes on (engine/context_shift.py).
+    context_overflow: str = "error"
+    keep_tokens: int = 4
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -180,6 +187,13 @@ class EngineConfig:
         if (not isinstance(self.max_pinned_fraction, (int, float)) or isinstance(self.max_pinned_fraction, bool)
                 or not 0 <= self.max_pinned_fraction <= 1):
             raise ConfigError(f"max_pinned_fraction must be between 0 and 1, got {self.max_pinned_fraction!r}")
+        if self.context_overflow not in CONTEXT_OVERFLOW:
+            raise ConfigError(f"context_overflow must be one of {', '.join(CONTEXT_OVERFLOW)}, "
+                              f"got {self.context_overflow!r}")
+        if not isinstance(self.keep_tokens, int) or isinstance(self.keep_tokens, bool) or self.keep_tokens < 0:
+            raise ConfigError(f"keep_tokens must be a token count >= 0, got {self.keep_tokens!r}")
+        if self.context_overflow == "shift" and not self.enable_kv_cache:
+            raise ConfigError("context_overflow='shift' moves cached K/V: it needs the KV cache on")
         if self.kv_disk_path is not None and not (self.enable_prefix_caching and self.enable_kv_cache):
             raise ConfigError("kv_disk_path needs the KV cache and prefix caching on: the disk tier holds "
                               "prefix-cache blocks")

@@ -5,6 +5,11 @@ KV per request = ceil(context / block_size) x block_size x bytes_per_token and
 bytes_per_token = layers x KV heads x (K row + V row), from `kv_spec`, the
 function the engine allocates its pool with. So the KV figures here are the
 bytes the engine would reserve for those requests, to the byte.
+
+With sliding-window layers the pool is paged per KV group (kv/groups.py) and
+a windowed group holds only the blocks of its window: KV per request is then
+`KVSpec.request_bytes`, what the allocator holds for a request of `context`
+tokens between steps; the figure without that freeing is reported beside it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class MemoryPlan:
     total_bytes: int
     attention: str  # MHA / GQA / MQA
     model_max_context: int
+    kv_groups: str  # the KV group layout, e.g. "6 groups of 3 layers: 5 windowed (512 tokens), 1 full attention"
+    kv_bytes_per_request_unwindowed: int  # what the request would hold if windowed layers kept every block
     memory_bytes: int | None = None
     kv_room_bytes: int | None = None  # what `memory_bytes` leaves for KV after weights and overhead
     max_concurrent_requests: int | None = None  # of `context` tokens, within `memory_bytes`
@@ -100,7 +107,7 @@ def plan(name: str, config: ModelConfig, num_params: int, context: int, batch: i
     if not 0 <= overhead_fraction < 10:
         raise InvalidRequestError("overhead must be a fraction in [0, 10)")
     spec = kv_spec(config, kv_dtype)
-    per_request = _kv_bytes(spec, context, block_size)
+    per_request = spec.request_bytes(context, block_size)
     kv_total = batch * per_request
     weights = _weight_bytes(config, num_params, weights_dtype)
     overhead = math.ceil((weights + kv_total) * overhead_fraction)
@@ -110,16 +117,35 @@ def plan(name: str, config: ModelConfig, num_params: int, context: int, batch: i
         kv_bytes_total=kv_total, num_parameters=num_params, weights_dtype=weights_dtype, weights_bytes=weights,
         overhead_fraction=overhead_fraction, overhead_bytes=overhead, total_bytes=weights + kv_total + overhead,
         attention=config.attention_kind, model_max_context=config.max_position_embeddings,
+        kv_groups=spec.layout.describe(), kv_bytes_per_request_unwindowed=round_up(context, block_size) * spec.bytes_per_token,
     )
     if memory_bytes is not None:
         # (weights + kv) x (1 + overhead) <= memory  ->  kv <= memory / (1 + overhead) - weights
         kv_room = max(int(memory_bytes / (1 + overhead_fraction)) - weights, 0)
-        block_bytes = block_size * spec.bytes_per_token
         result.memory_bytes = memory_bytes
         result.kv_room_bytes = kv_room
         result.max_concurrent_requests = kv_room // per_request
-        result.max_context_for_batch = kv_room // batch // block_bytes * block_size
+        result.max_context_for_batch = _longest_context(spec, block_size, kv_room // batch,
+                                                        config.max_position_embeddings)
     return result
+
+
+def _longest_context(spec: KVSpec, block_size: int, room: int, model_max_context: int) -> int:
+    """The longest context (a multiple of the block size) whose KV fits in `room` bytes. Bytes grow with
+    the context, so a binary search over blocks; if only windowed layers hold KV, memory stops bounding the
+    context once the windows are full, and the model's own limit is the answer."""
+    def fits(blocks: int) -> bool:
+        return spec.request_bytes(blocks * block_size, block_size) <= room
+
+    lo, hi = 0, max(model_max_context, 1) // block_size + 1
+    if all(window is not None for window in spec.layout.windows) and fits(hi):
+        return model_max_context
+    while fits(hi):  # a full-attention model's context can exceed what the model was trained for
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * block_size
 
 
 def _weight_bytes(config: ModelConfig, num_params: int, weights_dtype: str) -> int:
@@ -128,11 +154,6 @@ def _weight_bytes(config: ModelConfig, num_params: int, weights_dtype: str) -> i
     if weights_dtype in ENGINE_WEIGHTS_DTYPES:
         return math.ceil(held_weight_bytes(config, weights_dtype) * num_params / num_parameters(config))
     return math.ceil(num_params * WEIGHT_BYTES[weights_dtype])
-
-
-def _kv_bytes(spec: KVSpec, tokens: int, block_size: int) -> int:
-    """What the engine reserves for `tokens` tokens: whole blocks."""
-    return round_up(tokens, block_size) * spec.bytes_per_token
 
 
 def describe(p: MemoryPlan) -> str:
@@ -147,6 +168,9 @@ def describe(p: MemoryPlan) -> str:
         f"overhead ({100 * p.overhead_fraction:g}% of weights + KV): {format_memory(p.overhead_bytes)}",
         f"total: {format_memory(p.total_bytes)}",
     ]
+    if p.kv_bytes_per_request != p.kv_bytes_per_request_unwindowed:
+        lines.insert(3, f"  KV groups: {p.kv_groups}; blocks behind a window are freed "
+                        f"(keeping them: {format_memory(p.kv_bytes_per_request_unwindowed)} per request)")
     if p.model_max_context and p.context > p.model_max_context:
         lines.append(f"note: {p.context:,} tokens is beyond the model's context of {p.model_max_context:,}")
     if p.memory_bytes is not None:

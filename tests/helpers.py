@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,11 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama-linear-rope": ("LlamaConfig", "LlamaForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
+    # Six layers: enough for the tests to give them Gemma 3-like mixed windows (kinds of several layers each).
+    "llama-6-layers": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=6)),
+    # One layer: its K/V depend on the token and its position only, so a context shift's re-rotated cache
+    # equals a recompute of the shifted context (tests/engine/test_context_shift.py).
+    "llama-1-layer": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
 }
 
@@ -134,17 +140,22 @@ def write_gguf(model, path: Path, quant_types: dict[str, str], tokenizer_metadat
 def paged_logits(model, token_ids: list[int], chunks: list[int], block_size: int = 4) -> torch.Tensor:
     """Run one sequence through the paged cache in steps of `chunks` tokens (then 1 per step).
 
-    The block table is a scrambled subset of the pool, so wrong addressing
-    cannot pass by luck. Returns the logits of every position, step by step.
+    Each KV group's block table is a scrambled subset of the pool, disjoint from the other groups', so
+    wrong addressing cannot pass by luck. Returns the logits of every position, step by step.
     """
     from kvserve.kv.attention import CpuAttentionBackend, SequenceSlice
     from kvserve.kv.spec import kv_spec
 
     backend = CpuAttentionBackend()
+    # The model's own windows (a test may give a layer one the config does not have).
+    spec = replace(kv_spec(model.config), layer_windows=tuple(model.layer_windows))
+    num_groups = spec.layout.num_groups
     num_blocks = -(-len(token_ids) // block_size)
-    cache = backend.allocate_kv_cache(kv_spec(model.config), num_blocks * 2 + 1, block_size)
-    block_ids = torch.randperm(num_blocks * 2 + 1, generator=torch.Generator().manual_seed(3))[:num_blocks].tolist()
-    cache.initialize_blocks_through(max(block_ids))
+    pool_blocks = num_blocks * num_groups * 2 + 1
+    cache = backend.allocate_kv_cache(spec, pool_blocks, block_size)
+    scrambled = torch.randperm(pool_blocks, generator=torch.Generator().manual_seed(3)).tolist()
+    tables = [scrambled[g * num_blocks : (g + 1) * num_blocks] for g in range(num_groups)]
+    cache.initialize_blocks_through(max(max(table) for table in tables))
     for tensor in cache.k + cache.v:
         # Rows not yet written hold stale data (zeroed once, then reused blocks'
         # leftovers): large finite garbage that must never influence a result.
@@ -152,7 +163,7 @@ def paged_logits(model, token_ids: list[int], chunks: list[int], block_size: int
     rows, computed = [], 0
     steps = list(chunks) + [1] * (len(token_ids) - sum(chunks))
     for count in steps:
-        context = backend.build_context(cache, [SequenceSlice(block_ids, computed, count)], model.layer_windows)
+        context = backend.build_context(cache, [SequenceSlice(tables, computed, count)])
         ids = torch.tensor(token_ids[computed : computed + count])
         rows.append(model(ids, torch.arange(computed, computed + count), context))
         computed += count
@@ -164,7 +175,7 @@ def write_tokens(cache, layer: int, block_ids: list[int], start: int, k: torch.T
     from kvserve.kv.attention import SequenceSlice, build_attention_metadata
     from kvserve.kv.attention.cpu import slot_indices
 
-    meta = build_attention_metadata([SequenceSlice(block_ids, start, k.shape[0])], cache.block_size)
+    meta = build_attention_metadata([SequenceSlice((block_ids,), start, k.shape[0])], cache.block_size)
     cache.write(layer, slot_indices(meta.slot_blocks, meta.slot_rows, cache.spec.num_kv_heads, cache.block_size), k, v)
 
 

@@ -50,12 +50,18 @@ class Engine:
         model_config = self.loaded.config
         self.max_model_len = checked_max_model_len(config, model_config)
         self.kv_spec = kv_spec(model_config, config.kv_cache_dtype)
-        block_bytes = self.kv_spec.bytes_per_token * config.block_size
+        layout = self.kv_spec.layout
+        # One block of the pool is one KV group's page: block_size tokens of page_layers layers.
+        block_bytes = self.kv_spec.page_bytes(config.block_size)
         budget = config.kv_cache_bytes  # the default is a share of what is free after the load
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory of {budget:,} bytes holds no block of {block_bytes:,} bytes "
-                              f"({config.block_size} tokens x {self.kv_spec.bytes_per_token:,} bytes/token)")
+                              f"({config.block_size} tokens x {layout.page_layers} layers x "
+                              f"{self.kv_spec.bytes_per_token_per_layer:,} bytes/token/layer)")
+        if config.kv_disk_path is not None and layout.has_windows:
+            raise ConfigError("kv_disk_path: the disk tier holds prefix blocks of full-attention models only; "
+                              "this model has sliding-window layers (their blocks are freed behind the window)")
         self.kv_cache = self.attention_backend.allocate_kv_cache(self.kv_spec, num_blocks, config.block_size)
         # Without a KV cache there is nothing to share: a hit would skip the recompute.
         self.prefix_caching = config.enable_prefix_caching and config.enable_kv_cache
@@ -64,12 +70,20 @@ class Engine:
                 if config.kv_disk_path is not None else None)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=self.prefix_caching,
                                          record_cached_blocks=tier is not None,
-                                         max_pinned_fraction=config.max_pinned_fraction, clock=clock)
+                                         max_pinned_fraction=config.max_pinned_fraction, clock=clock,
+                                         group_windows=layout.windows)
         # Breakpoints of requests whose prompt is not computed yet: pinned once it is (kv/pins.py).
         self._pending_pins: dict[str, tuple[PinRequest, ...]] = {}
         if tier is not None:
             self.tiering = TierTraffic(tier, self.kv_manager, self.kv_cache)
-        self.scheduler = Scheduler(config, self.kv_manager)
+        if config.context_overflow == "shift":
+            if layout.has_windows:
+                raise ConfigError("context_overflow='shift' re-rotates full-attention caches; this model has "
+                                  "sliding-window layers, whose windows already bound what they hold")
+            if config.keep_tokens > self.max_model_len // 2:
+                raise ConfigError(f"keep_tokens ({config.keep_tokens}) must be at most half the context "
+                                  f"({self.max_model_len} tokens): a shift drops half of what is not kept")
+        self.scheduler = Scheduler(config, self.kv_manager, self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.attention_backend)
         self._ids = itertools.count()
         self._num_steps = self._num_generated_tokens = 0
@@ -77,12 +91,21 @@ class Engine:
         self._block_view: BlockView | None = None  # the last one built, carried into later snapshots
         self._block_view_wanted = self._block_view_current = False
         self._stats = self._take_stats()
-        log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %s bytes/token (%s), %.1f MiB, prefix caching %s%s",
-            num_blocks, config.block_size, num_blocks * config.block_size, f"{self.kv_spec.bytes_per_token:,}",
-            self.kv_spec.dtype, self.kv_cache.bytes_allocated / 2**20, "on" if self.prefix_caching else "off",
-            "" if config.enable_kv_cache else "; KV cache DISABLED: every step recomputes every sequence",
-        )
+        if layout.num_groups == 1 and not layout.has_windows:
+            log.info(
+                "KV cache: %d blocks x %d tokens = %d tokens, %s bytes/token (%s), %.1f MiB, prefix caching %s%s",
+                num_blocks, config.block_size, num_blocks * config.block_size, f"{self.kv_spec.bytes_per_token:,}",
+                self.kv_spec.dtype, self.kv_cache.bytes_allocated / 2**20, "on" if self.prefix_caching else "off",
+                "" if config.enable_kv_cache else "; KV cache DISABLED: every step recomputes every sequence",
+            )
+        else:
+            log.info(
+                "KV cache: %d blocks of %d tokens x %d layers (%s bytes each, %s), %.1f MiB; KV groups: %s; "
+                "blocks behind a window are freed; prefix caching %s%s",
+                num_blocks, config.block_size, layout.page_layers, f"{block_bytes:,}", self.kv_spec.dtype,
+                self.kv_cache.bytes_allocated / 2**20, layout.describe(), "on" if self.prefix_caching else "off",
+                "" if config.enable_kv_cache else "; KV cache DISABLED: every step recomputes every sequence",
+            )
         if self.kv_spec.k_codec.is_fp8 or self.kv_spec.v_codec.is_fp8:
             log.warning("%s KV cache: this CPU has no fp8 arithmetic, so every read converts the gathered blocks "
                         "to float32 in software (works; int8 is as small and faster here)", self.kv_spec.dtype)
@@ -143,16 +166,23 @@ class Engine:
         if bad is not None:
             raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
+        if self.config.context_overflow == "shift":
+            # Generation continues past the context by dropping old tokens: only the prompt must fit.
+            if len(token_ids) > self.max_model_len:
+                raise InvalidRequestError(f"the prompt ({len(token_ids)} tokens) exceeds the model's context of "
+                                          f"{self.max_model_len} tokens (context shift applies to generation)")
+            total = min(total, self.max_model_len)
+        elif total > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                 f"exceeds the model's context of {self.max_model_len} tokens"
             )
-        if not self.kv_manager.can_fit(total):
+        chunk = self.config.max_num_batched_tokens
+        if not self.kv_manager.can_fit(total, chunk):
             raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) needs "
-                f"{self.kv_manager.blocks_for(total)} KV blocks but the whole cache has {self.kv_manager.num_blocks}; "
-                f"raise kv_cache_memory or lower max_tokens"
+                f"{self.kv_manager.peak_blocks(total, chunk)} KV blocks but the whole cache has "
+                f"{self.kv_manager.num_blocks}; raise kv_cache_memory or lower max_tokens"
             )
 
     @property
@@ -346,7 +376,7 @@ class Engine:
         if not self.config.enable_kv_cache:  # blocks were scratch for one step, not a cache
             return 0
         blocks = request.kv_blocks_held if request.finished else self.kv_manager.num_blocks_held(request.request_id)
-        return blocks * self.config.block_size * self.kv_spec.bytes_per_token
+        return blocks * self.kv_spec.page_bytes(self.config.block_size)
 
     def persistent_directory(self) -> Path | None:
         """Where state tied to this model and cache layout may outlive the process: the disk tier's
@@ -367,12 +397,8 @@ class Engine:
         self.kv_manager.check_integrity()
         if self.tiering is not None:
             self.tiering.tier.check_integrity()
-        block_size = self.config.block_size
         for request in self.scheduler.running:
-            held = self.kv_manager.num_blocks_held(request.request_id)
-            if held * block_size < request.num_computed_tokens:
-                raise KVIntegrityError(f"running request {request.request_id} holds {held} blocks for "
-                                       f"{request.num_computed_tokens} computed tokens")
+            self.kv_manager.check_tables(request.request_id, request.num_computed_tokens)
         for request in self.scheduler.waiting:
             if self.kv_manager.num_blocks_held(request.request_id):
                 raise KVIntegrityError(f"waiting request {request.request_id} holds blocks")

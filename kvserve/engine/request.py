@@ -53,6 +53,8 @@ class Request:
         self.cache_salt = cache_salt
         self.block_hashes = BlockHashChain(block_size, cache_salt)
         self.block_hashes.extend(self.all_token_ids)
+        self._output_token_ids: list[int] = []
+        self.num_shifted_tokens = 0  # dropped from the context by context shifts (engine/context_shift.py)
         # Prefix cache outcome at first admission: prompt tokens served from the
         # cache, and where the prompt left the closest cached chain (or None).
         self.num_cached_tokens: int | None = None
@@ -76,7 +78,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
+        return self._output_token_ids
 
     @property
     def finished(self) -> bool:
@@ -85,9 +87,23 @@ class Request:
     def append_output_token(self, token_id: int) -> str | None:
         """Record a sampled token; returns the finish reason if this token ends the request."""
         self.all_token_ids.append(token_id)
+        self._output_token_ids.append(token_id)
         self.block_hashes.extend(self.all_token_ids)
         self.metrics.record_token()
         return self.tracker.append(token_id)
+
+    def shift_context(self, keep: int, drop: int) -> None:
+        """Drop `drop` tokens after the first `keep` from the context (`all_token_ids`: what the model
+        attends over) and move the computed count with them; the outputs stay as produced. The block hashes
+        are rebuilt for the new token sequence (the KV manager never caches shifted K/V under them)."""
+        if drop <= 0 or keep + drop > self.num_tokens:
+            raise ValueError(f"cannot drop {drop} of {self.num_tokens} tokens after {keep}")
+        del self.all_token_ids[keep : keep + drop]
+        computed = self.num_computed_tokens
+        self.num_computed_tokens = computed if computed <= keep else max(computed - drop, keep)
+        self.num_shifted_tokens += drop
+        self.block_hashes = BlockHashChain(self.block_hashes.block_size, self.cache_salt)
+        self.block_hashes.extend(self.all_token_ids)
 
     def record_prompt_logprobs(self, first: int, entries: list[TokenLogprob]) -> None:
         """Record prompt logprobs for positions first, first + 1, ...; positions already recorded

@@ -14,6 +14,7 @@ from kvserve.engine.output import TokenLogprob
 from kvserve.engine.sampling import SamplingParams, make_generator, sample
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kv.attention import AttentionBackend, SequenceSlice
+from kvserve.kv.manager import ShiftPlan, TokenMoves
 from kvserve.kv.storage import PagedKVCache
 from kvserve.model.llama import LlamaForCausalLM
 
@@ -67,7 +68,11 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention  # the backend that allocated kv_cache
-        self.layer_windows = model.layer_windows  # each layer's attention kind, fixed for the model's life
+        layout = kv_cache.spec.layout
+        cache_windows = tuple(layout.groups[group].window for group in layout.layer_group)
+        if tuple(model.layer_windows) != cache_windows:
+            raise ValueError(f"the KV cache was laid out for layer windows {cache_windows}, "
+                             f"the model has {tuple(model.layer_windows)}")
         self._states: dict[str, _SamplingState] = {}
 
     def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int]) -> None:
@@ -85,6 +90,9 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step; samples a token for every request that reached its last token."""
+        for _, plan in out.shifts:  # before the forward writes into any block a shift freed
+            self.apply_shift(plan)
+        out.shifts = []  # applied once, even if the step is run again request by request
         inputs = self._prepare_inputs(out)
         logits = self._forward(inputs, out)
         sampled = logits[: len(inputs.sample_rows)]
@@ -98,6 +106,26 @@ class ModelRunner:
             result.prompt_logprobs.pop(request_id, None)
         return result
 
+    def apply_shift(self, plan: ShiftPlan) -> None:
+        """Move a context shift's K/V: kept rows copied as they are, the rest moved `drop` positions earlier
+        with their keys re-rotated by the model (quantized caches decode, rotate and re-encode)."""
+        self._move_tokens(plan.copied, 0)
+        self._move_tokens(plan.moved, -plan.drop)
+
+    def _move_tokens(self, moves: TokenMoves, delta: int) -> None:
+        if not moves.src_blocks:
+            return
+        cache, backend = self.kv_cache, self.attention
+        # A fresh block must be zeroed before rows land in it, not after (the forward zeroes lazily).
+        cache.initialize_blocks_through(max(moves.dst_blocks))
+        src = backend.token_slots(cache, torch.tensor(moves.src_blocks), torch.tensor(moves.src_rows))
+        dst = backend.token_slots(cache, torch.tensor(moves.dst_blocks), torch.tensor(moves.dst_rows))
+        for layer in range(cache.spec.num_layers):
+            k, v = cache.read_rows(layer, src)  # every source row is read before any is written
+            if delta:
+                k = self.model.shift_key_positions(layer, k, delta)
+            cache.write(layer, dst, k, v)
+
     def _prepare_inputs(self, out: SchedulerOutput) -> _StepInputs:
         """Flatten the scheduled requests, in the attention backend's batch order, into one forward's rows."""
         inputs = _StepInputs()
@@ -107,7 +135,7 @@ class ModelRunner:
             first_row = len(inputs.input_ids)
             inputs.input_ids.extend(item.token_ids)
             inputs.positions.append(torch.arange(item.num_computed_tokens, item.num_computed_tokens + count))
-            inputs.slices.append(SequenceSlice(item.block_ids, item.num_computed_tokens, count))
+            inputs.slices.append(SequenceSlice(item.block_tables, item.num_computed_tokens, count))
             if item.sample:
                 inputs.sample_rows.append(len(inputs.input_ids) - 1)
                 inputs.sample_ids.append(item.request_id)
@@ -122,8 +150,9 @@ class ModelRunner:
 
     def _forward(self, inputs: _StepInputs, out: SchedulerOutput) -> torch.Tensor:
         """One model forward; logits of the sampled rows, then of the prompt-logprob rows."""
-        context = self.attention.build_context(self.kv_cache, inputs.slices, self.layer_windows)
-        self.kv_cache.initialize_blocks_through(max(max(item.block_ids) for item in out.scheduled))
+        context = self.attention.build_context(self.kv_cache, inputs.slices)
+        self.kv_cache.initialize_blocks_through(max(max(table) for item in out.scheduled
+                                                    for table in item.block_tables))
         logits_rows = torch.cat([torch.tensor(inputs.sample_rows, dtype=torch.long)]
                                 + [torch.arange(row, row + count) for _, _, row, count in inputs.prompt_rows])
         return self.model(torch.tensor(inputs.input_ids), torch.cat(inputs.positions), context, logits_rows)

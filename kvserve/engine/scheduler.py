@@ -11,6 +11,13 @@ served while the pool keeps a watermark of free blocks. When a running request
 needs a block and none is free, the most recently admitted running request is
 preempted (blocks freed, requeued at the front, its tokens kept and recomputed
 later) and nobody new is admitted that step.
+
+With `context_overflow="shift"`, a running request whose next token would lie
+past `max_model_len` first drops half of its tokens after the first
+`keep_tokens` (llama.cpp's context shift): the KV manager rewrites its table
+and the step's output carries the K/V moves for the runner. A request that
+reaches the limit while waiting is shifted by its tokens alone (it holds no
+K/V) and recomputes the shorter context.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from dataclasses import dataclass, field
 from kvserve.config import EngineConfig
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.hashing import BlockHash
-from kvserve.kv.manager import KVCacheManager, PrefixMatch
+from kvserve.kv.manager import KVCacheManager, PrefixMatch, ShiftPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +37,7 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens computed this step
     num_computed_tokens: int  # tokens already cached before this step
-    block_ids: list[int]  # opaque ids from the KV manager, for the runner
+    block_tables: list[list[int]]  # per KV group: opaque ids from the KV manager, for the runner
     sample: bool  # whether this step reaches the end of the request's tokens (a new token is sampled)
 
 
@@ -38,6 +45,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # in scheduling order
     preempted: list[str] = field(default_factory=list)
+    shifts: list[tuple[str, ShiftPlan]] = field(default_factory=list)  # K/V to move before the forward
 
     @property
     def num_batched_tokens(self) -> int:
@@ -49,9 +57,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager, max_model_len: int | None = None) -> None:
         self.config = config
         self.kv = kv_manager
+        # Where a context shift happens (None: never; requests that could get there were refused).
+        self.shift_at = max_model_len if config.context_overflow == "shift" else None
+        self.num_context_shifts = 0  # monotonic
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -91,6 +102,10 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if self.shift_at is not None and request.num_tokens > self.shift_at:
+                budget += self._shift_running(request, out, counts)
+                if request.status is not RequestStatus.RUNNING:
+                    continue
             count = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + count):
                 victim = self.running[-1]
@@ -102,6 +117,28 @@ class Scheduler:
                 counts[request.request_id] = count
                 budget -= count
         return budget
+
+    def _shift_amount(self, request: Request) -> tuple[int, int]:
+        """(keep, drop): keep the first keep_tokens, drop half of the rest (llama.cpp's n_discard)."""
+        keep = min(self.config.keep_tokens, request.num_tokens - 2)
+        return keep, max((request.num_tokens - 1 - keep) // 2, 1)
+
+    def _shift_running(self, request: Request, out: SchedulerOutput, counts: dict[str, int]) -> int:
+        """Shift a running request's context, preempting the most recently admitted requests while the
+        blocks it must copy do not fit. Returns the token budget the preemptions gave back."""
+        keep, drop = self._shift_amount(request)
+        returned = 0
+        while (plan := self.kv.shift(request.request_id, keep, drop, request.num_computed_tokens)) is None:
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            returned += counts.pop(victim.request_id, 0)
+            if victim is request:
+                request.shift_context(keep, drop)  # nothing held: its shorter context is recomputed
+                return returned
+        request.shift_context(keep, drop)
+        out.shifts.append((request.request_id, plan))
+        self.num_context_shifts += 1
+        return returned
 
     def _blocks_in_flight(self) -> set[BlockHash]:
         """Blocks that requests still prefilling are about to compute: a waiting request that
@@ -121,6 +158,8 @@ class Scheduler:
         in_flight = self._blocks_in_flight()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self.shift_at is not None and request.num_tokens > self.shift_at:
+                request.shift_context(*self._shift_amount(request))  # preempted at the limit: no K/V to move
             # Preempted requests look up the cache too: their recompute is mostly hits.
             match = None
             if not request.sampling_params.skip_reading_prefix_cache:
@@ -169,6 +208,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        out.shifts = [shift for shift in out.shifts if shift[0] != request.request_id]  # its blocks are gone
         self.kv.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -185,6 +225,8 @@ class Scheduler:
             request.num_computed_tokens += len(item.token_ids)
             self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.block_hashes,
                                       request.num_computed_tokens)
+            # Cached first, then freed: a block behind a window stays hittable while the pool keeps it.
+            self.kv.free_behind_window(request.request_id, request.num_computed_tokens)
             if item.request_id not in sampled:
                 continue
             reason = request.append_output_token(sampled[item.request_id])

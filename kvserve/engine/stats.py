@@ -94,6 +94,7 @@ class EngineStats:
     waiting: tuple[RequestStats, ...]  # queue order
     tier: TierStats | None = None  # the lower KV tier (disk), if there is one
     pins: PinStats | None = None  # pinned prefixes (cache breakpoints with a TTL)
+    num_context_shifts: int = 0  # monotonic: sequences shifted past the context (--context-overflow shift)
     last_step: StepWork = StepWork()  # what the last step that ran a batch computed
     blocks: BlockView | None = None  # the pool block by block, as of blocks.num_steps (only once asked for)
 
@@ -142,6 +143,7 @@ def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int, 
         num_used_blocks=kv.num_blocks - num_free, num_free_blocks=num_free, num_cached_blocks=kv.num_cached_blocks,
         num_cached_free_blocks=kv.num_cached_free_blocks, prefix_cache_queries=scheduler.prefix_cache_queries,
         prefix_cache_hits=scheduler.prefix_cache_hits, num_preemptions=scheduler.num_preemptions,
+        num_context_shifts=scheduler.num_context_shifts,
         num_steps=num_steps, num_generated_tokens=num_generated_tokens,
         running=tuple(request_stats(r, kv) for r in scheduler.running),
         waiting=tuple(request_stats(r, kv) for r in scheduler.waiting), last_step=last_step, blocks=blocks,

@@ -36,6 +36,7 @@ class KVBlock:
     # Loaded from a lower tier and not yet claimed by a request: that request's hit counts as the tier's.
     from_tier: bool = False
     pin_count: int = 0  # live pins covering this block (kv/pins.py); while free it sits in the pinned queue
+    group: int = 0  # the KV group (kv/groups.py) whose content it caches: one hash is cached once per group
 
 
 class FreeBlockQueue:
@@ -92,10 +93,12 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All blocks, the free queue, and (with prefix caching) hash -> cached block.
+    """All blocks, the free queue, and (with prefix caching) (group, hash) -> cached block.
 
     A cached block keeps its hash while free, so a later request can claim it
     back (`touch`); its hash is dropped only when the block is handed out anew.
+    Blocks are pages of one KV group (kv/groups.py); the same tokens are cached
+    once per group, under the same hash.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 1) -> None:
@@ -104,9 +107,9 @@ class BlockPool:
         self.block_size = block_size
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[BlockHash, KVBlock] = {}
-        # parent hash -> cached children: what lets a miss be explained to the token.
-        self.children: dict[BlockHash | None, dict[BlockHash, KVBlock]] = {}
+        self.cached: dict[tuple[int, BlockHash], KVBlock] = {}
+        # (group, parent hash) -> cached children: what lets a miss be explained to the token.
+        self.children: dict[tuple[int, BlockHash | None], dict[BlockHash, KVBlock]] = {}
         self.num_cached_free_blocks = 0  # free blocks still holding a reusable prefix (kept up to date: O(1) stats)
         # Free blocks with pin_count > 0, handed out only when `free_queue` is empty (see the module doc).
         self.pinned_free_queue = FreeBlockQueue(())
@@ -209,31 +212,53 @@ class BlockPool:
                     self.num_cached_free_blocks += 1
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash | None,
-                    token_ids: tuple[int, ...]) -> bool:
-        """Register a full, computed (held) block under its hash; whether it was registered. If another
-        block already holds the same content, that one stays the cached copy."""
-        if block.block_hash is not None or block_hash in self.cached:
+                    token_ids: tuple[int, ...], group: int = 0) -> bool:
+        """Register a full, computed (held) block of `group` under its hash; whether it was registered.
+        If another block already holds the same content, that one stays the cached copy."""
+        if block.block_hash is not None or (group, block_hash) in self.cached:
             return False
-        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
-        self.cached[block_hash] = block
-        self.children.setdefault(parent_hash, {})[block_hash] = block
+        block.block_hash, block.parent_hash, block.token_ids, block.group = block_hash, parent_hash, token_ids, group
+        self.cached[group, block_hash] = block
+        self.children.setdefault((group, parent_hash), {})[block_hash] = block
         if block.ref_cnt == 0:
             self.num_cached_free_blocks += 1
         return True
 
-    def lookup(self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: Sequence[int]) -> KVBlock | None:
-        block = self.cached.get(block_hash)
+    def uncache(self, block: KVBlock) -> None:
+        """A held block's content is about to change (a context shift rewrites it in place): it leaves the
+        cache, and any pin covering it lapses first."""
+        if block.ref_cnt != 1:
+            raise KVIntegrityError(f"block {block.block_id} is held {block.ref_cnt} times; only a block one "
+                                   f"request holds alone may be rewritten")
+        if block.block_hash is None:
+            return
+        if block.pin_count and self.on_pinned_evict is not None:
+            self.on_pinned_evict(block)
+        self._evict(block)
+
+    def lookup(self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: Sequence[int],
+               group: int = 0) -> KVBlock | None:
+        block = self.cached.get((group, block_hash))
         if block is None or block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
             return None  # absent, or a hash collision: never serve other tokens' K/V
         return block
 
+    def cached_block(self, block_hash: BlockHash, group: int = 0) -> KVBlock | None:
+        """The block caching `block_hash` in `group`, if any (no token check: for hashes of a known chain)."""
+        return self.cached.get((group, block_hash))
+
+    def children_of(self, parent_hash: BlockHash | None, group: int = 0) -> dict[BlockHash, KVBlock]:
+        """The cached blocks of `group` whose parent is `parent_hash`."""
+        return self.children.get((group, parent_hash), {})
+
     def _evict(self, block: KVBlock) -> None:
-        del self.cached[block.block_hash]
-        siblings = self.children[block.parent_hash]
+        del self.cached[block.group, block.block_hash]
+        key = (block.group, block.parent_hash)
+        siblings = self.children[key]
         del siblings[block.block_hash]
         if not siblings:
-            del self.children[block.parent_hash]
-        block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+            del self.children[key]
+        block.block_hash, block.parent_hash, block.token_ids, block.group = None, None, (), 0
         block.from_tier = False
 
     def check_integrity(self) -> None:
@@ -272,9 +297,9 @@ class BlockPool:
                 if len(block.token_ids) != self.block_size:
                     raise KVIntegrityError(f"hashed block {block.block_id} holds {len(block.token_ids)} tokens, "
                                            f"not a full block of {self.block_size}")
-                if self.cached.get(block.block_hash) is not block:
+                if self.cached.get((block.group, block.block_hash)) is not block:
                     raise KVIntegrityError(f"hashed block {block.block_id} is not in the hash map")
-        if not all(b.block_hash == h for h, b in self.cached.items()):
+        if not all(b.block_hash == h and b.group == g for (g, h), b in self.cached.items()):
             raise KVIntegrityError("the hash map points at a re-used block")
         if sum(len(c) for c in self.children.values()) != len(self.cached):
             raise KVIntegrityError("the children index is out of sync with the hash map")

@@ -42,9 +42,13 @@ class PinRequest:
     ttl_s: float
 
 
+# A cached block by its KV group and hash (kv/block_pool.py).
+CacheKey = tuple[int, BlockHash]
+
+
 @dataclass(slots=True)
 class _Pin:
-    hashes: tuple[BlockHash, ...]  # the prefix's block hashes, root first
+    keys: tuple[CacheKey, ...]  # the prefix's cached blocks in every group, root first
     ttl_s: float
     expires_at: float
 
@@ -94,23 +98,18 @@ class PinTable:
     def __len__(self) -> int:
         return len(self._pins)
 
-    def pin(self, hashes: Sequence[BlockHash], ttl_s: float) -> int:
-        """Pin the cached blocks of the chain `hashes` (root first), or refresh the pin if it exists.
-        Pins the leading run that is still cached; returns how many blocks the pin covers (0: none)."""
-        blocks: list[KVBlock] = []
-        for block_hash in hashes:
-            block = self.pool.cached.get(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
+    def pin(self, key: BlockHash, blocks_of: Sequence[CacheKey], ttl_s: float) -> int:
+        """Pin the cached blocks `blocks_of` (root first; what a hit on the prefix needs, found by the KV
+        manager), under `key`, the hash of the prefix's last block; or refresh the pin if it exists.
+        Returns how many blocks the pin covers (0: none)."""
+        blocks = [self.pool.cached[cache_key] for cache_key in blocks_of]
         if not blocks:
             return 0
         now = self.clock()
-        key = blocks[-1].block_hash
         pin = self._pins.get(key)
         if pin is not None:
             self._refresh(key, pin, now, ttl_s)
-            return len(pin.hashes)
+            return len(pin.keys)
         if len(blocks) > self.max_pinned_blocks:
             return 0  # larger than the whole share pins may hold: it would only push every other pin out
         while self.pool.num_pinned_blocks + sum(1 for b in blocks if not b.pin_count) > self.max_pinned_blocks:
@@ -118,7 +117,7 @@ class PinTable:
             self.pins_lapsed += 1
         for block in reversed(blocks):  # chain ends nearer the pinned queue's head than their roots
             self.pool.pin(block)
-        self._pins[key] = _Pin(tuple(b.block_hash for b in blocks), ttl_s, now + ttl_s)
+        self._pins[key] = _Pin(tuple(blocks_of), ttl_s, now + ttl_s)
         self.pins_created += 1
         return len(blocks)
 
@@ -136,8 +135,8 @@ class PinTable:
         pin.ttl_s = max(pin.ttl_s, ttl_s)
         pin.expires_at = max(pin.expires_at, now + ttl_s)
         self._pins.move_to_end(key)
-        for block_hash in reversed(pin.hashes):
-            self.pool.bump_pinned(self.pool.cached[block_hash])
+        for cache_key in reversed(pin.keys):
+            self.pool.bump_pinned(self.pool.cached[cache_key])
         self.pins_refreshed += 1
 
     def expire(self) -> int:
@@ -153,12 +152,13 @@ class PinTable:
         pin = self._pins.pop(key)
         # Root first: each unpinned free block goes to the ordinary queue's head, so the chain's end
         # ends up first in line and its root last (as a finished request frees, tail first).
-        for block_hash in pin.hashes:
-            self.pool.unpin(self.pool.cached[block_hash])  # a pinned block keeps its hash until it is unpinned
+        for cache_key in pin.keys:
+            self.pool.unpin(self.pool.cached[cache_key])  # a pinned block keeps its hash until it is unpinned
 
     def _on_evict(self, block: KVBlock) -> None:
         """The pool is evicting a pinned block for a request: every pin that covers it lapses."""
-        for key in [key for key, pin in self._pins.items() if block.block_hash in pin.hashes]:
+        evicted = (block.group, block.block_hash)
+        for key in [key for key, pin in self._pins.items() if evicted in pin.keys]:
             self._drop(key)
             self.pins_lapsed += 1
 
@@ -167,7 +167,7 @@ class PinTable:
         return PinStats(
             len(self._pins), self.pool.num_pinned_blocks, self.max_pinned_blocks, self.pins_created,
             self.pins_refreshed, self.pins_expired, self.pins_lapsed, self.cache_write_tokens,
-            tuple(PinInfo(key.hex()[:12], len(pin.hashes), max(pin.expires_at - now, 0.0))
+            tuple(PinInfo(key.hex()[:12], len(pin.keys), max(pin.expires_at - now, 0.0))
                   for key, pin in self._pins.items()))
 
     def check_integrity(self) -> None:
@@ -177,9 +177,9 @@ class PinTable:
         for key, pin in self._pins.items():
             if pin.expires_at <= self._last_sweep:
                 raise KVIntegrityError(f"pin {key.hex()[:12]} expired before the last sweep but still holds "
-                                       f"{len(pin.hashes)} blocks")
-            for block_hash in pin.hashes:
-                block = self.pool.cached.get(block_hash)
+                                       f"{len(pin.keys)} blocks")
+            for cache_key in pin.keys:
+                block = self.pool.cached.get(cache_key)
                 if block is None:
                     raise KVIntegrityError(f"pin {key.hex()[:12]} covers a block that is no longer cached")
                 covering[block.block_id] += 1

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from kvserve.config import ModelConfig
 from kvserve.errors import InvalidRequestError
+from kvserve.kv.groups import KVGroupLayout, blocks_held, kv_group_layout
 from kvserve.kv.quant import CODECS, PARAM_DTYPE, KVCodec
 
 # User-facing aliases. "auto" is the model's compute dtype, which is float32
@@ -38,12 +39,24 @@ def resolve_cache_dtype(name: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class KVSpec:
-    """KV-cache geometry of one model at one cache dtype."""
+    """KV-cache geometry of one model at one cache dtype.
+
+    `bytes_per_token` counts every layer: what a token costs where every layer
+    keeps it. With sliding-window layers, the pool is paged per KV group
+    (kv/groups.py): a page holds `page_layers` layers, and a request holds
+    fewer pages in windowed groups (`request_bytes`).
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str  # canonical: "int8", or "int8/int4" for different K and V dtypes
+    # Each layer's sliding window (None = full attention); empty: every layer full.
+    layer_windows: tuple[int | None, ...] = ()
+
+    @property
+    def layout(self) -> KVGroupLayout:
+        return kv_group_layout(self.layer_windows or (None,) * self.num_layers)
 
     @property
     def k_codec(self) -> KVCodec:
@@ -63,6 +76,22 @@ class KVSpec:
     def bytes_per_token(self) -> int:
         return self.num_layers * self.bytes_per_token_per_layer
 
+    @property
+    def page_layers(self) -> int:
+        return self.layout.page_layers
+
+    def page_bytes(self, block_size: int) -> int:
+        """One pool page: `block_size` tokens of `page_layers` layers (one group's block)."""
+        return block_size * self.page_layers * self.bytes_per_token_per_layer
+
+    def request_pages(self, num_tokens: int, block_size: int) -> int:
+        """Pages a request with `num_tokens` computed holds between steps, over every group."""
+        return sum(blocks_held(window, num_tokens, block_size) for window in self.layout.windows)
+
+    def request_bytes(self, num_tokens: int, block_size: int) -> int:
+        """KV bytes a request with `num_tokens` computed holds between steps: whole pages, windows freed."""
+        return self.request_pages(num_tokens, block_size) * self.page_bytes(block_size)
+
     def formula(self) -> str:
         """The factors, e.g. '2 (K, V) x 30 layers x 3 KV heads x (64 x 1 B + 2 B scale) = 11,880 bytes/token'."""
         def row(codec: KVCodec) -> str:
@@ -79,7 +108,9 @@ class KVSpec:
 
 
 def kv_spec(config: ModelConfig, dtype: str = "auto") -> KVSpec:
-    return KVSpec(config.num_layers, config.num_kv_heads, config.head_dim, resolve_cache_dtype(dtype))
+    windows = tuple(config.window_for_layer(layer) for layer in range(config.num_layers))
+    return KVSpec(config.num_layers, config.num_kv_heads, config.head_dim, resolve_cache_dtype(dtype),
+                  windows if any(window is not None for window in windows) else ())
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: str = "auto") -> int:

@@ -1,5 +1,9 @@
 """The paged K/V tensors: per layer, one tensor for K and one for V, in the attention backend's layout.
 
+With KV groups (kv/groups.py) a block id names a page of one group: layers
+of different groups in the same slot share one tensor, each reading it at its
+own group's page ids.
+
 The backend chooses the shape (`AttentionBackend.kv_cache_shape`; the cpu
 backend's is `[num_blocks, num_kv_heads, block_size, head_dim]`) with the
 block first and the row width last. Quantized dtypes store their elements in
@@ -60,11 +64,16 @@ class _PagedSide:
         self.raw_fp8 = codec.is_fp8
         container = torch.uint8 if self.raw_fp8 else codec.storage_dtype
         shape = layer_shape(num_blocks, spec.num_kv_heads, block_size, codec.data_width(spec.head_dim))
-        self.data = [torch.empty(shape, dtype=container) for _ in range(spec.num_layers)]
+        # One tensor per slot of a page (kv/groups.py); layer i addresses its slot's tensor with the page
+        # ids of its own group. A model of one kind has one slot per layer.
+        layout = spec.layout
+        self.slot_data = [torch.empty(shape, dtype=container) for _ in range(layout.page_layers)]
         num_params = codec.num_params(spec.head_dim)
         params_shape = layer_shape(num_blocks, spec.num_kv_heads, block_size, num_params)
-        self.params = [torch.empty(params_shape, dtype=PARAM_DTYPE) for _ in range(spec.num_layers)] \
+        self.slot_params = [torch.empty(params_shape, dtype=PARAM_DTYPE) for _ in range(layout.page_layers)] \
             if num_params else []
+        self.data = [self.slot_data[slot] for slot in layout.layer_slot]
+        self.params = [self.slot_params[slot] for slot in layout.layer_slot] if num_params else []
 
     def write(self, layer: int, slot_indices: torch.Tensor, x: torch.Tensor) -> None:
         data, params = self.codec.encode(x)
@@ -74,6 +83,16 @@ class _PagedSide:
         self.data[layer].view(-1, data.shape[-1]).index_copy_(0, slot_indices, data)
         if params is not None:
             self.params[layer].view(-1, params.shape[-1]).index_copy_(0, slot_indices, params)
+
+    def read_rows(self, layer: int, slot_indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Flat rows `slot_indices` of `layer`, decoded to `dtype`: `[rows, head_dim]`."""
+        data = self.data[layer].view(-1, self.data[layer].shape[-1]).index_select(0, slot_indices)
+        if self.raw_fp8:
+            data = data.view(self.codec.storage_dtype)
+        params = None
+        if self.params:
+            params = self.params[layer].view(-1, self.params[layer].shape[-1]).index_select(0, slot_indices)
+        return self.codec.decode(data, params, dtype)
 
     def read(self, layer: int, block_ids: torch.Tensor, dtype: torch.dtype,
              fold_scales: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -107,7 +126,8 @@ class PagedKVCache:
         self._zeroed_upto = 0
 
     def _tensors(self) -> list[torch.Tensor]:
-        return self.k + self.v + self.k_params + self.v_params
+        """Every tensor of the pool once (layers of different groups share their slot's tensor)."""
+        return self.keys.slot_data + self.values.slot_data + self.keys.slot_params + self.values.slot_params
 
     def initialize_blocks_through(self, highest_block_id: int) -> None:
         """Make sure every block up to `highest_block_id` has been zeroed once before first use."""
@@ -125,7 +145,7 @@ class PagedKVCache:
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block across every layer, K and V, data and parameters."""
+        """Bytes of one block (page) across its group's layers, K and V, data and parameters."""
         return sum(t[0].numel() * t.element_size() for t in self._tensors())
 
     def read_blocks(self, block_ids: list[int]) -> list[memoryview]:
@@ -170,6 +190,13 @@ class PagedKVCache:
         head_dim = self.spec.head_dim
         self.keys.write(layer, slot_indices, k.reshape(-1, head_dim))
         self.values.write(layer, slot_indices, v.reshape(-1, head_dim))
+
+    def read_rows(self, layer: int, slot_indices: torch.Tensor,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of flat rows `slot_indices` (as `write` takes them), decoded: `[T, num_kv_heads, head_dim]`."""
+        shape = (-1, self.spec.num_kv_heads, self.spec.head_dim)
+        return (self.keys.read_rows(layer, slot_indices, dtype).view(shape),
+                self.values.read_rows(layer, slot_indices, dtype).view(shape))
 
     def gather(self, layer: int, block_ids: torch.Tensor, dtype: torch.dtype, fold_scales: bool = False) -> GatheredKV:
         """Blocks `block_ids` of `layer` in `dtype`; with `fold_scales`, per-row scales are left to the caller."""

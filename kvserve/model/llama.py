@@ -112,6 +112,12 @@ class LlamaForCausalLM(nn.Module):
         """Each layer's sliding window (None = full): what an attention context is built for."""
         return tuple(layer.self_attn.sliding_window for layer in self.layers)
 
+    def shift_key_positions(self, layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
+        """Cached keys `[T, KVH, D]` (RoPE applied) as if computed `delta` positions later: RoPE is a rotation
+        by position, so rotating by `delta` moves them (a context shift's re-rotation, as llama.cpp does)."""
+        cos, sin = self.rotary_emb(torch.tensor([delta]))
+        return apply_rope(keys, cos, sin)
+
     def num_parameters(self) -> int:
         """The model's parameter count, whatever format its linear layers hold (a tied head counts once)."""
         tied_head = self.lm_head if self.config.tie_word_embeddings else None

@@ -139,6 +139,7 @@ def _kv_cache_report(engine: Engine) -> dict:
     """Run between steps: the snapshot is then the pool as it is now."""
     engine.expire_pins()  # an idle engine runs no step that would sweep them
     stats = engine.stats()
+    layout = engine.kv_spec.layout
     try:
         engine.check_integrity()
         integrity = "ok"
@@ -148,7 +149,10 @@ def _kv_cache_report(engine: Engine) -> dict:
         "block_size": stats.block_size, "num_blocks": stats.num_blocks, "num_used_blocks": stats.num_used_blocks,
         "num_free_blocks": stats.num_free_blocks, "num_cached_blocks": stats.num_cached_blocks,
         "num_cached_free_blocks": stats.num_cached_free_blocks,
-        "capacity_tokens": stats.num_blocks * stats.block_size, "bytes_per_token": engine.kv_spec.bytes_per_token,
+        # Tokens every KV group can hold at once (a windowed group frees blocks, so long requests hold fewer).
+        "capacity_tokens": stats.num_blocks // layout.num_groups * stats.block_size,
+        "bytes_per_token": engine.kv_spec.bytes_per_token,
+        "kv_groups": [{"window": group.window, "layers": list(group.layers)} for group in layout.groups],
         "dtype": engine.kv_spec.dtype, "pool_bytes": engine.kv_cache.bytes_allocated,
         "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
         "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits,

@@ -62,6 +62,8 @@ class _EngineCollector:
                       stats.prefix_cache_hits)
         yield counter("kvserve:num_preemptions", "Requests preempted to free KV blocks.",
                       stats.num_preemptions)
+        yield counter("kvserve:num_context_shifts", "Sequences shifted past the context (oldest tokens dropped).",
+                      stats.num_context_shifts)
         pins = stats.pins
         if pins is not None:
             yield gauge("kvserve:kv_pins", "Live pinned prefixes (cache breakpoints with a TTL).", pins.num_pins)

@@ -24,9 +24,9 @@ class Recording(CpuAttentionBackend):
         self.scheduled.append(list(num_new_tokens))
         return super().batch_order(num_new_tokens)
 
-    def build_context(self, cache, slices, layer_windows):
+    def build_context(self, cache, slices):
         self.batches.append([s.num_new_tokens for s in slices])
-        return super().build_context(cache, slices, layer_windows)
+        return super().build_context(cache, slices)
 
 
 class Reversed(CpuAttentionBackend):

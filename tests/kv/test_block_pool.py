@@ -41,7 +41,7 @@ def test_pool_frees_to_the_tail_and_refuses_double_free():
 def test_manager_allocates_per_block_and_frees_tail_first():
     manager = KVCacheManager(num_blocks=8, block_size=4)
     assert manager.allocate_slots("a", 5)  # 2 blocks
-    assert manager.block_ids("a") == [0, 1]
+    assert manager.block_ids("a")[0] == [0, 1]
     assert manager.allocate_slots("a", 8)  # still 2
     assert manager.allocate_slots("a", 9)  # a third
     assert manager.num_used_blocks == 3
@@ -54,9 +54,9 @@ def test_failed_allocation_changes_nothing():
     manager = KVCacheManager(num_blocks=4, block_size=4)
     assert manager.allocate_slots("a", 12)
     assert not manager.allocate_slots("b", 8)
-    assert manager.block_ids("b") == [] and manager.num_free_blocks == 1
+    assert manager.block_ids("b")[0] == [] and manager.num_free_blocks == 1
     assert not manager.allocate_slots("a", 24)
-    assert len(manager.block_ids("a")) == 3
+    assert len(manager.block_ids("a")[0]) == 3
     manager.check_integrity()
 
 
@@ -108,19 +108,19 @@ def test_invariants_hold_under_random_operations(num_blocks, block_size, ops):
             if manager.allocate_slots(request_id, amount, keep_watermark=True):
                 lengths[request_id] = amount
         elif op == "append" and request_id in lengths:
-            before = manager.block_ids(request_id)
+            before = manager.block_ids(request_id)[0]
             if manager.allocate_slots(request_id, lengths[request_id] + amount):
                 lengths[request_id] += amount
-                assert manager.block_ids(request_id)[: len(before)] == before  # tables only grow at the end
+                assert manager.block_ids(request_id)[0][: len(before)] == before  # tables only grow at the end
             else:
-                assert manager.block_ids(request_id) == before
+                assert manager.block_ids(request_id)[0] == before
         elif op == "free":  # finish or abort: the same for the manager
             manager.free(request_id)
             lengths.pop(request_id, None)
         manager.check_integrity()
         for rid, length in lengths.items():
-            assert len(manager.block_ids(rid)) == manager.blocks_for(length)
-        all_ids = [b for rid in lengths for b in manager.block_ids(rid)]
+            assert len(manager.block_ids(rid)[0]) == manager.blocks_for(length)
+        all_ids = [b for rid in lengths for b in manager.block_ids(rid)[0]]
         assert len(all_ids) == len(set(all_ids))  # no block in two tables (no sharing without prefix caching)
     for rid in list(lengths):
         manager.free(rid)

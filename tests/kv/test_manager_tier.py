@@ -89,7 +89,7 @@ def test_a_key_already_cached_past_a_gap_keeps_its_pool_copy():
     tokens = list(range(1, 18))
     compute(kv, "a", tokens)  # blocks 0-3
     chain = block_hashes(tokens, BS)
-    kv.pool._evict(kv.pool.cached[chain.hashes[1]])  # a gap at block 1 (as if handed out and reused)
+    kv.pool._evict(kv.pool.cached_block(chain.hashes[1]))  # a gap at block 1 (as if handed out and reused)
     kv.pool.num_cached_free_blocks -= 1
     match = kv.find_cached_prefix(tokens, chain)
     keys = kv.keys_after(tokens, chain, match)

@@ -107,7 +107,7 @@ def test_nested_pins_share_blocks():
     chain = cache_prompt(kv, "a", list(range(100, 112)))
     kv.pin(chain, 4, ttl_s=300)
     kv.pin(chain, 12, ttl_s=3600)
-    assert kv.pool.num_pinned_blocks == 3 and kv.pool.blocks[kv.pool.cached[chain.hashes[0]].block_id].pin_count == 2
+    assert kv.pool.num_pinned_blocks == 3 and kv.pool.blocks[kv.pool.cached_block(chain.hashes[0]).block_id].pin_count == 2
     kv.check_integrity()
 
 
@@ -116,10 +116,10 @@ def test_integrity_catches_a_pin_count_out_of_step_and_a_missed_sweep():
     kv = manager(num_blocks=8, clock=clock)
     chain = cache_prompt(kv, "a", list(range(100, 108)))
     kv.pin(chain, 8, ttl_s=10)
-    kv.pool.cached[chain.hashes[0]].pin_count += 1
+    kv.pool.cached_block(chain.hashes[0]).pin_count += 1
     with pytest.raises(KVIntegrityError, match="pin_count"):
         kv.pins.check_integrity()
-    kv.pool.cached[chain.hashes[0]].pin_count -= 1
+    kv.pool.cached_block(chain.hashes[0]).pin_count -= 1
     clock.now += 20
     kv.pins._last_sweep = clock.now  # a sweep that forgot to drop the expired pin
     with pytest.raises(KVIntegrityError, match="expired"):

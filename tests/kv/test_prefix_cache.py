@@ -37,8 +37,8 @@ def test_identical_prefix_is_shared_not_copied():
     match = lookup(kv, prompt + [99])
     assert match.num_tokens == 12
     assert kv.allocate_slots("b", 14, prefix=match)
-    assert kv.block_ids("b")[:3] == kv.block_ids("a")[:3]  # the same physical blocks
-    assert [kv.pool.blocks[i].ref_cnt for i in kv.block_ids("a")[:3]] == [2, 2, 2]
+    assert kv.block_ids("b")[0][:3] == kv.block_ids("a")[0][:3]  # the same physical blocks
+    assert [kv.pool.blocks[i].ref_cnt for i in kv.block_ids("a")[0][:3]] == [2, 2, 2]
     kv.check_integrity()
 
 
@@ -105,7 +105,7 @@ def test_admission_counts_claimed_cached_blocks_against_free_space():
     run_request(kv, "a", list(range(1, 10)))  # blocks 0,1 cached & free, block 2 free
     match = lookup(kv, list(range(1, 10)) + [1, 2, 3, 4])  # 13 tokens: needs 4 blocks, 2 shared
     assert not kv.allocate_slots("b", 13, prefix=match)
-    assert kv.block_ids("b") == [] and kv.num_free_blocks == 3
+    assert kv.block_ids("b")[0] == [] and kv.num_free_blocks == 3
     kv.check_integrity()
 
 
@@ -137,7 +137,7 @@ def test_invariants_with_sharing(ops):
             if kv.allocate_slots(request_id, len(tokens), prefix=match):
                 kv.cache_full_blocks(request_id, tokens, chain, len(tokens))
                 # a hit's blocks hold exactly the prompt's tokens
-                for i, block_id in enumerate(kv.block_ids(request_id)[: match.num_tokens // BS]):
+                for i, block_id in enumerate(kv.block_ids(request_id)[0][: match.num_tokens // BS]):
                     assert kv.pool.blocks[block_id].token_ids == tuple(tokens[i * BS : (i + 1) * BS])
                 if op == "run":
                     kv.free(request_id)

@@ -12,12 +12,12 @@ registry.py    name -> backend
 from kvserve.kv.attention.base import AttentionBackend, AttentionContext, SequenceSlice
 from kvserve.kv.attention.contiguous import ContiguousContext
 from kvserve.kv.attention.cpu import CpuAttentionBackend, PagedKVContext
-from kvserve.kv.attention.cpu_metadata import AttentionMetadata, build_attention_metadata, build_step_metadata
+from kvserve.kv.attention.cpu_metadata import AttentionMetadata, build_attention_metadata
 from kvserve.kv.attention.reference import attend, attention_mask
 from kvserve.kv.attention.registry import attention_backend_names, get_attention_backend
 
 __all__ = [
     "AttentionBackend", "AttentionContext", "AttentionMetadata", "ContiguousContext", "CpuAttentionBackend",
     "PagedKVContext", "SequenceSlice", "attend", "attention_backend_names", "attention_mask",
-    "build_attention_metadata", "build_step_metadata", "get_attention_backend",
+    "build_attention_metadata", "get_attention_backend",
 ]

@@ -7,9 +7,11 @@ and how a step's mixed batch is attended over belongs to the
 order of requests in the batch, the step's metadata and the kernels.
 
 Layers differ only in their attention *kind*, i.e. their sliding window
-(None = full attention). A backend builds the window-dependent part of a
-step's metadata once per distinct window, never once per layer, and each
-layer attends with its own kind's.
+(None = full attention). Layers of one kind share block tables in KV groups
+(kv/groups.py): a request brings one table per group, and a backend builds a
+step's metadata once per group, never once per layer. A windowed group's
+table holds the null block (id -1) where blocks behind the window were freed;
+attention never reads those.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from kvserve.kv.storage import PagedKVCache
 
 @dataclass(frozen=True, slots=True)
 class SequenceSlice:
-    """One request's part of a step: its block table, tokens already cached, tokens computed now."""
+    """One request's part of a step: its block table in each KV group, tokens already cached, tokens
+    computed now."""
 
-    block_ids: Sequence[int]
+    block_tables: Sequence[Sequence[int]]
     num_computed_tokens: int
     num_new_tokens: int
 
@@ -55,9 +58,10 @@ class AttentionBackend(ABC):
 
     Contract, per step: the runner orders the scheduled requests with
     `batch_order`, lays their new tokens out in that order, builds the
-    context with `build_context` from the requests' slices (same order) and
-    the model's per-layer windows, and hands the context to the model's
-    forward. The cache it attends over was allocated by `allocate_kv_cache`.
+    context with `build_context` from the requests' slices (same order), and
+    hands the context to the model's forward. The cache it attends over was
+    allocated by `allocate_kv_cache`; its spec's group layout says which
+    group (and window) each layer has.
     """
 
     name: ClassVar[str]
@@ -75,6 +79,10 @@ class AttentionBackend(ABC):
         """The paged pool, laid out as this backend wants it."""
         return PagedKVCache(spec, num_blocks, block_size, self.kv_cache_shape)
 
+    @abstractmethod
+    def token_slots(self, cache: PagedKVCache, block_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The flat rows (as `PagedKVCache.write` and `read_rows` take them) of the tokens at (block, row)."""
+
     def batch_order(self, num_new_tokens: Sequence[int]) -> list[int]:
         """A permutation of the scheduled requests (given by their new-token counts): the batch order.
 
@@ -85,11 +93,10 @@ class AttentionBackend(ABC):
         return list(range(len(num_new_tokens)))
 
     @abstractmethod
-    def build_context(
-        self, cache: PagedKVCache, slices: Sequence[SequenceSlice], layer_windows: Sequence[int | None]
-    ) -> AttentionContext:
-        """The step's context: `slices` in batch order, `layer_windows[i]` = layer i's window (None = full).
+    def build_context(self, cache: PagedKVCache, slices: Sequence[SequenceSlice]) -> AttentionContext:
+        """The step's context: `slices` in batch order, each with one block table per group of
+        `cache.spec.layout`.
 
-        Block tables must cover every token computed this step. The
-        window-dependent metadata is built once per distinct window.
+        Block tables must cover every token computed this step, and hold real
+        blocks wherever a query of the step may read.
         """

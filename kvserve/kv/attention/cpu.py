@@ -6,8 +6,9 @@ the decode kernels multiply directly. Batch order: decodes first, so all of
 them run as one batched decode: on an fp32/fp16/bf16 cache, the C++ kernel that reads
 the blocks in place (cpu_kernels.py), else the torch kernels (cpu_decode.py),
 which gather them first. Prefill chunks (compute-bound)
-gather their request's blocks and run SDPA with a bottom-right-aligned causal
-mask (reference.py).
+gather their request's blocks (from the window's first block, for a windowed
+group) and run SDPA with a bottom-right-aligned causal mask (reference.py).
+Metadata is built once per KV group; each layer attends with its group's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kvserve.arith import cdiv
 from kvserve.kv.attention.base import AttentionBackend, AttentionContext, SequenceSlice
 from kvserve.kv.attention.cpu_decode import split_kv_decode, union_decode
 from kvserve.kv.attention.cpu_kernels import paged_decode_kernel
-from kvserve.kv.attention.cpu_metadata import AttentionMetadata, DecodeMetadata, build_step_metadata
+from kvserve.kv.attention.cpu_metadata import AttentionMetadata, DecodeMetadata, build_attention_metadata
 from kvserve.kv.attention.reference import attend
 from kvserve.kv.storage import PagedKVCache
 
@@ -38,32 +39,32 @@ def slot_indices(slot_blocks: torch.Tensor, slot_rows: torch.Tensor, num_kv_head
 
 
 class PagedKVContext(AttentionContext):
-    """The paged cache plus this step's metadata, one `AttentionMetadata` per layer (shared within a kind)."""
+    """The paged cache plus this step's metadata, one `AttentionMetadata` per KV group."""
 
-    def __init__(self, cache: PagedKVCache, layer_metadata: Sequence[AttentionMetadata],
+    def __init__(self, cache: PagedKVCache, group_metadata: Sequence[AttentionMetadata],
                  decode_kernel: ModuleType | None = None) -> None:
         self.cache = cache
-        self.layer_metadata = layer_metadata
+        self.group_metadata = group_metadata
+        self.layer_group = cache.spec.layout.layer_group
         self.decode_kernel = decode_kernel  # reads float blocks in place; None: gather, then torch kernels
-        # The kernel's work split per attention kind (layers of one kind share their metadata).
-        kinds = {id(m.decode): m.decode for m in layer_metadata if m.decode is not None}
-        self._splits = {key: _num_splits(decode, cache.spec.num_kv_heads) for key, decode in kinds.items()} \
-            if decode_kernel is not None else {}
-        # Every kind of a step shares the same slots.
-        first = layer_metadata[0]
-        self._slots = slot_indices(first.slot_blocks, first.slot_rows, cache.spec.num_kv_heads, cache.block_size)
+        heads, block_size = cache.spec.num_kv_heads, cache.block_size
+        # Per group: the kernel's work split, and the flat rows its new tokens are written to.
+        self._splits = [_num_splits(m.decode, heads) if decode_kernel is not None and m.decode is not None else 0
+                        for m in group_metadata]
+        self._slots = [slot_indices(m.slot_blocks, m.slot_rows, heads, block_size) for m in group_metadata]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        meta = self.layer_metadata[layer]
+        group = self.layer_group[layer]
+        meta = self.group_metadata[group]
         cache = self.cache
-        cache.write(layer, self._slots, k, v)
+        cache.write(layer, self._slots[group], k, v)
         outputs = []
         if meta.decode is not None:
             queries = q[: meta.num_decode_tokens]
             if self.decode_kernel is not None:
                 outputs.append(self.decode_kernel.paged_decode(
                     queries, cache.k[layer], cache.v[layer], meta.decode.block_ids, meta.decode.seq_offsets,
-                    meta.decode.key_valid, scale, self._splits[id(meta.decode)]))
+                    meta.decode.key_valid, scale, self._splits[group]))
             elif meta.decode.union_block_ids is not None:
                 kv = cache.gather(layer, meta.decode.union_block_ids, q.dtype, fold_scales=True)
                 outputs.append(union_decode(queries, kv, meta.decode, scale))
@@ -73,10 +74,11 @@ class PagedKVContext(AttentionContext):
         for p in meta.prefills:
             kv = cache.gather(layer, p.block_ids, q.dtype)
             num_kv_heads, head_dim = kv.k.shape[1], kv.k.shape[3]
-            keys = kv.k.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, : p.seq_len]
-            values = kv.v.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, : p.seq_len]
+            num_keys = p.seq_len - p.key_start
+            keys = kv.k.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :num_keys]
+            values = kv.v.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :num_keys]
             queries = q[p.query_start : p.query_end].transpose(0, 1)
-            outputs.append(attend(queries, keys, values, p.positions, scale, meta.sliding_window))
+            outputs.append(attend(queries, keys, values, p.positions, scale, meta.sliding_window, p.key_start))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
@@ -102,18 +104,21 @@ class CpuAttentionBackend(AttentionBackend):
     def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, block_size: int, row_width: int) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, block_size, row_width)
 
+    def token_slots(self, cache: PagedKVCache, block_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return slot_indices(block_ids, rows, cache.spec.num_kv_heads, cache.block_size)
+
     def batch_order(self, num_new_tokens: Sequence[int]) -> list[int]:
         """Decodes (one new token) first, the rest after; stable within each group."""
         return sorted(range(len(num_new_tokens)), key=lambda i: num_new_tokens[i] > 1)
 
-    def build_context(
-        self, cache: PagedKVCache, slices: Sequence[SequenceSlice], layer_windows: Sequence[int | None]
-    ) -> PagedKVContext:
+    def build_context(self, cache: PagedKVCache, slices: Sequence[SequenceSlice]) -> PagedKVContext:
         plain = not cache.k_params and not cache.v_params and cache.k[0].dtype == cache.v[0].dtype \
             and cache.k[0].dtype in _KERNEL_CACHE_DTYPES
         kernel = self.decode_kernel if plain else None
-        kinds = build_step_metadata(slices, cache.block_size, layer_windows, with_union=kernel is None)
-        return PagedKVContext(cache, [kinds[window] for window in layer_windows], kernel)
+        groups = cache.spec.layout.groups
+        return PagedKVContext(cache, [build_attention_metadata(slices, cache.block_size, group.window, index,
+                                                               with_union=kernel is None)
+                                      for index, group in enumerate(groups)], kernel)
 
 
 class TorchCpuAttentionBackend(CpuAttentionBackend):

@@ -1,10 +1,11 @@
 """The `cpu` backend's step metadata: where new K/V go and which blocks each request reads.
 
 A step's batch is a flat list of tokens from several requests, decode tokens
-first (one per request), then prefill chunks. The window-independent part
-(slots, prefill chunks) is built once per step; the decode part depends on
-the attention kind (sliding window) and is built once per distinct window.
-Prefill chunks apply their kind's window in the mask at attention time.
+first (one per request), then prefill chunks. Metadata is built once per KV
+group (kv/groups.py), from each request's table in that group, and read by
+every layer of the group. Only blocks inside a windowed group's window are
+read; the positions before it may hold the null block (freed), and reading
+one there would be a bug, so building the metadata refuses it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Iterable, Sequence
 import torch
 
 from kvserve.arith import cdiv
+from kvserve.errors import KVIntegrityError
 from kvserve.kv.attention.base import SequenceSlice
+from kvserve.kv.groups import first_needed_block
 
 
 @dataclass
@@ -51,14 +54,15 @@ def _with_union(meta: DecodeMetadata, block_size: int) -> DecodeMetadata:
 class PrefillMetadata:
     query_start: int  # rows of the step's token batch
     query_end: int
-    block_ids: torch.Tensor  # the request's blocks covering keys 0..seq_len-1
+    block_ids: torch.Tensor  # the request's blocks covering keys key_start..seq_len-1
     seq_len: int
     positions: torch.Tensor
+    key_start: int = 0  # position of the first key read: the window's first block's (0: full attention)
 
 
 @dataclass
 class AttentionMetadata:
-    """One attention kind's view of a step. Kinds of one step share the slots and prefill list."""
+    """One KV group's view of a step."""
 
     slot_blocks: torch.Tensor  # [N] block of each new token
     slot_rows: torch.Tensor  # [N] row within that block
@@ -83,6 +87,8 @@ def _decode_metadata(
     for seq, (block_ids, q_pos) in enumerate(decodes):
         lo = max(0, q_pos - sliding_window + 1) if sliding_window else 0
         for index in range(lo // block_size, q_pos // block_size + 1):
+            if block_ids[index] < 0:
+                raise KVIntegrityError(f"a decode at position {q_pos} would read freed block {index}")
             dec_blocks.append(block_ids[index])
             dec_seq.append(seq)
             dec_block_start.append(index * block_size)
@@ -96,11 +102,13 @@ def _decode_metadata(
     return _with_union(meta, block_size) if with_union else meta
 
 
-def build_step_metadata(
-    slices: Sequence[SequenceSlice], block_size: int, windows: Iterable[int | None], with_union: bool = True
-) -> dict[int | None, AttentionMetadata]:
-    """Metadata per distinct window in `windows`, for a step whose token batch is `slices` in order.
-    `with_union=False` skips the shared-block union, which only the torch decode kernels use.
+def build_attention_metadata(
+    slices: Sequence[SequenceSlice], block_size: int, sliding_window: int | None = None, group: int = 0,
+    with_union: bool = True,
+) -> AttentionMetadata:
+    """Metadata of KV group `group` (window `sliding_window`, None = full) for a step whose token batch
+    is `slices` in order. `with_union=False` skips the shared-block union, which only the torch decode
+    kernels use.
 
     Single-token slices before the first longer one are decodes (the batch
     order puts them there); any later one is attended as a one-token prefill.
@@ -111,32 +119,25 @@ def build_step_metadata(
     prefills: list[PrefillMetadata] = []
     row = 0
     for s in slices:
+        table = s.block_tables[group]
         start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-        if len(s.block_ids) * block_size < end:
-            raise ValueError(f"block table of {len(s.block_ids)} blocks cannot hold {end} tokens")
+        if len(table) * block_size < end:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {end} tokens")
         for position in range(start, end):
-            slot_blocks.append(s.block_ids[position // block_size])
+            slot_blocks.append(table[position // block_size])
             slot_rows.append(position % block_size)
         if s.num_new_tokens == 1 and not prefills:
-            decodes.append((s.block_ids, start))
+            decodes.append((table, start))
         else:
-            prefills.append(PrefillMetadata(
-                row, row + s.num_new_tokens,
-                torch.tensor(list(s.block_ids[: cdiv(end, block_size)]), dtype=torch.long),
-                end, torch.arange(start, end),
-            ))
+            first = first_needed_block(sliding_window, start, block_size)
+            read = list(table[first : cdiv(end, block_size)])
+            if read and min(read) < 0:
+                raise KVIntegrityError(f"a prefill chunk at positions {start}..{end - 1} would read a freed block")
+            prefills.append(PrefillMetadata(row, row + s.num_new_tokens, torch.tensor(read, dtype=torch.long),
+                                            end, torch.arange(start, end), first * block_size))
         row += s.num_new_tokens
-    slot_blocks_t = torch.tensor(slot_blocks, dtype=torch.long)
-    slot_rows_t = torch.tensor(slot_rows, dtype=torch.long)
-    return {
-        window: AttentionMetadata(slot_blocks_t, slot_rows_t, len(decodes),
-                                  _decode_metadata(decodes, block_size, window, with_union), prefills, window)
-        for window in dict.fromkeys(windows)  # distinct, in order
-    }
-
-
-def build_attention_metadata(
-    slices: Sequence[SequenceSlice], block_size: int, sliding_window: int | None = None
-) -> AttentionMetadata:
-    """Metadata of one attention kind (see `build_step_metadata`)."""
-    return build_step_metadata(slices, block_size, (sliding_window,))[sliding_window]
+    if slot_blocks and min(slot_blocks) < 0:
+        raise KVIntegrityError("a new token's block is the null block")
+    return AttentionMetadata(torch.tensor(slot_blocks, dtype=torch.long), torch.tensor(slot_rows, dtype=torch.long),
+                             len(decodes), _decode_metadata(decodes, block_size, sliding_window, with_union),
+                             prefills, sliding_window)

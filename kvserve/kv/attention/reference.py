@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-def attention_mask(q_positions: torch.Tensor, num_keys: int, sliding_window: int | None) -> torch.Tensor | None:
-    """Boolean `[T, num_keys]` mask (True = attend) for keys at positions 0..num_keys-1.
+def attention_mask(q_positions: torch.Tensor, num_keys: int, sliding_window: int | None,
+                   key_start: int = 0) -> torch.Tensor | None:
+    """Boolean `[T, num_keys]` mask (True = attend) for keys at positions key_start..key_start+num_keys-1.
 
     Causality is by absolute position, i.e. bottom-right aligned when the
     queries are the last T of the keys; `is_causal=True` in SDPA is top-left
@@ -18,10 +19,10 @@ def attention_mask(q_positions: torch.Tensor, num_keys: int, sliding_window: int
     query may see every key (a plain decode step), so SDPA takes its fast path.
     """
     last = int(q_positions[-1])
-    window_applies = sliding_window is not None and last >= sliding_window
-    if q_positions.numel() == 1 and last == num_keys - 1 and not window_applies:
+    window_applies = sliding_window is not None and last - key_start >= sliding_window
+    if q_positions.numel() == 1 and last == key_start + num_keys - 1 and not window_applies:
         return None
-    k_positions = torch.arange(num_keys)
+    k_positions = torch.arange(key_start, key_start + num_keys)
     mask = k_positions[None, :] <= q_positions[:, None]
     if window_applies:
         mask &= (q_positions[:, None] - k_positions[None, :]) < sliding_window
@@ -35,12 +36,14 @@ def attend(
     q_positions: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    key_start: int = 0,
 ) -> torch.Tensor:
     """One sequence: q `[num_heads, T, D]`, k/v `[num_kv_heads, L, D]` -> `[T, num_heads * D]`.
 
-    Keys are positions 0..L-1; GQA through SDPA's `enable_gqa` (no repeated K/V).
+    Keys are positions key_start..key_start+L-1 (a windowed layer reads from its window's first block);
+    GQA through SDPA's `enable_gqa` (no repeated K/V).
     """
-    mask = attention_mask(q_positions, k.shape[1], sliding_window)
+    mask = attention_mask(q_positions, k.shape[1], sliding_window, key_start)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
         enable_gqa=q.shape[0] != k.shape[0],

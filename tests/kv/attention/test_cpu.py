@@ -46,7 +46,7 @@ def test_mixed_batch_matches_per_sequence_attention(window, cache_dtype):
             write_tokens(cache, 0, table, 0, k[:cached], v[:cached])
         full_k.append(k)
         full_v.append(v)
-        slices.append(SequenceSlice(table, cached, new))
+        slices.append(SequenceSlice((table,), cached, new))
     meta = build_attention_metadata(slices, BLOCK, window)
     assert meta.num_decode_tokens == 3 and len(meta.prefills) == 2
     q = torch.randn(sum(n for _, n in shapes), HEADS, HEAD_DIM, generator=gen)
@@ -72,7 +72,7 @@ def test_mask_is_bottom_right_aligned():
 
 def test_block_table_too_short_is_refused():
     with pytest.raises(ValueError, match="cannot hold"):
-        build_attention_metadata([SequenceSlice([0], 3, 2)], BLOCK)
+        build_attention_metadata([SequenceSlice(([0],), 3, 2)], BLOCK)
 
 
 def test_initialize_blocks_zeroes_each_block_once():
@@ -106,7 +106,7 @@ def test_decodes_sharing_a_prefix_use_the_union_and_match(window, cache_dtype):
         table = shared + [11 + i]
         if own > 1:
             write_tokens(cache, 0, table, 16, k[16:-1], v[16:-1])
-        slices.append(SequenceSlice(table, 16 + own - 1, 1))
+        slices.append(SequenceSlice((table,), 16 + own - 1, 1))
         full_k.append(k)
         full_v.append(v)
     meta = build_attention_metadata(slices, BLOCK, window)

@@ -35,7 +35,7 @@ def test_kernel_decode_matches_per_sequence_attention(heads, kv_heads, head_dim,
             write_tokens(cache, 0, table, 0, k[:cached], v[:cached])
         keys.append(k)
         values.append(v)
-        slices.append(SequenceSlice(table, cached, 1))
+        slices.append(SequenceSlice((table,), cached, 1))
     meta = build_attention_metadata(slices, block, window)
     q = torch.randn(len(slices), heads, head_dim, generator=gen)
     new_k, new_v = torch.stack([k[-1] for k in keys]), torch.stack([v[-1] for v in values])
@@ -61,7 +61,7 @@ def test_requests_sharing_prefix_blocks_read_them_in_place():
     k = torch.randn(13, kv_heads, head_dim, generator=gen)
     v = torch.randn(13, kv_heads, head_dim, generator=gen)
     write_tokens(cache, 0, prefix, 0, k[:12], v[:12])
-    slices = [SequenceSlice(prefix + [20 + i], 12, 1) for i in range(4)]
+    slices = [SequenceSlice((prefix + [20 + i],), 12, 1) for i in range(4)]
     meta = build_attention_metadata(slices, block)
     assert meta.decode.union_block_ids is not None  # the torch path would take the union kernel
     q = torch.randn(4, heads, head_dim, generator=gen)
@@ -73,8 +73,8 @@ def test_requests_sharing_prefix_blocks_read_them_in_place():
 
 def test_the_backend_uses_the_kernel_only_on_a_float_cache():
     backend = CpuAttentionBackend()
-    slices = [SequenceSlice([0], 0, 1)]
+    slices = [SequenceSlice(([0],), 0, 1)]
     for dtype, expected in [("float32", KERNEL), ("float16", KERNEL), ("bfloat16", KERNEL), ("int8", None),
                             ("fp8_e4m3", None), ("int8/int4", None)]:
         cache = backend.allocate_kv_cache(KVSpec(1, 2, 8, dtype), 4, 4)
-        assert backend.build_context(cache, slices, [None]).decode_kernel is expected
+        assert backend.build_context(cache, slices).decode_kernel is expected

@@ -19,11 +19,15 @@ CPU = TorchCpuAttentionBackend()
 
 
 def run_layers(cache_dtype: str, tables: list[list[int]], lengths: list[tuple[int, int]], layer_windows=LAYER_WINDOWS):
-    """Requests with block `tables` and (tokens cached, tokens new) `lengths`: every layer's output and reference."""
+    """Requests with block `tables` and (tokens cached, tokens new) `lengths`: every layer's output and reference.
+
+    Each KV group gets the tables shifted into its own 40 blocks of the pool."""
     gen = torch.Generator().manual_seed(0)
-    spec = KVSpec(len(layer_windows), KV_HEADS, HEAD_DIM, cache_dtype)
-    cache = CPU.allocate_kv_cache(spec, num_blocks=40, block_size=BLOCK)
-    cache.initialize_blocks_through(39)
+    spec = KVSpec(len(layer_windows), KV_HEADS, HEAD_DIM, cache_dtype, layer_windows)
+    layout = spec.layout
+    cache = CPU.allocate_kv_cache(spec, num_blocks=40 * layout.num_groups, block_size=BLOCK)
+    cache.initialize_blocks_through(40 * layout.num_groups - 1)
+    group_tables = [[[block + 40 * group for block in table] for group in range(layout.num_groups)] for table in tables]
     full_k, full_v = [], []  # [layer][request]
     for layer in range(len(layer_windows)):
         ks = [torch.randn(c + n, KV_HEADS, HEAD_DIM, generator=gen) for c, n in lengths]
@@ -35,13 +39,13 @@ def run_layers(cache_dtype: str, tables: list[list[int]], lengths: list[tuple[in
                 shared += 1
             ks[i][: shared * BLOCK] = ks[0][: shared * BLOCK]
             vs[i][: shared * BLOCK] = vs[0][: shared * BLOCK]
-        for table, (cached, _), k, v in zip(tables, lengths, ks, vs):
+        for by_group, (cached, _), k, v in zip(group_tables, lengths, ks, vs):
             if cached:
-                write_tokens(cache, layer, table, 0, k[:cached], v[:cached])
+                write_tokens(cache, layer, by_group[layout.layer_group[layer]], 0, k[:cached], v[:cached])
         full_k.append(ks)
         full_v.append(vs)
-    slices = [SequenceSlice(table, c, n) for table, (c, n) in zip(tables, lengths)]
-    context = CPU.build_context(cache, slices, layer_windows)
+    slices = [SequenceSlice(by_group, c, n) for by_group, (c, n) in zip(group_tables, lengths)]
+    context = CPU.build_context(cache, slices)
     num_tokens = sum(n for _, n in lengths)
     outputs, expected = [], []
     for layer, window in enumerate(layer_windows):
@@ -67,11 +71,12 @@ def test_split_kv_decode_uses_each_layers_window(cache_dtype):
     free = torch.randperm(40, generator=torch.Generator().manual_seed(2)).tolist()
     tables = [[free.pop() for _ in range(-(-(c + n) // BLOCK))] for c, n in lengths]
     context, outputs, expected = run_layers(cache_dtype, tables, lengths)
-    assert all(m.decode.union_block_ids is None for m in context.layer_metadata)  # the split-KV path
+    assert all(m.decode.union_block_ids is None for m in context.group_metadata)  # the split-KV path
     for out, ref in zip(outputs, expected):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # The windowed layer reads fewer blocks, so the window decides its result.
-    assert context.layer_metadata[1].decode.block_ids.numel() < context.layer_metadata[0].decode.block_ids.numel()
+    full, windowed = (context.group_metadata[context.layer_group[layer]] for layer in (0, 1))
+    assert windowed.decode.block_ids.numel() < full.decode.block_ids.numel()
 
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
@@ -81,18 +86,22 @@ def test_union_decode_uses_each_layers_window(cache_dtype):
     tables = [shared + [11 + i] for i in range(6)]
     lengths = [(16 + own - 1, 1) for own in [1, 2, 3, 4, 2, 1]]
     context, outputs, expected = run_layers(cache_dtype, tables, lengths)
-    assert context.layer_metadata[0].decode.union_block_ids is not None
+    assert context.group_metadata[0].decode.union_block_ids is not None
     for out, ref in zip(outputs, expected):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_metadata_is_built_once_per_window_kind():
-    context = CPU.build_context(CPU.allocate_kv_cache(KVSpec(4, KV_HEADS, HEAD_DIM, "float32"), 8, BLOCK),
-                                [SequenceSlice([0, 1, 2], 9, 1), SequenceSlice([3, 4], 0, 6)], (None, 5, None, 5))
-    first, second, third, fourth = context.layer_metadata
-    assert first is third and second is fourth and first is not second
-    assert (first.sliding_window, second.sliding_window) == (None, 5)
-    assert first.slot_blocks is second.slot_blocks and first.prefills is second.prefills  # shared, not rebuilt
+def test_metadata_is_built_once_per_kv_group():
+    # Layers 0 and 2 (full) form one group, 1 and 3 (window 5) the other: two metadata, each group's own blocks.
+    spec = KVSpec(4, KV_HEADS, HEAD_DIM, "float32", (None, 5, None, 5))
+    context = CPU.build_context(CPU.allocate_kv_cache(spec, 16, BLOCK),
+                                [SequenceSlice(([0, 1, 2], [8, 9, 10]), 9, 1), SequenceSlice(([3, 4], [11, 12]), 0, 6)])
+    assert context.layer_group == (0, 1, 0, 1)
+    full, windowed = context.group_metadata
+    assert (full.sliding_window, windowed.sliding_window) == (None, 5)
+    assert full.slot_blocks.tolist() == [2] + [3] * 4 + [4, 4] and windowed.slot_blocks.tolist() == [10] + [11] * 4 + [12, 12]
+    # The windowed decode at position 9 reads from position 5 on: blocks 1 and 2 of its table, not block 0.
+    assert full.decode.block_ids.tolist() == [0, 1, 2] and windowed.decode.block_ids.tolist() == [9, 10]
 
 
 def test_a_model_layer_with_its_own_window_decodes_like_the_recompute(tmp_path):
