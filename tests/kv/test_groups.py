@@ -138,3 +138,19 @@ def test_peak_blocks_count_the_window_plus_a_chunk_not_the_whole_context():
     # 1,000 tokens in chunks of at most 16: a windowed group never holds more than (6 - 1 + 16) / 4 + 1 blocks.
     assert kv.peak_blocks(1000, 16) == 7 and kv.can_fit(1000, 16)
     assert kv.peak_blocks(1000) == 250 and not manager(num_blocks=100, windows=(None,)).can_fit(1000, 16)
+
+
+def test_a_pin_covers_what_a_hit_at_its_breakpoint_needs_in_every_group():
+    kv = manager()
+    tokens = list(range(100, 140))
+    advance(kv, "a", tokens, 40)
+    kv.free("a")
+    # A hit at 32 tokens reads all 8 full-attention blocks and the windowed blocks of positions 27..31 (6, 7).
+    assert kv.pin(block_hashes(tokens, BS), 32, ttl_s=60) == 8 + 2
+    kv.check_integrity()
+    pinned = [block for block in kv.pool.blocks if block.pin_count]
+    assert sorted((b.group, b.token_ids[0]) for b in pinned if b.group == 1) == [(1, 124), (1, 128)]
+    # Under pressure every unpinned block goes first; the pinned prefix is still a hit afterwards.
+    assert kv.allocate_slots("other", (kv.num_free_blocks - 10) // 2 * BS)  # two groups: two blocks a position
+    match = kv.find_cached_prefix(tokens[:32] + [1], block_hashes(tokens[:32] + [1], BS))
+    assert match.num_tokens == 32
