@@ -89,7 +89,7 @@ def main() -> None:
         cache.positions = torch.tensor([cache.length()])
         shifted = model(torch.tensor([text[t - 1]]), cache.positions, cache)
         held.append(text[t - 1])
-        recomputed = model(torch.tensor(held), torch.arange(len(held)))[-1:]
+        recomputed = model(torch.tensor(held), torch.arange(len(held)), logits_indices=torch.tensor([len(held) - 1]))
         shift_rows.append(shifted.float().log_softmax(-1))
         recompute_rows.append(recomputed.float().log_softmax(-1))
         if (t - args.context) % 128 == 127:
