@@ -10,7 +10,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.model.catalog import KNOWN_MODELS, num_parameters
 from kvserve.model.quantized_linear import held_weight_bytes
-from kvserve.planner import plan, resolve_model
+from kvserve.planner import describe, plan, resolve_model
 
 GiB, MiB = 2**30, 2**20
 DTYPES = ["float32", "float16", "bfloat16", "int8", "int4", "fp8_e4m3", "fp8_e5m2", "int8/int4"]
@@ -95,3 +95,26 @@ def test_memory_weights_dtype_agrees_with_what_the_engine_holds(embedded, capsys
     assert plan(name, config, params, context=1024, weights_dtype="auto").weights_bytes == \
         held_weight_bytes(config, "auto")
     assert plan(name, config, params, context=1024, weights_dtype="q4_0").weights_bytes == math.ceil(params * 18 / 32)
+
+
+def test_windowed_layers_hold_only_their_window_in_the_plan():
+    from kvserve.config import ModelConfig
+
+    shape = dict(architecture="custom", vocab_size=0, hidden_size=640, intermediate_size=0, num_layers=18,
+                 num_heads=4, num_kv_heads=1, head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                 rope_theta=1e6)
+    gemma_like = ModelConfig(**shape, sliding_window=512, layer_windows=((512,) * 5 + (None,)) * 3)
+    result = plan("gemma-like", gemma_like, 0, context=32768, kv_dtype="float32", block_size=16)
+    page = 16 * 3 * 2 * 256 * 4  # a block of one group: 16 tokens x 3 layers x (K + V) x 256 x 4 B
+    assert result.kv_bytes_per_request == (2048 + 5 * 32) * page  # the global group's 2048 blocks + 32 per window
+    assert result.kv_bytes_per_request_unwindowed == 32768 * 18 * 2 * 256 * 4
+    assert "KV groups: 6 groups of 3 layers: 5 windowed (512 tokens), 1 full attention" in describe(result)
+    # Only windows: memory stops bounding the context once they are full; the model's limit is the answer.
+    windowed = ModelConfig(**shape, sliding_window=512)
+    roomy = plan("windowed", windowed, 0, context=4096, kv_dtype="float32", memory_bytes=2 * GiB)
+    assert roomy.max_context_for_batch == 32768
+    tight = plan("gemma-like", gemma_like, 0, context=4096, kv_dtype="float32", memory_bytes=GiB // 4, batch=2)
+    fits = plan("gemma-like", gemma_like, 0, context=tight.max_context_for_batch, kv_dtype="float32", batch=2)
+    assert fits.kv_bytes_total <= tight.kv_room_bytes
+    over = plan("gemma-like", gemma_like, 0, context=tight.max_context_for_batch + 16, kv_dtype="float32", batch=2)
+    assert over.kv_bytes_total > tight.kv_room_bytes
