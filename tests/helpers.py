@@ -79,6 +79,24 @@ def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0].float()
 
 
+def reference_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy continuation of `ids`: a plain argmax loop over its KV cache.
+
+    Not `generate(min_new_tokens=...)`, which would mask EOS, while ignore_eos
+    (vLLM's meaning) only keeps going past it.
+    """
+    out: list[int] = []
+    past = None
+    step_input = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            result = model(step_input, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            out.append(int(result.logits[0, -1].argmax()))
+            step_input = torch.tensor([[out[-1]]])
+    return out
+
+
 def _permute_for_gguf(weight: np.ndarray, num_heads: int) -> np.ndarray:
     # What llama.cpp's converter does to Q/K rows (for its interleaved RoPE).
     return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])

@@ -48,6 +48,8 @@ class Gemma3Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
         self.sliding_window = config.window_for_layer(layer_index)  # this layer's attention kind
+        # Windowed layers rotate with the local base (fixed here: a test may change the window, not the RoPE).
+        self.local_rope = self.sliding_window is not None and config.rope_local_theta is not None
         self.qkv_proj = QKVLinear(config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
                                   bias=config.attention_bias)
         self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size)
@@ -107,7 +109,7 @@ class Gemma3ForCausalLM(nn.Module):
         # Global layers rotate with rope_theta and the scaling; windowed ones with their own base, unscaled.
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.local_rotary_emb = (RotaryEmbedding(config.head_dim, config.rope_local_theta)
-                                 if config.rope_local_theta is not None else None)
+                                 if any(layer.self_attn.local_rope for layer in self.layers) else None)
 
     stacked_params = (
         ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
@@ -141,16 +143,14 @@ class Gemma3ForCausalLM(nn.Module):
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids/positions `[N]` -> logits `[N, vocab]` (or only the rows in `logits_indices`)."""
-        windows = self.layer_windows
         if kv is None:
-            kv = ContiguousContext(positions, windows)
+            kv = ContiguousContext(positions, self.layer_windows)
+        # Each table once per step, shared by the layers that use it.
         global_rope = self.rotary_emb(positions)
-        local_rope = global_rope
-        if self.local_rotary_emb is not None and any(w is not None for w in windows):
-            local_rope = self.local_rotary_emb(positions)
+        local_rope = self.local_rotary_emb(positions) if self.local_rotary_emb is not None else global_rope
         x = self.embed_tokens(input_ids) * self.embed_scale
         for i, layer in enumerate(self.layers):
-            cos, sin = global_rope if windows[i] is None else local_rope
+            cos, sin = local_rope if layer.self_attn.local_rope else global_rope
             x = layer(x, cos, sin, kv, i)
         if logits_indices is not None:
             x = x[logits_indices]

@@ -57,6 +57,7 @@ _PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
 }
 
 # GGUF token types (llama.cpp's llama_token_type)
+_TOKEN_TYPE_NORMAL = 1
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
@@ -152,7 +153,7 @@ class Tokenizer:
             # llama.cpp's converter writes SentencePiece's user-defined "▁▁" (Gemma's runs of spaces) as "  ":
             # spell them back, to be matched after spaces become "▁", as SentencePiece matches them.
             tokens = [t.replace(" ", _SPACE) if types[i] == _TOKEN_TYPE_USER_DEFINED else t for i, t in enumerate(tokens)]
-            spec = _sentencepiece_bpe(meta, tokens)
+            spec = _sentencepiece_bpe(meta, tokens, types)
         else:
             raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported "
                                         "(supported: byte-level BPE 'gpt2', SentencePiece 'llama')")
@@ -281,16 +282,17 @@ def _byte_level_bpe(meta: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
     }
 
 
-def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
+def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]) -> dict[str, Any]:
     """tokenizers' spec of a GGUF SentencePiece ("llama") vocabulary, encoding as SentencePiece's BPE does.
 
     Spaces become "▁" (with one prepended when `add_space_prefix`, llama.cpp's default; Gemma sets it
     false), characters outside the vocabulary fall back to their UTF-8 bytes (<0xNN>), and
-    adjacent pieces merge best-first while their concatenation is a vocabulary entry. The file has no
-    merge list, so every such pair is one (`sentencepiece_merges`).
+    adjacent pieces merge best-first while their concatenation is a normal vocabulary entry. The file
+    has no merge list: `sentencepiece_merges` makes one.
     """
     add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    scores = list(meta.get("tokenizer.ggml.scores", [0.0] * len(tokens)))
     # The prefix goes before each stretch of text between added tokens (as llama.cpp puts it after each
     # special token, and transformers' legacy Llama tokenizer does), and comes off the decoded text.
     normalizers = [{"type": "Prepend", "prepend": _SPACE}] if add_prefix else []
@@ -308,24 +310,25 @@ def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str]) -> dict[str, Any
             "type": "BPE", "dropout": None, "unk_token": tokens[unk_id] if unk_id is not None else None,
             "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
             "ignore_merges": False, "vocab": {tok: i for i, tok in enumerate(tokens)},
-            "merges": sentencepiece_merges(tokens),
+            "merges": sentencepiece_merges(tokens, scores, types),
         },
     }
 
 
-def sentencepiece_merges(tokens: list[str]) -> list[list[str]]:
-    """BPE merges that make tokenizers encode like SentencePiece: (left, right) for every vocabulary
-    entry that splits into two entries, best first.
+def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[list[str]]:
+    """BPE merges that make tokenizers encode like SentencePiece: best first, (left, right) for every
+    normal vocabulary entry that splits into two entries.
 
-    SentencePiece (and llama.cpp) merge the adjacent pair whose concatenation scores highest. A
-    SentencePiece BPE vocabulary is stored in merge order (Gemma's normal pieces score -0, -1, -2, ...
-    by id), so file order is the priority; it also ranks the user-defined and control pieces, whose
-    scores are all -1000, by id. Within one entry the longer left part comes first (as transformers
-    builds Gemma's GGUF tokenizer).
+    SentencePiece (and llama.cpp) repeatedly merge the adjacent pair whose concatenation is a normal
+    piece with the highest score, so a piece's score is its merges' rank (a SentencePiece BPE file
+    lists pieces in that order anyway: Gemma's score -0, -1, -2, ... by id). Within one piece the
+    longer left part comes first (the order transformers gives Gemma's merges).
     """
     ids = {token: i for i, token in enumerate(tokens)}
+    normal = [i for i, kind in enumerate(types) if kind == _TOKEN_TYPE_NORMAL]
     merges = []
-    for token in tokens:
+    for i in sorted(normal, key=lambda i: -scores[i]):  # stable: file order among equal scores
+        token = tokens[i]
         for cut in range(len(token) - 1, 0, -1):
             left, right = token[:cut], token[cut:]
             if left in ids and right in ids:
