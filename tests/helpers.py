@@ -183,7 +183,9 @@ def write_gguf(model, path: Path, quant_types: dict[str, str], tokenizer_metadat
             stored = _permute_for_gguf(data, cfg.num_key_value_heads)
         if qtype == "F32":
             writer.add_tensor(gguf_name, np.ascontiguousarray(stored))
-            reference[hf_name] = torch.from_numpy(stored - 1) if gemma and hf_name.endswith("norm.weight") else tensor.float().clone()
+            # a Gemma norm in Hugging Face's terms is what the file holds, less 1
+            shifted = gemma and hf_name.endswith("norm.weight")
+            reference[hf_name] = torch.from_numpy(stored - 1) if shifted else tensor.float().clone()
         else:
             ggml_type = gguf.GGMLQuantizationType[qtype]
             packed = quantize(np.ascontiguousarray(stored), ggml_type)

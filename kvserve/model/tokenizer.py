@@ -152,7 +152,8 @@ class Tokenizer:
         elif kind == "llama":
             # llama.cpp's converter writes SentencePiece's user-defined "▁▁" (Gemma's runs of spaces) as "  ":
             # spell them back, to be matched after spaces become "▁", as SentencePiece matches them.
-            tokens = [t.replace(" ", _SPACE) if types[i] == _TOKEN_TYPE_USER_DEFINED else t for i, t in enumerate(tokens)]
+            tokens = [token.replace(" ", _SPACE) if kind == _TOKEN_TYPE_USER_DEFINED else token
+                      for token, kind in zip(tokens, types)]
             spec = _sentencepiece_bpe(meta, tokens, types)
         else:
             raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported "
@@ -288,7 +289,7 @@ def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]
     Spaces become "▁" (with one prepended when `add_space_prefix`, llama.cpp's default; Gemma sets it
     false), characters outside the vocabulary fall back to their UTF-8 bytes (<0xNN>), and
     adjacent pieces merge best-first while their concatenation is a normal vocabulary entry. The file
-    has no merge list: `sentencepiece_merges` makes one.
+    has no merge list: `_sentencepiece_merges` makes one.
     """
     add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
@@ -310,12 +311,12 @@ def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]
             "type": "BPE", "dropout": None, "unk_token": tokens[unk_id] if unk_id is not None else None,
             "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
             "ignore_merges": False, "vocab": {tok: i for i, tok in enumerate(tokens)},
-            "merges": sentencepiece_merges(tokens, scores, types),
+            "merges": _sentencepiece_merges(tokens, scores, types),
         },
     }
 
 
-def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[list[str]]:
+def _sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[list[str]]:
     """BPE merges that make tokenizers encode like SentencePiece: best first, (left, right) for every
     normal vocabulary entry that splits into two entries.
 

@@ -226,6 +226,16 @@ def transformers_model(config, weights):
     return model.eval()
 
 
+def test_catalog_entry_matches_the_packaged_file(gemma_path):
+    from kvserve.model.catalog import find_known_model
+
+    known, actual = find_known_model("gemma-3-270m"), read_gguf_config(gemma_path)
+    fields = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads", "head_dim", "max_position_embeddings", "rope_theta", "rope_local_theta",
+              "query_pre_attn_scalar", "sliding_window", "layer_windows", "tie_word_embeddings")
+    assert {f: getattr(known, f) for f in fields} == {f: getattr(actual, f) for f in fields}
+
+
 @pytest.mark.slow
 def test_summary_describes_the_model(gemma):
     summary = gemma.summary()

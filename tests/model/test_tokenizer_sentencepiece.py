@@ -220,7 +220,8 @@ def test_gemma_style_chat_template(gemma_meta):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
     text = tokenizer.apply_chat_template(messages)
-    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+                    "<start_of_turn>model\nHello.<end_of_turn>\n"
                     "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
     ids = tokenizer.encode_chat(messages)
     assert ids[:2] == [2, 105] and ids.count(2) == 1 and ids[-3:] == [105, 4368, 107]  # <start_of_turn>model\n
