@@ -47,6 +47,13 @@ class ModelConfig:
     # Per-layer windows where layers differ (Gemma 3: five local layers, then a
     # global one); None means every layer uses `sliding_window`.
     layer_windows: tuple[int | None, ...] | None = None
+    # Gemma 3: the windowed layers rotate with their own base (`rope_local_base_freq`) and no
+    # scaling; None means they use `rope_theta` and `rope_scaling` like every other layer.
+    rope_local_theta: float | None = None
+    # Attention scores are scaled by query_pre_attn_scalar**-0.5 (Gemma); None means head_dim**-0.5.
+    query_pre_attn_scalar: int | None = None
+    # logits = c * tanh(logits / c) (Gemma 2 style); None means no capping.
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -63,6 +70,11 @@ class ModelConfig:
     def window_for_layer(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None = full attention)."""
         return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def attention_kind(self) -> str:

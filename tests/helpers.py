@@ -31,12 +31,33 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama-1-layer": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
 }
+# The second family, apart: the tests over VARIANTS check Llama-family specifics.
+GEMMA3_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # Gemma 3: 8 layers, so both kinds appear (sliding 0-4 and 6-7, global 5), a window shorter than the
+    # test sequences; query_pre_attn_scalar = head_dim and the default local base, as llama.cpp assumes.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=8, attn_implementation="eager")),
+    # ... MQA, linear RoPE scaling on the global layers, final logit soft-capping (all in a GGUF's terms too)
+    "gemma3-mqa-scaled": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=6, rope_scaling={"rope_type": "linear", "factor": 4.0}, final_logit_softcapping=2.0,
+        attn_implementation="eager")),
+    # ... and what only a config.json can say: explicit layer types, both RoPE bases, a query_pre_attn_scalar
+    # other than head_dim.
+    "gemma3-custom": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=40,
+        sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 5000.0}},
+        attn_implementation="eager")),
+}
 
 
 def build_hf_model(variant: str, seed: int = 0):
     import transformers
 
-    config_name, model_name, overrides = VARIANTS[variant]
+    config_name, model_name, overrides = {**VARIANTS, **GEMMA3_VARIANTS}[variant]
     kwargs = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -64,33 +85,82 @@ def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0].float()
 
 
+def reference_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy continuation of `ids`: a plain argmax loop over its KV cache.
+
+    Not `generate(min_new_tokens=...)`, which would mask EOS, while ignore_eos
+    (vLLM's meaning) only keeps going past it.
+    """
+    out: list[int] = []
+    past = None
+    step_input = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            result = model(step_input, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            out.append(int(result.logits[0, -1].argmax()))
+            step_input = torch.tensor([[out[-1]]])
+    return out
+
+
 def _permute_for_gguf(weight: np.ndarray, num_heads: int) -> np.ndarray:
     # What llama.cpp's converter does to Q/K rows (for its interleaved RoPE).
     return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
             .swapaxes(1, 2).reshape(weight.shape))
 
 
+_LLAMA_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+# llama.cpp's gguf-py tensor map for MODEL_ARCH.GEMMA3
+_GEMMA3_GGUF_LAYER_NAMES = {
+    **_LLAMA_GGUF_LAYER_NAMES,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+
+
 def write_gguf(model, path: Path, quant_types: dict[str, str], tokenizer_metadata: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """Write a transformers Llama model as a llama.cpp-style GGUF file.
+    """Write a transformers Llama or Gemma 3 model as a llama.cpp-style GGUF file.
 
     `quant_types` maps a substring of the HF weight name to a GGML type name
     ("Q8_0", "Q4_1", ...); other 2-D weights are F32. Returns the weights as
-    the file holds them, dequantized by the gguf package (the reference).
+    the file holds them, dequantized by the gguf package, in Hugging Face's
+    terms (the reference). Gemma 3 is written as llama.cpp's converter does:
+    norms stored as 1 + w, Q/K unpermuted, the global layers' RoPE base and
+    scaling only (llama.cpp fixes the layer pattern and the local base).
     """
     import gguf
     from gguf.quants import dequantize, quantize
 
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    gemma = cfg.model_type == "gemma3_text"
+    writer = gguf.GGUFWriter(str(path), "gemma3" if gemma else "llama")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    rope = cfg.rope_parameters["full_attention"] if gemma else cfg.rope_parameters
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    if gemma:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_sliding_window(cfg.sliding_window)
+        if cfg.final_logit_softcapping:
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     for key, value in (tokenizer_metadata or {}).items():
         writer.add_key_value(key, value[0], value[1])
 
@@ -98,13 +168,7 @@ def write_gguf(model, path: Path, quant_types: dict[str, str], tokenizer_metadat
         "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
     }
-    layer_names = {
-        "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-        "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-        "mlp.down_proj.weight": "ffn_down.weight",
-    }
+    layer_names = _GEMMA3_GGUF_LAYER_NAMES if gemma else _LLAMA_GGUF_LAYER_NAMES
     reference: dict[str, torch.Tensor] = {}
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -117,13 +181,17 @@ def write_gguf(model, path: Path, quant_types: dict[str, str], tokenizer_metadat
         data = tensor.float().numpy()
         qtype = next((t for key, t in quant_types.items() if key in hf_name), "F32") if data.ndim == 2 else "F32"
         stored = data
-        if "q_proj" in hf_name:
+        if gemma and hf_name.endswith("norm.weight"):
+            stored = data + 1  # Gemma3RMSNorm scales by (1 + w)
+        elif not gemma and "q_proj" in hf_name:
             stored = _permute_for_gguf(data, cfg.num_attention_heads)
-        elif "k_proj" in hf_name:
+        elif not gemma and "k_proj" in hf_name:
             stored = _permute_for_gguf(data, cfg.num_key_value_heads)
         if qtype == "F32":
             writer.add_tensor(gguf_name, np.ascontiguousarray(stored))
-            reference[hf_name] = tensor.float().clone()
+            # a Gemma norm in Hugging Face's terms is what the file holds, less 1
+            shifted = gemma and hf_name.endswith("norm.weight")
+            reference[hf_name] = torch.from_numpy(stored - 1) if shifted else tensor.float().clone()
         else:
             ggml_type = gguf.GGMLQuantizationType[qtype]
             packed = quantize(np.ascontiguousarray(stored), ggml_type)

@@ -35,6 +35,17 @@ _LAYER_TENSORS: dict[str, str] = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# llama.cpp names Gemma 3's four norms after what they follow: `ffn_norm` is the pre-feedforward
+# norm there (Llama's post-attention norm), `post_attention_norm` the norm of the attention output.
+_GEMMA3_LAYER_TENSORS: dict[str, str] = {
+    **{k: v for k, v in _LAYER_TENSORS.items() if not k.startswith("ffn_norm") and ".bias" not in k},
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+_LAYER_TENSORS_BY_ARCH: dict[str, dict[str, str]] = {"gemma3": _GEMMA3_LAYER_TENSORS}
 _GLOBAL_TENSORS: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -47,6 +58,7 @@ class GGUFModel:
     config: ModelConfig
     file: GGUFFile
     permuted_qk: bool  # llama.cpp permuted the rows of Q and K (see registry)
+    norm_shift: float = 0.0  # what llama.cpp added to every norm weight (see registry)
     # tokenizer.* metadata keys, for kvserve.model.tokenizer
     tokenizer_metadata: dict[str, Any] = field(default_factory=dict)
     tensor_types: dict[str, int] = field(default_factory=dict)  # quant type -> tensor count
@@ -63,7 +75,9 @@ class GGUFModel:
             if tensor.name == "rope_freqs.weight":
                 yield "rope_freqs", value.reshape(-1)
                 continue
-            hf_name = _hf_name(tensor.name)
+            hf_name = _hf_name(tensor.name, self.config.architecture)
+            if self.norm_shift and hf_name.endswith("norm.weight"):
+                value = value - self.norm_shift
             if self.permuted_qk and ".q_proj." in hf_name:
                 value = unpermute_qk(value, self.config.num_heads)
             elif self.permuted_qk and ".k_proj." in hf_name:
@@ -90,6 +104,9 @@ def _config(meta: dict[str, Any], arch: str, vocab_rows: int) -> ModelConfig:
     num_kv_heads = int(get("attention.head_count_kv", num_heads))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
     rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    value_dim = int(meta.get(f"{arch}.attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise UnsupportedModelError(f"value heads of {value_dim} (key heads {head_dim}) are not supported")
     if rope_dim != head_dim:
         raise UnsupportedModelError(f"partial RoPE (rope dimension {rope_dim} < head_dim {head_dim}) is not supported")
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
@@ -114,15 +131,37 @@ def _config(meta: dict[str, Any], arch: str, vocab_rows: int) -> ModelConfig:
         rope_scaling=scaling,
         attention_bias=False,  # set by _open from the tensors present
         tie_word_embeddings=False,
+        **(_gemma3_fields(meta, int(get("block_count")), hidden, num_heads, head_dim) if arch == "gemma3" else {}),
     )
 
 
-def _hf_name(gguf_name: str) -> str | None:
+# Gemma 3 as llama.cpp runs it (llama-model.cpp, LLM_ARCH_GEMMA3): the file gives the window but not which
+# layers use it, nor their RoPE base, nor the attention scale.
+GEMMA3_WINDOW_PATTERN = 6  # five sliding-window layers, then one global
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+_GEMMA3_27B_LAYERS = 62  # the one size whose query_pre_attn_scalar is hidden / heads rather than head_dim
+
+
+def _gemma3_fields(meta: dict[str, Any], num_layers: int, hidden: int, num_heads: int, head_dim: int) -> dict:
+    window = int(meta.get("gemma3.attention.sliding_window") or 0)  # absent or 0: every layer global
+    windows = tuple(window if window and (i + 1) % GEMMA3_WINDOW_PATTERN else None for i in range(num_layers))
+    softcap = meta.get("gemma3.final_logit_softcapping")
+    return dict(
+        sliding_window=window or None,
+        layer_windows=windows,
+        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
+        query_pre_attn_scalar=hidden // num_heads if num_layers == _GEMMA3_27B_LAYERS else head_dim,
+        final_logit_softcapping=float(softcap) if softcap else None,
+    )
+
+
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    layer_tensors = _LAYER_TENSORS_BY_ARCH.get(arch, _LAYER_TENSORS)
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}"
     return None
 
 
@@ -149,15 +188,15 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
 
 
 def load_gguf(path: str | Path) -> GGUFModel:
-    """Open a Llama-family GGUF file: its config, tokenizer metadata and tensor types now; weights as streamed."""
+    """Open a GGUF file: its config, tokenizer metadata and tensor types now; weights as streamed."""
     file, arch, config = _open(path)
     tensor_types: dict[str, int] = {}
     for tensor in file.tensors:
         if tensor.name == "rope_freqs.weight":
             continue
-        if _hf_name(tensor.name) is None:
-            raise UnsupportedModelError(f"GGUF tensor {tensor.name!r} is not part of a supported Llama-family model")
+        if _hf_name(tensor.name, arch.name) is None:
+            raise UnsupportedModelError(f"GGUF tensor {tensor.name!r} is not part of a supported {arch.name} model")
         type_name = ggml_type_name(tensor.ggml_type)
         tensor_types[type_name] = tensor_types.get(type_name, 0) + 1
     tokenizer_metadata = {k: v for k, v in file.metadata.items() if k.startswith("tokenizer.")}
-    return GGUFModel(config, file, arch.gguf_permuted_qk, tokenizer_metadata, tensor_types)
+    return GGUFModel(config, file, arch.gguf_permuted_qk, arch.gguf_norm_shift, tokenizer_metadata, tensor_types)

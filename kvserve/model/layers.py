@@ -178,10 +178,22 @@ class VocabEmbedding(nn.Embedding):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """x / rms(x) * weight, over the last dimension.
+
+    `weight_offset` is added to the checkpoint's weight as it loads: Gemma stores w and scales
+    by (1 + w), so its norms load with offset 1 and then run like any other.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, weight_offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = new_parameter(hidden_size)
+        self.weight_offset = weight_offset
+        loader = self._load_offset if weight_offset else default_weight_loader
+        self.weight = new_parameter(hidden_size, weight_loader=loader)
         self.eps = eps
+
+    def _load_offset(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        # In fp32, as Gemma computes 1 + w (a bf16 checkpoint's w is widened first).
+        default_weight_loader(param, loaded.float() + self.weight_offset, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)

@@ -19,7 +19,7 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.kv.attention import AttentionContext, ContiguousContext
 from kvserve.model.layers import GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
-from kvserve.model.weights import checkpoint_targets, stream_weights
+from kvserve.model.weights import checkpoint_targets, parameter_count, stream_weights
 
 
 class Attention(nn.Module):
@@ -28,7 +28,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         self.sliding_window = config.window_for_layer(layer_index)  # this layer's attention kind
         self.qkv_proj = QKVLinear(config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
                                   bias=config.attention_bias)
@@ -120,13 +120,7 @@ class LlamaForCausalLM(nn.Module):
 
     def num_parameters(self) -> int:
         """The model's parameter count, whatever format its linear layers hold (a tied head counts once)."""
-        tied_head = self.lm_head if self.config.tie_word_embeddings else None
-        linears = [m for m in self.modules() if isinstance(m, Linear) and m is not tied_head]
-        in_linears = {id(p) for m in linears for p in m.parameters(recurse=False)}
-        if tied_head is not None:
-            in_linears |= {id(p) for p in tied_head.parameters(recurse=False)} - {id(self.embed_tokens.weight)}
-        count = sum(p.numel() for p in self.parameters() if id(p) not in in_linears)
-        return count + sum(m.input_size * m.output_size + (m.output_size if m.has_bias else 0) for m in linears)
+        return parameter_count(self, self.lm_head if self.config.tie_word_embeddings else None)
 
     @torch.inference_mode()
     def forward(

