@@ -8,6 +8,10 @@ re-packs its Q4_1 groups (exact but for bf16 scales), int8 re-quantizes per
 channel, and every non-float32 dtype runs bf16 activations.
 
     .venv/bin/python bench/weights_accuracy.py [--dtypes bfloat16 int8 int4] [--windows 8] [--window 1024]
+                                               [--model gemma3]
+
+`--model gemma3` scores Gemma 3 270M (a Q4_K_M file: int4 re-quantizes its
+K-quant weights); a model without a chat template skips the greedy chats.
 """
 
 from __future__ import annotations
@@ -27,11 +31,16 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk (max_num_batched_tokens)")
+    parser.add_argument("--model", default=None, help="GGUF / HF directory, or gemma3 (default: the embedded model)")
     args = parser.parse_args()
+    if args.model == "gemma3":
+        from kvserve.model.loader import gemma3_270m_path
+
+        args.model = str(gemma3_270m_path())
     print(f"CPU: {describe_cpu()}", flush=True)
 
     def make(dtype: str) -> LLM:
-        return LLM(weights_dtype=dtype, kv_cache_dtype="float32", kv_cache_memory="1GiB",
+        return LLM(model=args.model, weights_dtype=dtype, kv_cache_dtype="float32", kv_cache_memory="1GiB",
                    max_num_batched_tokens=args.chunk)
 
     rows, reference, reference_chats = [], None, None
@@ -41,7 +50,7 @@ def main() -> None:
             tokens = llm.get_tokenizer().encode(english_text())
             windows = [tokens[i * args.window : (i + 1) * args.window] for i in range(args.windows)]
         nll, logprobs = score(llm, windows)
-        chats = greedy_chats(llm)
+        chats = greedy_chats(llm) if llm.get_tokenizer().chat_template else []
         if reference is None:
             reference, reference_chats = logprobs, chats
         kl = (reference.exp() * (reference - logprobs)).sum(-1)

@@ -63,6 +63,12 @@ class GGUFModel:
     tokenizer_metadata: dict[str, Any] = field(default_factory=dict)
     tensor_types: dict[str, int] = field(default_factory=dict)  # quant type -> tensor count
 
+    @property
+    def linear_types(self) -> set[str]:
+        """The quantization types of the layers' matrices (what the linear layers are loaded from)."""
+        return {ggml_type_name(t.ggml_type) for t in self.file.tensors
+                if t.name.startswith("blk.") and len(t.shape) == 2}
+
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, fp32 tensor), dequantized one at a time as the consumer asks for it.
 

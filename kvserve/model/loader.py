@@ -20,7 +20,7 @@ from kvserve.errors import ModelLoadError, TokenizerUnavailableError
 from kvserve.kv.spec import kv_spec
 from kvserve.model.checkpoint import load_checkpoint
 from kvserve.model.gguf import load_gguf
-from kvserve.model.quantized_linear import convert_linear_weights
+from kvserve.model.quantized_linear import EXACT_INT4_SOURCES, convert_linear_weights
 from kvserve.model.registry import model_class
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.model.weights import materialize, parameter_bytes
@@ -134,6 +134,7 @@ def load_model(path: str | Path | None = None, cache_dtype: str = "auto",
     """
     started = time.perf_counter()
     path = embedded_model_path() if path is None else Path(path)
+    exact_int4 = True  # checkpoints of full-precision weights: "auto" as measured for them
     if path.is_dir():
         config, weights = load_checkpoint(path)
         weight_format = "safetensors"
@@ -147,10 +148,11 @@ def load_model(path: str | Path | None = None, cache_dtype: str = "auto",
         config, weights = gguf_model.config, gguf_model.weights()
         weight_format = "GGUF " + ", ".join(f"{t} x{n}" for t, n in sorted(gguf_model.tensor_types.items(), key=lambda kv: -kv[1]))
         tokenizer = _gguf_tokenizer(gguf_model.tokenizer_metadata, path)
+        exact_int4 = gguf_model.linear_types <= EXACT_INT4_SOURCES
     else:
         raise ModelLoadError(f"model not found: {path} (expected a .gguf file or a Hugging Face checkpoint directory)")
     model = build_model(config, weights)
-    linear_dtype = convert_linear_weights(model, weights_dtype)
+    linear_dtype = convert_linear_weights(model, weights_dtype, exact_int4)
     loaded = LoadedModel(config, model, tokenizer, str(path), weight_format, linear_dtype)
     log.info("loaded in %.1fs\n%s", time.perf_counter() - started, loaded.summary(cache_dtype))
     return loaded

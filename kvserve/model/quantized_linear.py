@@ -42,14 +42,23 @@ PACKED_MAX_ROWS = 4  # rows up to which the packed kernels beat a bf16 GEMM (tab
 _INT4_INNER_K_TILES = 8  # the CPU packing's tile; the kernel takes any value it was packed with
 
 
-def resolve_weights_dtype(weights_dtype: str, input_sizes: Iterable[int] = ()) -> str:
+# GGUF types whose weights int4 groups of 32 re-pack exactly (scale d, zero m + 8d).
+EXACT_INT4_SOURCES = frozenset({"Q4_0", "Q4_1"})
+
+
+def resolve_weights_dtype(weights_dtype: str, input_sizes: Iterable[int] = (), exact_int4: bool = True) -> str:
     """"auto" -> int4 where bf16 GEMMs are native (the fastest measured; int8 if a linear layer's input
-    size is not a multiple of the int4 group), else float32."""
+    size is not a multiple of the int4 group), else float32. `exact_int4=False` (a GGUF file whose linear
+    weights are other quantizations, e.g. Q4_K / Q6_K) makes it bfloat16 instead: re-quantizing those to
+    int4 compounds two roundings (Gemma 3 270M's Q4_K_M file, bench/weights_accuracy.py: int4 +15.8%
+    perplexity, int8 +0.57%, bfloat16 -0.07%)."""
     if weights_dtype not in WEIGHTS_DTYPES:
         raise ConfigError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {weights_dtype!r}")
     if weights_dtype == "auto":
         if not has_fast_bf16_matmul():
             return "float32"
+        if not exact_int4:
+            return "bfloat16"
         return "int8" if any(size % INT4_GROUP_SIZE for size in input_sizes) else "int4"
     return weights_dtype
 
@@ -190,10 +199,11 @@ def held_weight_bytes(config: ModelConfig, weights_dtype: str) -> int:
     return config.num_layers * per_layer + embedding + head + 4 * hidden  # final norm
 
 
-def convert_linear_weights(model: nn.Module, weights_dtype: str) -> str:
-    """Convert every loaded `Linear` of `model` to `weights_dtype` ("auto" resolved here); returns the dtype used."""
+def convert_linear_weights(model: nn.Module, weights_dtype: str, exact_int4: bool = True) -> str:
+    """Convert every loaded `Linear` of `model` to `weights_dtype` ("auto" resolved here, see
+    `resolve_weights_dtype`); returns the dtype used."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
-    resolved = resolve_weights_dtype(weights_dtype, (m.input_size for _, m in linears))
+    resolved = resolve_weights_dtype(weights_dtype, (m.input_size for _, m in linears), exact_int4)
     if resolved == "float32":
         return resolved
     for name, module in linears:

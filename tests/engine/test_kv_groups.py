@@ -78,9 +78,9 @@ def test_long_generations_equal_the_recompute_and_windows_hold_few_blocks(mixed)
     assert outputs == greedy_recompute(mixed.model, prompt, 40)
 
 
-@pytest.mark.parametrize("variant", ["mixed", "mistral-window"])
+@pytest.mark.parametrize("variant", ["mixed", "mistral-window", "gemma3"])
 def test_planner_equals_what_the_allocator_holds_at_every_step(mixed, tiny_models, variant):
-    loaded = mixed if variant == "mixed" else tiny_models("mistral-window")
+    loaded = mixed if variant == "mixed" else tiny_models(variant)
     engine = Engine(EngineConfig(block_size=BS, kv_cache_memory="1MiB", max_num_batched_tokens=8), loaded=loaded)
     page = engine.kv_spec.page_bytes(BS)
     engine.add_request(prompts(1, 21)[0], SamplingParams(max_tokens=30, ignore_eos=True))
@@ -97,14 +97,18 @@ def test_planner_equals_what_the_allocator_holds_at_every_step(mixed, tiny_model
     assert windowed_plan.kv_bytes_per_request < windowed_plan.kv_bytes_per_request_unwindowed
 
 
+@pytest.mark.parametrize("variant", ["mixed", "gemma3"])
 @pytest.mark.parametrize("caching", [True, False])
-def test_batching_prefix_hits_and_preemption_do_not_change_outputs(mixed, caching):
+def test_batching_prefix_hits_and_preemption_do_not_change_outputs(mixed, tiny_models, variant, caching):
+    # gemma3: the tiny Gemma 3 (7 layers with an 8-token window, 1 global: eight one-layer groups).
+    loaded = mixed if variant == "mixed" else tiny_models(variant)
     token_lists = prompts(6, 23, seed=4, shared=14)
     token_lists += token_lists[:2]  # repeats: hits on prompts cached with their windows freed
-    reference = [greedy_recompute(mixed.model, tokens, 12) for tokens in token_lists]
+    reference = [greedy_recompute(loaded.model, tokens, 12) for tokens in token_lists]
     # A small pool and small chunks: requests preempt one another and evict each other's cached window blocks.
-    engine, outputs = generate(mixed, token_lists, 12, enable_prefix_caching=caching,
-                               kv_cache_memory=24 * loaded_page(mixed), max_num_batched_tokens=8)
+    pages = {"mixed": 24, "gemma3": 64}[variant]  # room for a few requests, not all, and for some cached blocks
+    engine, outputs = generate(loaded, token_lists, 12, enable_prefix_caching=caching,
+                               kv_cache_memory=pages * loaded_page(loaded), max_num_batched_tokens=8)
     assert outputs == reference
     assert engine.stats().num_preemptions > 0
     if caching:

@@ -86,8 +86,11 @@ def test_auto_picks_by_the_cpu(monkeypatch):
     assert ql.resolve_weights_dtype("auto") == "int4"
     assert ql.resolve_weights_dtype("auto", [576, 1536]) == "int4"
     assert ql.resolve_weights_dtype("auto", [576, 100]) == "int8"  # 100 is not a multiple of the int4 group
+    # A K-quant GGUF: int4 would re-quantize already quantized weights (Gemma 3 270M: +15.8% perplexity).
+    assert ql.resolve_weights_dtype("auto", [640], exact_int4=False) == "bfloat16"
     monkeypatch.setattr(ql, "has_fast_bf16_matmul", lambda: False)
     assert ql.resolve_weights_dtype("auto") == "float32"
+    assert ql.resolve_weights_dtype("auto", exact_int4=False) == "float32"
     assert ql.resolve_weights_dtype("int8") == "int8"
 
 
@@ -123,3 +126,13 @@ def test_held_weight_bytes_is_what_the_engine_holds(variant, tmp_path):
     for dtype in dtypes:
         loaded = load_model(directory, weights_dtype=dtype)
         assert ql.held_weight_bytes(loaded.config, dtype) == sum(loaded.weight_bytes.values()), dtype
+
+
+def test_auto_keeps_a_k_quant_gguf_out_of_int4(monkeypatch, tmp_path):
+    # A GGUF whose layer matrices are Q8_0 (not int4 groups): "auto" holds bf16 where bf16 is fast.
+    from tests.helpers import build_hf_model, write_gguf
+
+    monkeypatch.setattr(ql, "has_fast_bf16_matmul", lambda: True)
+    path = tmp_path / "q8.gguf"
+    write_gguf(build_hf_model("llama-gqa"), path, {"proj": "Q8_0"})
+    assert load_model(path, weights_dtype="auto").linear_dtype == "bfloat16"
