@@ -66,7 +66,8 @@ def main() -> None:
     results = {}
     for name in args.workloads:
         prompt_len, output_len = WORKLOADS[name]
-        prompt = random_prompts(1, prompt_len)[0]
+        # A seed per workload: with one seed, W4's prompt would begin with W2's and hit its cached prefix.
+        prompt = random_prompts(1, prompt_len, seed=prompt_len)[0]
         (output,), _ = run_engine(engine, [prompt], greedy(output_len))
         row = {"kvserve_ttft_s": output.metrics.ttft, "kvserve_tpot_s": output.metrics.tpot}
         line = f"{name} ({prompt_len} prompt, {output_len} output): kvserve TTFT {row['kvserve_ttft_s']:.2f} s, TPOT {row['kvserve_tpot_s'] * 1e3:.1f} ms"
