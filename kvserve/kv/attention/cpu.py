@@ -9,6 +9,8 @@ which gather them first. Prefill chunks (compute-bound)
 gather their request's blocks (from the window's first block, for a windowed
 group) and run SDPA with a bottom-right-aligned causal mask (reference.py).
 Metadata is built once per KV group; each layer attends with its group's.
+Decodes that share most of their blocks (a common prefix) attend over the
+union of their blocks instead of the C++ kernel or split-KV (cpu_metadata.py says when).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from kvserve.arith import cdiv
 from kvserve.kv.attention.base import AttentionBackend, AttentionContext, SequenceSlice
 from kvserve.kv.attention.cpu_decode import split_kv_decode, union_decode
 from kvserve.kv.attention.cpu_kernels import paged_decode_kernel
-from kvserve.kv.attention.cpu_metadata import AttentionMetadata, DecodeMetadata, build_attention_metadata
+from kvserve.kv.attention.cpu_metadata import (KERNEL_UNION_SHARING_FACTOR, UNION_SHARING_FACTOR, AttentionMetadata,
+                                               DecodeMetadata, build_attention_metadata)
 from kvserve.kv.attention.reference import attend
 from kvserve.kv.storage import PagedKVCache
 
@@ -61,13 +64,13 @@ class PagedKVContext(AttentionContext):
         outputs = []
         if meta.decode is not None:
             queries = q[: meta.num_decode_tokens]
-            if self.decode_kernel is not None:
+            if meta.decode.union_block_ids is not None:  # decodes sharing most of their blocks
+                kv = cache.gather(layer, meta.decode.union_block_ids, q.dtype, fold_scales=True)
+                outputs.append(union_decode(queries, kv, meta.decode, scale))
+            elif self.decode_kernel is not None:
                 outputs.append(self.decode_kernel.paged_decode(
                     queries, cache.k[layer], cache.v[layer], meta.decode.block_ids, meta.decode.seq_offsets,
                     meta.decode.key_valid, scale, self._splits[group]))
-            elif meta.decode.union_block_ids is not None:
-                kv = cache.gather(layer, meta.decode.union_block_ids, q.dtype, fold_scales=True)
-                outputs.append(union_decode(queries, kv, meta.decode, scale))
             else:
                 kv = cache.gather(layer, meta.decode.block_ids, q.dtype, fold_scales=True)
                 outputs.append(split_kv_decode(queries, kv, meta.decode, scale))
@@ -115,9 +118,10 @@ class CpuAttentionBackend(AttentionBackend):
         plain = not cache.k_params and not cache.v_params and cache.k[0].dtype == cache.v[0].dtype \
             and cache.k[0].dtype in _KERNEL_CACHE_DTYPES
         kernel = self.decode_kernel if plain else None
+        factor = UNION_SHARING_FACTOR if kernel is None else KERNEL_UNION_SHARING_FACTOR
         groups = cache.spec.layout.groups
         return PagedKVContext(cache, [build_attention_metadata(slices, cache.block_size, group.window, index,
-                                                               with_union=kernel is None)
+                                                               union_factor=factor)
                                       for index, group in enumerate(groups)], kernel)
 
 

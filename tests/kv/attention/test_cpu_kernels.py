@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvserve.kv.attention import CpuAttentionBackend, PagedKVContext, SequenceSlice, attend, build_attention_metadata
+from kvserve.kv.attention.cpu import TorchCpuAttentionBackend
 from kvserve.kv.attention.cpu_kernels import paged_decode_kernel
 from kvserve.kv.spec import KVSpec
 from tests.helpers import write_tokens
@@ -64,11 +65,27 @@ def test_requests_sharing_prefix_blocks_read_them_in_place():
     slices = [SequenceSlice((prefix + [20 + i],), 12, 1) for i in range(4)]
     meta = build_attention_metadata(slices, block)
     assert meta.decode.union_block_ids is not None  # the torch path would take the union kernel
+    in_place = build_attention_metadata(slices, block, union_factor=None)  # no union: the C++ kernel runs
     q = torch.randn(4, heads, head_dim, generator=gen)
     new = torch.randn(4, kv_heads, head_dim, generator=gen)
-    out = PagedKVContext(cache, [meta], KERNEL).attend(0, q, new, new * 2, head_dim**-0.5)
+    out = PagedKVContext(cache, [in_place], KERNEL).attend(0, q, new, new * 2, head_dim**-0.5)
     union = PagedKVContext(cache, [meta]).attend(0, q, new, new * 2, head_dim**-0.5)
     torch.testing.assert_close(out, union, rtol=1e-5, atol=1e-5)
+
+
+def test_with_the_kernel_only_heavy_sharing_takes_the_union():
+    backend = CpuAttentionBackend()
+    cache = backend.allocate_kv_cache(KVSpec(1, 2, 8, "float32"), 200, 4)
+    shared = list(range(64))  # 256 shared tokens, then each request's own block
+    heavy = [SequenceSlice((shared + [100 + i],), 256, 1) for i in range(32)]
+    assert backend.build_context(cache, heavy).group_metadata[0].decode.union_block_ids is not None
+    # 8 requests sharing 4 blocks: union x requests / pairs = 12 x 8 / 40 = 2.4, where the torch path's
+    # factor (4) takes the union and the kernel's (1.5) does not.
+    light = [SequenceSlice((shared[:4] + [100 + i],), 16, 1) for i in range(8)]
+    assert backend.build_context(cache, light).group_metadata[0].decode.union_block_ids is None
+    assert TorchCpuAttentionBackend().build_context(cache, light).group_metadata[0].decode.union_block_ids is not None
+    # One decode has nothing to share: no union bookkeeping at all.
+    assert backend.build_context(cache, heavy[:1]).group_metadata[0].decode.union_block_ids is None
 
 
 def test_the_backend_uses_the_kernel_only_on_a_float_cache():
