@@ -52,7 +52,8 @@ def main() -> None:
         meta = build_attention_metadata(slices, BLOCK)
         q, k = torch.randn(num_seqs, HEADS, HEAD_DIM), torch.randn(num_seqs, KV_HEADS, HEAD_DIM)
         torch_ms = time_ms(PagedKVContext(cache, [meta]), q, k)
-        kernel_ms = time_ms(PagedKVContext(cache, [meta], kernel), q, k)
+        in_place = build_attention_metadata(slices, BLOCK, union_factor=None)  # the kernel, never the union
+        kernel_ms = time_ms(PagedKVContext(cache, [in_place], kernel), q, k)
         rows.append({"context": context_len, "requests": num_seqs, "shared_prefix": shared, "torch_ms": torch_ms,
                      "kernel_ms": kernel_ms})
         print(f"{num_seqs:>3} x {context_len:>5} tokens ({shared} shared): torch {torch_ms:.3f} ms, C++ kernel {kernel_ms:.3f} ms "
