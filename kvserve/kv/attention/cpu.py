@@ -118,7 +118,10 @@ class CpuAttentionBackend(AttentionBackend):
         plain = not cache.k_params and not cache.v_params and cache.k[0].dtype == cache.v[0].dtype \
             and cache.k[0].dtype in _KERNEL_CACHE_DTYPES
         kernel = self.decode_kernel if plain else None
-        factor = UNION_SHARING_FACTOR if kernel is None else KERNEL_UNION_SHARING_FACTOR
+        # The union can pay against the kernel only when several decodes share blocks; for the torch path
+        # it is also the faster kernel for a single decode (one SDPA over its blocks).
+        several = sum(s.num_new_tokens == 1 for s in slices) > 1
+        factor = UNION_SHARING_FACTOR if kernel is None else KERNEL_UNION_SHARING_FACTOR if several else None
         groups = cache.spec.layout.groups
         return PagedKVContext(cache, [build_attention_metadata(slices, cache.block_size, group.window, index,
                                                                union_factor=factor)

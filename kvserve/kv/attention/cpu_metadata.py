@@ -44,8 +44,6 @@ KERNEL_UNION_SHARING_FACTOR = 1.5
 
 
 def _with_union(meta: DecodeMetadata, block_size: int, factor: float) -> DecodeMetadata:
-    if meta.num_seqs < 2:
-        return meta  # nothing to share: a single decode pays for no union bookkeeping
     union, inverse = torch.unique(meta.block_ids, return_inverse=True)
     if union.numel() * meta.num_seqs > factor * meta.block_ids.numel():
         return meta  # little sharing: reading each request's blocks costs less

@@ -84,7 +84,7 @@ def test_with_the_kernel_only_heavy_sharing_takes_the_union():
     light = [SequenceSlice((shared[:4] + [100 + i],), 16, 1) for i in range(8)]
     assert backend.build_context(cache, light).group_metadata[0].decode.union_block_ids is None
     assert TorchCpuAttentionBackend().build_context(cache, light).group_metadata[0].decode.union_block_ids is not None
-    # One decode has nothing to share: no union bookkeeping at all.
+    # One decode has nothing to share: with the kernel, no union bookkeeping at all.
     assert backend.build_context(cache, heavy[:1]).group_metadata[0].decode.union_block_ids is None
 
 
