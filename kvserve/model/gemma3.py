@@ -22,8 +22,6 @@ llama.cpp's), so one `load_weights` serves both sources.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +29,7 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.kv.attention import AttentionContext, ContiguousContext
 from kvserve.model.layers import GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
-from kvserve.model.weights import checkpoint_targets, parameter_count, stream_weights
+from kvserve.model.causal_lm import CausalLM
 
 _NORM_OFFSET = 1.0  # Gemma's RMSNorm multiplies by (1 + w)
 
@@ -86,7 +84,7 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     """Decoder-only transformer, driven exactly like kvserve.model.llama.LlamaForCausalLM.
 
     `forward(input_ids, positions, kv)` runs a step's N new tokens at `positions`;
@@ -110,29 +108,6 @@ class Gemma3ForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.local_rotary_emb = (RotaryEmbedding(config.head_dim, config.rope_local_theta)
                                  if any(layer.self_attn.local_rope for layer in self.layers) else None)
-
-    stacked_params = (
-        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
-    )
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stream Hugging Face-named tensors into the parameters, each exactly once (see kvserve.model.weights)."""
-
-        def ignore(name: str) -> bool:
-            tied = self.config.tie_word_embeddings
-            return (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
-
-        stream_weights(weights, checkpoint_targets(self, self.stacked_params), ignore)
-
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        """Each layer's sliding window (None = full): what an attention context is built for."""
-        return tuple(layer.self_attn.sliding_window for layer in self.layers)
-
-    def num_parameters(self) -> int:
-        """The model's parameter count, whatever format its linear layers hold (a tied head counts once)."""
-        return parameter_count(self, self.lm_head if self.config.tie_word_embeddings else None)
 
     @torch.inference_mode()
     def forward(

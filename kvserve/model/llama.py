@@ -11,7 +11,7 @@ reaches the KV cache only through the forward's `AttentionContext.attend`
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.kv.attention import AttentionContext, ContiguousContext
 from kvserve.model.layers import GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
-from kvserve.model.weights import checkpoint_targets, parameter_count, stream_weights
+from kvserve.model.causal_lm import CausalLM
 
 
 class Attention(nn.Module):
@@ -68,7 +68,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(normed)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Decoder-only transformer.
 
     `forward(input_ids, positions, kv)` runs a step's N new tokens (of one or
@@ -89,38 +89,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
-    # Hugging Face's separate projections -> the shards of our fused ones.
-    stacked_params = (
-        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
-    )
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stream Hugging Face-named tensors into the parameters, each exactly once (see kvserve.model.weights)."""
-
-        def ignore(name: str) -> bool:
-            # Some tied checkpoints store a copy of lm_head; some exporters save
-            # the rotary buffers, which are computed from the config.
-            tied = self.config.tie_word_embeddings
-            return (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
-
-        stream_weights(weights, checkpoint_targets(self, self.stacked_params), ignore,
-                       extra={"rope_freqs": self.rotary_emb.load_freq_divisors})
-
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        """Each layer's sliding window (None = full): what an attention context is built for."""
-        return tuple(layer.self_attn.sliding_window for layer in self.layers)
+    def extra_checkpoint_tensors(self) -> dict[str, Callable[[torch.Tensor], None]]:
+        return {"rope_freqs": self.rotary_emb.load_freq_divisors}  # GGUF: Llama 3.1-style scaling as divisors
 
     def shift_key_positions(self, layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
         """Cached keys `[T, KVH, D]` (RoPE applied) as if computed `delta` positions later: RoPE is a rotation
         by position, so rotating by `delta` moves them (a context shift's re-rotation, as llama.cpp does)."""
         cos, sin = self.rotary_emb(torch.tensor([delta]))
         return apply_rope(keys, cos, sin)
-
-    def num_parameters(self) -> int:
-        """The model's parameter count, whatever format its linear layers hold (a tied head counts once)."""
-        return parameter_count(self, self.lm_head if self.config.tie_word_embeddings else None)
 
     @torch.inference_mode()
     def forward(
