@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvserve.arith import cdiv
 from kvserve.config import EngineConfig, format_memory
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams
@@ -68,9 +67,8 @@ def main() -> None:
                 last = stats.running[0]
         elapsed = time.perf_counter() - start
         held = last.num_blocks * page
-        unfreed = cdiv(last.num_computed_tokens, args.block_size) * spec.layout.num_groups * page
-        planned = plan("model", loaded.config, 0, context=last.num_computed_tokens,
-                       block_size=args.block_size).kv_bytes_per_request
+        planned_plan = plan("model", loaded.config, 0, context=last.num_computed_tokens, block_size=args.block_size)
+        planned, unfreed = planned_plan.kv_bytes_per_request, planned_plan.kv_bytes_per_request_unwindowed
         row = {"context": last.num_computed_tokens, "held_bytes": held, "without_freeing_bytes": unfreed,
                "planner_bytes": planned, "most_pool_bytes_after_a_step": peak_pages * page, "seconds": elapsed}
         rows.append(row)

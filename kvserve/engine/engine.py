@@ -91,21 +91,19 @@ class Engine:
         self._block_view: BlockView | None = None  # the last one built, carried into later snapshots
         self._block_view_wanted = self._block_view_current = False
         self._stats = self._take_stats()
-        if layout.num_groups == 1 and not layout.has_windows:
-            log.info(
-                "KV cache: %d blocks x %d tokens = %d tokens, %s bytes/token (%s), %.1f MiB, prefix caching %s%s",
-                num_blocks, config.block_size, num_blocks * config.block_size, f"{self.kv_spec.bytes_per_token:,}",
-                self.kv_spec.dtype, self.kv_cache.bytes_allocated / 2**20, "on" if self.prefix_caching else "off",
-                "" if config.enable_kv_cache else "; KV cache DISABLED: every step recomputes every sequence",
-            )
-        else:
-            log.info(
-                "KV cache: %d blocks of %d tokens x %d layers (%s bytes each, %s), %.1f MiB; KV groups: %s; "
-                "blocks behind a window are freed; prefix caching %s%s",
-                num_blocks, config.block_size, layout.page_layers, f"{block_bytes:,}", self.kv_spec.dtype,
-                self.kv_cache.bytes_allocated / 2**20, layout.describe(), "on" if self.prefix_caching else "off",
-                "" if config.enable_kv_cache else "; KV cache DISABLED: every step recomputes every sequence",
-            )
+        if layout.num_groups == 1:
+            geometry = (f"{num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} tokens, "
+                        f"{self.kv_spec.bytes_per_token:,} bytes/token ({self.kv_spec.dtype})")
+            groups = ","
+        else:  # a block is one group's page
+            geometry = (f"{num_blocks} blocks of {config.block_size} tokens x {layout.page_layers} layers "
+                        f"({block_bytes:,} bytes each, {self.kv_spec.dtype})")
+            groups = f"; KV groups: {layout.describe()};"
+        if layout.has_windows:
+            groups += " blocks behind a window are freed;"
+        log.info("KV cache: %s, %.1f MiB%s prefix caching %s%s", geometry, self.kv_cache.bytes_allocated / 2**20,
+                 groups, "on" if self.prefix_caching else "off",
+                 "" if config.enable_kv_cache else "; KV cache DISABLED: every step recomputes every sequence")
         if self.kv_spec.k_codec.is_fp8 or self.kv_spec.v_codec.is_fp8:
             log.warning("%s KV cache: this CPU has no fp8 arithmetic, so every read converts the gathered blocks "
                         "to float32 in software (works; int8 is as small and faster here)", self.kv_spec.dtype)

@@ -93,6 +93,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.group_windows = tuple(group_windows)
+        self._has_windows = any(window is not None for window in self.group_windows)
         if not self.group_windows:
             raise ValueError("a KV cache has at least one group")
         if record_cached_blocks and len(self.group_windows) > 1:
@@ -385,7 +386,7 @@ class KVCacheManager:
         """Free the blocks of windowed groups that no later query of the request reads (those wholly before
         the window of position `num_computed_tokens`); their table positions become null. Returns how many."""
         tables = self._tables.get(request_id)
-        if not tables:
+        if not tables or not self._has_windows:  # every step, every request: nothing to do for full attention
             return 0
         freed_upto = self._freed_upto[request_id]
         freed = 0
