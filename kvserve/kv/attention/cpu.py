@@ -52,7 +52,7 @@ class PagedKVContext(AttentionContext):
         self.decode_kernel = decode_kernel  # reads float blocks in place; None: gather, then torch kernels
         heads, block_size = cache.spec.num_kv_heads, cache.block_size
         # Per group: the kernel's work split, and the flat rows its new tokens are written to.
-        self._splits = [_num_splits(m.decode, heads) if decode_kernel is not None and m.decode is not None else 0
+        self._splits = [_num_splits(m.decode) if decode_kernel is not None and m.decode is not None else 0
                         for m in group_metadata]
         self._slots = [slot_indices(m.slot_blocks, m.slot_rows, heads, block_size) for m in group_metadata]
 
@@ -89,10 +89,10 @@ class PagedKVContext(AttentionContext):
 _KERNEL_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _num_splits(decode: DecodeMetadata, num_kv_heads: int) -> int:
-    """Runs of blocks per (request, KV head) for the C++ kernel: enough work items to keep every
-    thread busy (4 per thread) when few requests decode, never under 4 blocks a run."""
-    wanted = cdiv(4 * torch.get_num_threads(), decode.num_seqs * num_kv_heads)
+def _num_splits(decode: DecodeMetadata) -> int:
+    """Runs of blocks per request for the C++ kernel (each run covers every KV head): enough work items to
+    keep every thread busy (4 per thread) when few requests decode, never under 4 blocks a run."""
+    wanted = cdiv(4 * torch.get_num_threads(), decode.num_seqs)
     longest = int((decode.seq_offsets[1:] - decode.seq_offsets[:-1]).max())
     return max(1, min(wanted, longest // 4))
 

@@ -27,6 +27,7 @@ namespace {
 constexpr float kEmpty = -1e30f;
 constexpr int64_t kMaxBlock = 256;  // block_size bound for the per-block score buffer
 constexpr int64_t kMaxGroup = 64;   // query heads per KV head
+constexpr int64_t kPrefetchBlocks = 1;
 
 template <int64_t N>
 inline float dot_fixed(const float* a, const float* b) {
@@ -96,21 +97,14 @@ void attend_blocks(const float* qh, int64_t G, int64_t D, const scalar_t* kp, co
                    const int64_t* blocks, const bool* valid, int64_t lo, int64_t hi, int64_t KVH, int64_t h,
                    int64_t BS, float scale, float* m, float* l, float* acc) {
   float scores[kMaxGroup * kMaxBlock];
-  std::vector<float> k_buffer(std::is_same_v<scalar_t, float> ? 0 : BS * D);
-  std::vector<float> v_buffer(k_buffer.size());
-  // A (block, KV head) is one contiguous run of BS * D elements, but consecutive blocks of a request lie
-  // apart (other heads, other requests): the hardware prefetcher stops at each run's end, so the next
-  // block's K and V are asked for while this one is computed (one 4,096-token layer: 0.46 -> 0.37 ms).
-  constexpr int64_t kLine = 64 / sizeof(scalar_t);
+  // Called once per block: the widening buffers are kept per thread, not allocated per call.
+  thread_local std::vector<float> k_buffer, v_buffer;
+  if (!std::is_same_v<scalar_t, float> && static_cast<int64_t>(k_buffer.size()) < BS * D) {
+    k_buffer.resize(BS * D);
+    v_buffer.resize(BS * D);
+  }
   for (int64_t idx = lo; idx < hi; ++idx) {
     const int64_t base = (blocks[idx] * KVH + h) * BS;
-    if (idx + 1 < hi) {
-      const int64_t next = (blocks[idx + 1] * KVH + h) * BS * D;
-      for (int64_t e = 0; e < BS * D; e += kLine) {
-        __builtin_prefetch(kp + next + e, 0, 3);
-        __builtin_prefetch(vp + next + e, 0, 3);
-      }
-    }
     const bool* row_valid = valid + idx * BS;
     const float* k_block = as_float(kp + base * D, k_buffer.data(), BS * D);
     for (int64_t r = 0; r < BS; ++r) {
@@ -150,6 +144,259 @@ void attend_blocks(const float* qh, int64_t G, int64_t D, const scalar_t* kp, co
   }
 }
 
+#if defined(__AVX512F__)
+// The AVX-512 path for head_dim a multiple of 16 and blocks of whole 16-row tiles (every common shape).
+// The scalar-loop kernel above reached ~2 MACs per cycle: each score was a dot product ending in a
+// horizontal reduction, and each V row's update went through memory. Here a tile's 16 scores come out of
+// one transposing reduction tree, the G heads' accumulators stay in registers over a block, and a 16-bit
+// block is widened as it is loaded.
+namespace avx512 {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is fp32's top half
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// e^x for x <= 0 (scores less their running max; the masked sentinel gives 0): n = round(x / ln 2),
+// r = x - n ln 2 in two parts (|r| <= 0.35), e^r by its degree-7 Taylor polynomial (error < 1e-8
+// relative), scaled by 2^n. Relative error ~1 ulp, where the 2^(x log2 e) shortcut loses digits.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 underflows to 0 anyway
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 vectors -> one vector whose lane i is the sum of v[i]'s lanes: a transposing add tree
+// (15 adds, 30 shuffles for 16 dot products, against ~8 dependent operations per product reduced alone),
+// in two halves so that a caller can reduce four rows at a time.
+inline __m512 sum_quad(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3], then that lane's sums of a, b, c, d
+  const __m512d ab = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)));
+  const __m512d cd = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d)));
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)));
+}
+
+inline __m512 sum_lanes(__m512 y0, __m512 y1, __m512 y2, __m512 y3) {  // four sum_quad results -> 16 sums
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y2, y3, 0x88), _mm512_shuffle_f32x4(y2, y3, 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
+
+inline __m512 sum_each(const __m512* v) {
+  return sum_lanes(sum_quad(v[0], v[1], v[2], v[3]), sum_quad(v[4], v[5], v[6], v[7]),
+                   sum_quad(v[8], v[9], v[10], v[11]), sum_quad(v[12], v[13], v[14], v[15]));
+}
+
+inline __mmask16 visible_rows(const bool* valid) {
+  __mmask16 mask = 0;
+  for (int r = 0; r < 16; ++r) mask |= static_cast<__mmask16>(valid[r] ? 1 : 0) << r;
+  return mask;
+}
+
+// As attend_blocks, for D = 16 * NC and BS a multiple of 16.
+template <typename scalar_t, int NC>
+void attend_blocks(const float* qh, int64_t G, const scalar_t* kp, const scalar_t* vp, const int64_t* blocks,
+                   const bool* valid, int64_t lo, int64_t hi, int64_t KVH, int64_t h, int64_t BS, float scale,
+                   float* m, float* l, float* acc) {
+  constexpr int64_t D = 16 * NC;
+  const int64_t tiles = BS / 16;
+  alignas(64) float probs[kMaxBlock];
+  __mmask16 visible[kMaxBlock / 16];
+  for (int64_t idx = lo; idx < hi; ++idx) {
+    const int64_t base = (blocks[idx] * KVH + h) * BS * D;
+    const scalar_t* kb = kp + base;
+    const scalar_t* vb = vp + base;
+    bool any_visible = false;
+    for (int64_t t = 0; t < tiles; ++t) {
+      visible[t] = visible_rows(valid + idx * BS + t * 16);
+      any_visible |= visible[t] != 0;
+    }
+    if (!any_visible) continue;
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 q[NC];
+      for (int c = 0; c < NC; ++c) q[c] = _mm512_mul_ps(_mm512_loadu_ps(qh + g * D + 16 * c), _mm512_set1_ps(scale));
+      __m512 tile_max = _mm512_set1_ps(kEmpty);
+      for (int64_t t = 0; t < tiles; ++t) {
+        __m512 dots[16];
+        for (int r = 0; r < 16; ++r) {
+          const scalar_t* row = kb + (t * 16 + r) * D;
+          __m512 d = _mm512_mul_ps(q[0], load16(row));
+          for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(q[c], load16(row + 16 * c), d);
+          dots[r] = d;
+        }
+        // Hidden rows (possibly never written: any bits at all) become the sentinel.
+        const __m512 s = _mm512_mask_blend_ps(visible[t], _mm512_set1_ps(kEmpty), sum_each(dots));
+        _mm512_store_ps(probs + t * 16, s);
+        tile_max = _mm512_max_ps(tile_max, s);
+      }
+      const float new_max = std::max(m[g], _mm512_reduce_max_ps(tile_max));
+      const float correction = std::exp(m[g] - new_max);
+      __m512 sums = _mm512_setzero_ps();
+      for (int64_t t = 0; t < tiles; ++t) {
+        const __m512 p = exp16(_mm512_sub_ps(_mm512_load_ps(probs + t * 16), _mm512_set1_ps(new_max)));
+        _mm512_store_ps(probs + t * 16, p);
+        sums = _mm512_add_ps(sums, p);
+      }
+      l[g] = l[g] * correction + _mm512_reduce_add_ps(sums);
+      m[g] = new_max;
+      float* ag = acc + g * D;
+      __m512 a[NC];
+      for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(ag + 16 * c), _mm512_set1_ps(correction));
+      for (int64_t t = 0; t < tiles; ++t) {
+        const bool all_visible = visible[t] == 0xFFFF;
+        for (int r = 0; r < 16; ++r) {
+          // A hidden row's weight is 0, but its V may be NaN (never written): skip it, do not multiply.
+          if (!all_visible && !((visible[t] >> r) & 1)) continue;
+          const __m512 p = _mm512_set1_ps(probs[t * 16 + r]);
+          const scalar_t* row = vb + (t * 16 + r) * D;
+          for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(p, load16(row + 16 * c), a[c]);
+        }
+      }
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(ag + 16 * c, a[c]);
+    }
+  }
+}
+
+// The same for a group size G known at compile time with G * NC <= 16: every K and V row is loaded
+// (and widened) once for all G heads instead of once per head, the heads' queries and accumulators
+// staying in registers (G * NC each). Zen 4 issues one 512-bit load per cycle, so the per-head path
+// was bound by its loads.
+template <typename scalar_t, int NC, int G>
+void attend_blocks_grouped(const float* qh, const scalar_t* kp, const scalar_t* vp, const int64_t* blocks,
+                           const bool* valid, int64_t lo, int64_t hi, int64_t KVH, int64_t h, int64_t BS,
+                           float scale, float* m, float* l, float* acc) {
+  constexpr int64_t D = 16 * NC;
+  const int64_t tiles = BS / 16;
+  alignas(64) float probs[G][kMaxBlock];
+  __mmask16 visible[kMaxBlock / 16];
+  __m512 q[G][NC];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < NC; ++c) q[g][c] = _mm512_mul_ps(_mm512_loadu_ps(qh + g * D + 16 * c), _mm512_set1_ps(scale));
+  }
+  for (int64_t idx = lo; idx < hi; ++idx) {
+    const int64_t base = (blocks[idx] * KVH + h) * BS * D;
+    const scalar_t* kb = kp + base;
+    const scalar_t* vb = vp + base;
+    bool any_visible = false;
+    for (int64_t t = 0; t < tiles; ++t) {
+      visible[t] = visible_rows(valid + idx * BS + t * 16);
+      any_visible |= visible[t] != 0;
+    }
+    if (!any_visible) continue;
+    float block_max[G];
+    for (int g = 0; g < G; ++g) block_max[g] = kEmpty;
+    for (int64_t t = 0; t < tiles; ++t) {
+      __m512 quads[G][4];
+      for (int quad = 0; quad < 4; ++quad) {
+        __m512 dots[G][4];
+        for (int r = 0; r < 4; ++r) {
+          const scalar_t* row = kb + (t * 16 + quad * 4 + r) * D;
+          for (int c = 0; c < NC; ++c) {
+            const __m512 k = load16(row + 16 * c);
+            for (int g = 0; g < G; ++g) dots[g][r] = c ? _mm512_fmadd_ps(q[g][c], k, dots[g][r]) : _mm512_mul_ps(q[g][c], k);
+          }
+        }
+        for (int g = 0; g < G; ++g) quads[g][quad] = sum_quad(dots[g][0], dots[g][1], dots[g][2], dots[g][3]);
+      }
+      for (int g = 0; g < G; ++g) {
+        // Hidden rows (possibly never written: any bits at all) become the sentinel.
+        const __m512 s = _mm512_mask_blend_ps(visible[t], _mm512_set1_ps(kEmpty),
+                                              sum_lanes(quads[g][0], quads[g][1], quads[g][2], quads[g][3]));
+        _mm512_store_ps(probs[g] + t * 16, s);
+        block_max[g] = std::max(block_max[g], _mm512_reduce_max_ps(s));
+      }
+    }
+    __m512 a[G][NC];
+    for (int g = 0; g < G; ++g) {
+      const float new_max = std::max(m[g], block_max[g]);
+      const float correction = std::exp(m[g] - new_max);
+      __m512 sums = _mm512_setzero_ps();
+      for (int64_t t = 0; t < tiles; ++t) {
+        const __m512 p = exp16(_mm512_sub_ps(_mm512_load_ps(probs[g] + t * 16), _mm512_set1_ps(new_max)));
+        _mm512_store_ps(probs[g] + t * 16, p);
+        sums = _mm512_add_ps(sums, p);
+      }
+      l[g] = l[g] * correction + _mm512_reduce_add_ps(sums);
+      m[g] = new_max;
+      for (int c = 0; c < NC; ++c) a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * c), _mm512_set1_ps(correction));
+    }
+    for (int64_t t = 0; t < tiles; ++t) {
+      const bool all_visible = visible[t] == 0xFFFF;
+      for (int r = 0; r < 16; ++r) {
+        // A hidden row's weight is 0, but its V may be NaN (never written): skip it, do not multiply.
+        if (!all_visible && !((visible[t] >> r) & 1)) continue;
+        const scalar_t* row = vb + (t * 16 + r) * D;
+        for (int c = 0; c < NC; ++c) {
+          const __m512 v = load16(row + 16 * c);
+          for (int g = 0; g < G; ++g) a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g][t * 16 + r]), v, a[g][c]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
+    }
+  }
+}
+
+}  // namespace avx512
+#endif
+
+// One work item on the fastest path built for its shape.
+template <typename scalar_t>
+void attend_item(const float* qh, int64_t G, int64_t D, const scalar_t* kp, const scalar_t* vp,
+                 const int64_t* blocks, const bool* valid, int64_t lo, int64_t hi, int64_t KVH, int64_t h,
+                 int64_t BS, float scale, float* m, float* l, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::Half> ||
+                std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (BS % 16 == 0) {
+#define KVSERVE_GROUPED(NC_, G_) \
+  if (D == 16 * NC_ && G == G_) \
+    return avx512::attend_blocks_grouped<scalar_t, NC_, G_>(qh, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+      KVSERVE_GROUPED(4, 1) KVSERVE_GROUPED(4, 2) KVSERVE_GROUPED(4, 3) KVSERVE_GROUPED(4, 4)
+      KVSERVE_GROUPED(2, 1) KVSERVE_GROUPED(2, 2) KVSERVE_GROUPED(2, 4) KVSERVE_GROUPED(2, 8)
+      KVSERVE_GROUPED(8, 1) KVSERVE_GROUPED(8, 2)
+#undef KVSERVE_GROUPED
+      if (D == 256) {
+        return avx512::attend_blocks<scalar_t, 16>(qh, G, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+      }
+      if (D == 64) {
+        return avx512::attend_blocks<scalar_t, 4>(qh, G, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+      }
+      if (D == 128) {
+        return avx512::attend_blocks<scalar_t, 8>(qh, G, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+      }
+      if (D == 32) {
+        return avx512::attend_blocks<scalar_t, 2>(qh, G, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+      }
+    }
+  }
+#endif
+  // head_dim as a constant where it is common: the dot products unroll fully.
+  if (D == 64) {
+    attend_blocks<scalar_t, 64>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+  } else if (D == 128) {
+    attend_blocks<scalar_t, 128>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+  } else {
+    attend_blocks<scalar_t, 0>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+  }
+}
+
 }  // namespace
 
 // q [B, H, D] fp32; k_cache, v_cache [num_blocks, KVH, block_size, D] (fp32 / fp16 / bf16, contiguous);
@@ -185,20 +432,36 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "paged_decode", [&] {
   const scalar_t* kp = k_cache.data_ptr<scalar_t>();
   const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-  at::parallel_for(0, B * KVH * S, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (KVH * S), h = (item / S) % KVH, s = item % S;
+      const int64_t b = item / S, s = item % S;
       const int64_t first = offsets[b], count = offsets[b + 1] - first;
       const int64_t lo = first + count * s / S, hi = first + count * (s + 1) / S;
-      const float* qh = qp + (b * H + h * G) * D;
-      float *m = &part_max[item * G], *l = &part_sum[item * G], *acc = &part_acc[item * G * D];
-      // head_dim as a constant where it is common: the dot products unroll fully.
-      if (D == 64) {
-        attend_blocks<scalar_t, 64>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, fscale, m, l, acc);
-      } else if (D == 128) {
-        attend_blocks<scalar_t, 128>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, fscale, m, l, acc);
-      } else {
-        attend_blocks<scalar_t, 0>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, fscale, m, l, acc);
+      // A block's KV heads lie side by side: each block is read for every head before the next one, so
+      // memory is read in runs of KVH * BS * D elements, where one head at a time would stride through it
+      // KVH times; the next block is asked for while this one is computed (its place is known only from
+      // the table, so the hardware prefetcher cannot guess it). One 4,096-token layer, fp16, blocks in
+      // order: 0.27 -> 0.15 ms.
+      constexpr int64_t kLine = 64 / sizeof(scalar_t);
+      const int64_t block_elems = KVH * BS * D;
+      for (int64_t idx = lo; idx < hi; ++idx) {
+        // Only blocks that do not follow the one before: the hardware prefetcher streams through
+        // consecutive blocks by itself, and prefetching them too made that case slower (0.15 -> 0.22 ms).
+        // A few blocks ahead: one block's compute is shorter than a memory round trip.
+        const int64_t ahead = idx + kPrefetchBlocks;
+        if (ahead < hi && blocks[ahead] != blocks[ahead - 1] + 1) {
+          const scalar_t* next_k = kp + blocks[ahead] * block_elems;
+          const scalar_t* next_v = vp + blocks[ahead] * block_elems;
+          for (int64_t e = 0; e < block_elems; e += kLine) {
+            __builtin_prefetch(next_k + e, 0, 3);
+            __builtin_prefetch(next_v + e, 0, 3);
+          }
+        }
+        for (int64_t h = 0; h < KVH; ++h) {
+          const int64_t part = (b * KVH + h) * S + s;
+          attend_item<scalar_t>(qp + (b * H + h * G) * D, G, D, kp, vp, blocks, valid, idx, idx + 1, KVH, h, BS,
+                                fscale, &part_max[part * G], &part_sum[part * G], &part_acc[part * G * D]);
+        }
       }
     }
   });
