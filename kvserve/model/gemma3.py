@@ -21,12 +21,11 @@ llama.cpp's), so one `load_weights` serves both sources.
 
 from __future__ import annotations
 
-import functools
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.config import ModelConfig
+from kvserve.kernels import ops
 from kvserve.kv.attention import AttentionContext, ContiguousContext
 from kvserve.model.layers import GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
 from kvserve.model.causal_lm import CausalLM
@@ -74,8 +73,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = _norm(config.hidden_size, config)
         self.post_feedforward_layernorm = _norm(config.hidden_size, config)
         self.self_attn = Gemma3Attention(config, layer_index)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
-                            activation=functools.partial(F.gelu, approximate="tanh"))
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, activation=ops.GELU_TANH)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: AttentionContext,
                 layer: int) -> torch.Tensor:

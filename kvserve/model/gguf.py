@@ -8,6 +8,7 @@ the loader streams it into the model, because files often mix types
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,7 +19,8 @@ import torch
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.model.gguf_file import GGUFFile
-from kvserve.model.gguf_quants import dequantize, ggml_type_name, tensor_nbytes
+from kvserve.kernels.packing import GroupCodes
+from kvserve.model.gguf_quants import dequantize, ggml_type_name, group_codes, tensor_nbytes
 from kvserve.model.registry import GGUF, Architecture, find_architecture
 
 _LAYER_TENSORS: dict[str, str] = {
@@ -89,6 +91,30 @@ class GGUFModel:
             elif self.permuted_qk and ".k_proj." in hf_name:
                 value = unpermute_qk(value, self.config.num_kv_heads)
             yield hf_name, value
+
+
+    def group_codes(self, hf_name: str) -> GroupCodes | None:
+        """The file's own codes of the matrix loaded as `hf_name` (Q/K rows unpermuted as in `weights`), where
+        its type is a group of w = d * q + m that a group-quantized linear layer holds exactly; else None."""
+        tensor = self._tensors_by_hf_name.get(hf_name)
+        if tensor is None:
+            return None
+        type_name = ggml_type_name(tensor.ggml_type)
+        shape = tuple(int(n) for n in tensor.shape)
+        if len(shape) != 2:
+            return None
+        codes = group_codes(self.file.tensor_bytes(tensor, tensor_nbytes(type_name, shape)), type_name, shape)
+        if codes is None or not self.permuted_qk:
+            return codes
+        heads = {".q_proj.": self.config.num_heads, ".k_proj.": self.config.num_kv_heads}
+        for part, num_heads in heads.items():
+            if part in hf_name:  # the same row permutation as the fp32 weights get
+                return codes.select_rows(unpermute_qk(torch.arange(shape[0]), num_heads))
+        return codes
+
+    @functools.cached_property
+    def _tensors_by_hf_name(self) -> dict[str | None, Any]:
+        return {_hf_name(t.name, self.config.architecture): t for t in self.file.tensors}
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvserve.errors import UnsupportedModelError
+from kvserve.kernels.packing import GroupCodes, fits_fp16
 
 QK_K = 256  # super-block size of the K-quants
 
@@ -194,3 +195,50 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch
     # A copy: the source is usually a read-only memory map.
     blocks = torch.from_numpy(data.copy()).view(num_blocks, block_bytes)
     return decode(blocks).reshape(shape)
+
+
+def _raw_f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 scalar at byte offset `start` of every block, as fp16 [n]."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16)[:, 0]
+
+
+def _grouped(type_name: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+    """(codes [n, 32] uint8, scale [n] fp16, offset [n] fp16, bits) with w = scale * code + offset, for the
+    32-element types whose blocks are exactly that; None for the others."""
+    if type_name == "Q4_0":
+        d = _raw_f16(blocks, 0)
+        return _nibbles(blocks[:, 2:18]), d, d * -8, 4
+    if type_name == "Q4_1":
+        return _nibbles(blocks[:, 4:20]), _raw_f16(blocks, 0), _raw_f16(blocks, 2), 4
+    if type_name == "Q5_0":
+        d = _raw_f16(blocks, 0)
+        return _nibbles(blocks[:, 6:22]) | (_bits(blocks[:, 2:6], 32) << 4), d, d * -16, 8
+    if type_name == "Q5_1":
+        codes = _nibbles(blocks[:, 8:24]) | (_bits(blocks[:, 4:8], 32) << 4)
+        return codes, _raw_f16(blocks, 0), _raw_f16(blocks, 2), 8
+    if type_name == "Q8_0":
+        d = _raw_f16(blocks, 0)
+        codes = (blocks[:, 2:34].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        return codes, d, d * -128, 8
+    return None
+
+
+def group_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> GroupCodes | None:
+    """The raw bytes of a 2-D GGUF matrix as group codes (kvserve.kernels.packing), exactly the file's
+    values, where its type is a 32-element group of w = d * q + m (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); None
+    for other types, or where an offset (-8d, -16d, -128d: exact multiples) would overflow fp16."""
+    if len(shape) != 2 or type_name not in _TYPES:
+        return None
+    num_blocks, block_bytes, _ = _layout(type_name, shape)
+    data = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    blocks = torch.from_numpy(data.copy()).view(num_blocks, block_bytes)
+    grouped = _grouped(type_name, blocks)
+    if grouped is None:
+        return None
+    codes, scales, offsets, bits = grouped
+    if not fits_fp16(offsets.float()):
+        return None
+    rows, cols = shape
+    groups = cols // 32
+    return GroupCodes(codes.reshape(rows, cols).contiguous(), scales.reshape(rows, groups).contiguous(),
+                      offsets.reshape(rows, groups).contiguous(), bits)

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.config import RopeScaling
+from kvserve.kernels import ops
+from kvserve.kernels.packing import GroupCodes
 
 
 class WeightShapeError(ValueError):
@@ -81,8 +83,9 @@ class LinearMethod(abc.ABC):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x `[N, input_size]` -> `[N, output_size]`."""
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        """Turn the loaded weight into this format's tensors (kvserve.model.quantized_linear); fp32 keeps it."""
+    def process_weights_after_loading(self, layer: Linear, source: GroupCodes | None = None) -> None:
+        """Turn the loaded weight into this format's tensors (kvserve.model.quantized_linear); fp32 keeps it.
+        `source`: the checkpoint's own group codes for this weight, where it has them (a GGUF Q4_1 file)."""
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -196,22 +199,27 @@ class RMSNorm(nn.Module):
         default_weight_loader(param, loaded.float() + self.weight_offset, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        if x.dim() == 2:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """residual += delta (in place: the residual stream), then this norm of it, in one pass."""
+        return ops.add_rms_norm_(residual, delta, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up in one GEMM (shards 0 and 1 of `gate_up_proj`)."""
+    """down(act(gate(x)) * up(x)), gate and up in one GEMM (shards 0 and 1 of `gate_up_proj`);
+    act is SiLU (Llama) or GELU's tanh form (Gemma): `ops.SILU` / `ops.GELU_TANH`."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int,
-                 activation: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: int = ops.SILU) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
         self.down_proj = Linear(intermediate_size, hidden_size)
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.activation(gate) * up)
+        return self.down_proj(ops.gated_activation(self.gate_up_proj(x), self.activation))
 
 
 # --- rotary embedding ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.kv.attention import AttentionContext, ContiguousContext
+from kvserve.kernels import ops
 from kvserve.model.layers import GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
 from kvserve.model.causal_lm import CausalLM
 
@@ -46,9 +47,11 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        qkv = self.qkv_proj(x)
+        ops.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)  # Q and K, in place
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(kv.attend(layer, q, k, v, self.scale))
 
@@ -62,10 +65,10 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x, positions, cos, sin, kv, layer) -> torch.Tensor:
+        """x, the residual stream, is updated in place (the model's own activations, nothing else's)."""
         normed = self.input_layernorm(x)
-        x = x + self.self_attn(normed, positions, cos, sin, kv, layer)
-        normed = self.post_attention_layernorm(x)
-        return x + self.mlp(normed)
+        normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn(normed, positions, cos, sin, kv, layer))
+        return x.add_(self.mlp(normed))
 
 
 class LlamaForCausalLM(CausalLM):

@@ -135,6 +135,7 @@ def load_model(path: str | Path | None = None, cache_dtype: str = "auto",
     started = time.perf_counter()
     path = embedded_model_path() if path is None else Path(path)
     exact_int4 = True  # checkpoints of full-precision weights: "auto" as measured for them
+    codes = None  # a GGUF file's own group codes, for the layers that hold them as they are
     if path.is_dir():
         config, weights = load_checkpoint(path)
         weight_format = "safetensors"
@@ -149,10 +150,11 @@ def load_model(path: str | Path | None = None, cache_dtype: str = "auto",
         weight_format = "GGUF " + ", ".join(f"{t} x{n}" for t, n in sorted(gguf_model.tensor_types.items(), key=lambda kv: -kv[1]))
         tokenizer = _gguf_tokenizer(gguf_model.tokenizer_metadata, path)
         exact_int4 = gguf_model.linear_types <= EXACT_INT4_SOURCES
+        codes = gguf_model.group_codes
     else:
         raise ModelLoadError(f"model not found: {path} (expected a .gguf file or a Hugging Face checkpoint directory)")
     model = build_model(config, weights)
-    linear_dtype = convert_linear_weights(model, weights_dtype, exact_int4)
+    linear_dtype = convert_linear_weights(model, weights_dtype, exact_int4, codes)
     loaded = LoadedModel(config, model, tokenizer, str(path), weight_format, linear_dtype)
     log.info("loaded in %.1fs\n%s", time.perf_counter() - started, loaded.summary(cache_dtype))
     return loaded

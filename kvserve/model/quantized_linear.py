@@ -1,32 +1,37 @@
-"""Linear layers whose weights are held below fp32: bf16, int8 per channel, int4 in groups of 32.
+"""Linear layers whose weights are held below fp32: bf16, or 8-/4-bit codes in groups of 32.
 
 Weights stream in as fp32 (every loader stays the same) and each layer is
-converted once, after loading (`convert_linear_weights`). Which kernel runs
-depends on the step's rows, measured on the CPU (AMD EPYC, Zen 4, AVX512-BF16,
-2 threads, torch 2.13; us per call, weights hot):
+converted once, after loading (`convert_linear_weights`). The int8 and int4
+layers hold only packed codes (kvserve/kernels/packing.py) and multiply them
+with kvserve's C++ kernel (kernels/csrc/quant_matmul.cpp): activations
+quantized to int8 per group of 32, integer dot products (AVX512-VNNI, or
+AVX2), one fp16 scale and offset per (row, group). Where the checkpoint is a
+GGUF file whose matrices are such groups (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), the
+file's own codes, scales and offsets are packed: the weights are exactly the
+file's. Measured on an AMD EPYC (Zen 4, AVX512-VNNI, 2 threads, torch 2.13;
+us per call, weights cold as across 30 layers; the aten packed-int4 kernel,
+which needs bf16 activations, is what this replaced):
 
-                          rows:    1      4      8     32
-    QKV 576 -> 960      int4      20     52    110    386
-                        bf16      55     61     75    156
-                        fp32      49    115    191    374
-    lm_head 576 -> 49152 int4    793   1441   4522  13872
-                        bf16    3330   5474   6887   8873
-                        fp32   10213  19401  21005  29994
+                          rows:      1      4      8     32    2048
+    QKV 576 -> 960      int4       16     19     23     80    7,080
+                        int8       23     24     27    104    6,013
+                        aten int4  35     39     64    229        -
+                        bf16      192    116    126    186    6,744
+                        fp32      253    256    230    358   14,701
+    lm_head 576 -> 49152 int4     258    588    871  3,528
+                        int8      752  1,004  1,156  3,954
+                        bf16    3,453  5,210  4,462  7,986
+                        fp32   10,400 17,562 17,213 27,193
 
-The packed-weight kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`)
-read a quarter / half of fp32's bytes and win at a few rows (decode at small
-batch); past `PACKED_MAX_ROWS` a bf16 GEMM wins (prefill, batched decode), so
-the quantized methods also keep the weight dequantized to bf16 for those. Both
-kernels need bf16 activations: fed fp32 they ran 10-60x slower, so every path
-here casts the input to bf16 and the output back to fp32. On a CPU without
-native bf16 (`has_fast_bf16_matmul()` false) these methods are slow, and
-`weights_dtype="auto"` keeps fp32 there.
+So one kernel serves decode, batched decode and prefill (no bf16 copy of the
+weights is kept), and a row's result does not depend on the batch it is in.
+Without the C++ kernels the int8/int4 formats are refused and "auto" picks
+bf16 or fp32.
 """
 
 from __future__ import annotations
 
-import abc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -35,32 +40,48 @@ from torch import nn
 from kvserve.config import WEIGHTS_DTYPES, ModelConfig
 from kvserve.cpu_features import has_fast_bf16_matmul
 from kvserve.errors import ConfigError
+from kvserve.kernels import ops
+from kvserve.kernels.packing import GROUP_SIZE, GroupCodes, pack, packed_bytes, quantize_groups
 from kvserve.model.layers import Linear, UnquantizedLinearMethod
+from kvserve.model.weights import hf_name
 
-INT4_GROUP_SIZE = 32  # the GGUF Q4_0/Q4_1 block: a Q4_1 file's groups map one to one
-PACKED_MAX_ROWS = 4  # rows up to which the packed kernels beat a bf16 GEMM (table above)
-_INT4_INNER_K_TILES = 8  # the CPU packing's tile; the kernel takes any value it was packed with
-
-
-# GGUF types whose weights int4 groups of 32 re-pack exactly (scale d, zero m + 8d).
+# GGUF types whose weights int4 groups hold exactly (the file's codes, scale and offset).
 EXACT_INT4_SOURCES = frozenset({"Q4_0", "Q4_1"})
+GROUP_BITS = {"int8": 8, "int4": 4}
+
+# The source of a checkpoint's own group codes: HF name of a weight -> its codes, or None.
+CodeSource = Callable[[str], "GroupCodes | None"]
+
+
+def packed_kernel_isa() -> str | None:
+    """The instruction set the quantized matmul runs on here ("avx512_vnni", "avx2", "portable"), or None
+    where the C++ kernels are not built."""
+    ext = ops.kernels()
+    return None if ext is None else ext.quant_matmul_isa()
 
 
 def resolve_weights_dtype(weights_dtype: str, input_sizes: Iterable[int] = (), exact_int4: bool = True) -> str:
-    """"auto" -> int4 where bf16 GEMMs are native (the fastest measured; int8 if a linear layer's input
-    size is not a multiple of the int4 group), else float32. `exact_int4=False` (a GGUF file whose linear
-    weights are other quantizations, e.g. Q4_K / Q6_K) makes it bfloat16 instead: re-quantizing those to
-    int4 compounds two roundings (Gemma 3 270M's Q4_K_M file, bench/weights_accuracy.py: int4 +15.8%
-    perplexity, int8 +0.57%, bfloat16 -0.07%)."""
+    """"auto" -> the fastest measured option that keeps accuracy on this CPU: int4 where the quantized
+    matmul has a SIMD path (AVX512-VNNI or AVX2) and every input size is a multiple of the group; but
+    `exact_int4=False` (a GGUF file whose linear weights are other quantizations, e.g. Q4_K / Q6_K) keeps
+    int4 out: re-quantizing those compounds two roundings (Gemma 3 270M's Q4_K_M file,
+    bench/weights_accuracy.py: int4 +15.8% perplexity, int8 +0.57%, bfloat16 -0.07%), so it is bfloat16
+    where bf16 GEMMs are native and int8 elsewhere. Without the kernel: bfloat16 or float32.
+    int8 / int4 asked for explicitly need the C++ kernels."""
     if weights_dtype not in WEIGHTS_DTYPES:
         raise ConfigError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {weights_dtype!r}")
-    if weights_dtype == "auto":
-        if not has_fast_bf16_matmul():
-            return "float32"
-        if not exact_int4:
-            return "bfloat16"
-        return "int8" if any(size % INT4_GROUP_SIZE for size in input_sizes) else "int4"
-    return weights_dtype
+    isa = packed_kernel_isa()
+    if weights_dtype in GROUP_BITS and isa is None:
+        raise ConfigError(f"--weights-dtype {weights_dtype} needs kvserve's C++ kernels, which are not available "
+                          "here (see the log: no compiler, or KVSERVE_NO_CPP_KERNELS); use bfloat16 or float32")
+    if weights_dtype != "auto":
+        return weights_dtype
+    grouped = isa not in (None, "portable") and all(size % GROUP_SIZE == 0 for size in input_sizes)
+    if grouped and exact_int4:
+        return "int4"
+    if has_fast_bf16_matmul():
+        return "bfloat16"
+    return "int8" if grouped else "float32"
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -70,100 +91,42 @@ def _frozen(tensor: torch.Tensor) -> nn.Parameter:
 class Bf16LinearMethod(UnquantizedLinearMethod):
     """bf16 weights, bf16 GEMM, fp32 in and out (the residual stream stays fp32)."""
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
+    def process_weights_after_loading(self, layer: Linear, source: GroupCodes | None = None) -> None:
         layer.weight = _frozen(layer.weight.detach().to(torch.bfloat16))
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return _dense_bf16(layer, x)
-
-
-class _PackedLinearMethod(UnquantizedLinearMethod):
-    """Packed low-bit weights for a few rows (decode), the bf16 dequantized copy for more."""
-
-    @abc.abstractmethod
-    def packed_matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        """x `[N <= PACKED_MAX_ROWS, in]` bf16 -> `[N, out]` bf16, from the packed weight (each format's kernel)."""
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > PACKED_MAX_ROWS:
-            return _dense_bf16(layer, x)
-        y = self.packed_matmul(layer, x.to(torch.bfloat16)).float()
+        y = F.linear(x.to(torch.bfloat16), layer.weight).float()
         return y if layer.bias is None else y + layer.bias
 
 
-class Int8LinearMethod(_PackedLinearMethod):
-    """Symmetric int8 per output channel (scale = max|w| / 127), plus the bf16 dequantized weight."""
+class GroupQuantizedLinearMethod(UnquantizedLinearMethod):
+    """`bits`-bit codes in groups of 32 inputs, packed for the C++ quantized matmul; nothing else is kept."""
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        weight = layer.weight.detach()
-        scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        codes = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        layer.qweight = _frozen(codes)
-        layer.scales = _frozen(scales.to(torch.bfloat16))
-        layer.weight = _frozen((codes.float() * layer.scales.float()[:, None]).to(torch.bfloat16))
+    def __init__(self, bits: int) -> None:
+        self.bits = bits
 
-    def packed_matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales)
+    def process_weights_after_loading(self, layer: Linear, source: GroupCodes | None = None) -> None:
+        if source is not None and source.bits <= self.bits:  # the checkpoint's own codes: held exactly
+            codes = GroupCodes(source.codes, source.scales, source.offsets, self.bits)
+        else:
+            codes = quantize_groups(layer.weight.detach(), self.bits)
+        layer.packed = _frozen(pack(codes))
+        layer.weight = None  # a tied head only lets go of the embedding's tensor
 
-
-class Int4LinearMethod(_PackedLinearMethod):
-    """Asymmetric 4-bit codes in groups of 32 along the input (Q4_1's layout), plus the bf16 dequantized weight.
-
-    w = scale * (q - 8) + zero with q in 0..15, scale = (max - min) / 15 and
-    zero = min + 8 * scale per group: a Q4_1 block (d, m) is scale = d,
-    zero = m + 8d, so a group's min and max fall on codes 0 and 15 exactly as
-    llama.cpp put them. The kernel holds scale and zero in bf16.
-    """
-
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        weight = layer.weight.detach()
-        rows, cols = weight.shape
-        if cols % INT4_GROUP_SIZE:
-            raise ConfigError(f"int4 weights need input sizes divisible by {INT4_GROUP_SIZE}; this layer has {cols}")
-        codes, scales, zeros = quantize_int4_groups(weight)
-        layer.qweight = _frozen(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INT4_INNER_K_TILES))
-        # [groups, rows, 2] as the kernel takes them.
-        layer.scales_and_zeros = _frozen(torch.stack([scales.T, zeros.T], dim=-1).to(torch.bfloat16).contiguous())
-        layer.weight = _frozen(dequantize_int4_groups(codes, layer.scales_and_zeros).to(torch.bfloat16))
-
-    def packed_matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.qweight, INT4_GROUP_SIZE, layer.scales_and_zeros)
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        y = ops.kernels().quant_matmul(x, layer.packed, self.bits, layer.output_size, -1)
+        return y if layer.bias is None else y + layer.bias
 
 
-def quantize_int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """weight `[rows, cols]` fp32 -> codes `[rows, cols]` int32 in 0..15, scales and zeros `[rows, groups]`."""
-    rows, cols = weight.shape
-    groups = weight.view(rows, cols // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
-    return codes.view(rows, cols), scales, low + 8 * scales
-
-
-def dequantize_int4_groups(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """What the kernel multiplies by: codes `[rows, cols]`, scales_and_zeros `[groups, rows, 2]` -> fp32 weight."""
-    rows, cols = codes.shape
-    scale = scales_and_zeros[..., 0].float().T[..., None]  # [rows, groups, 1]
-    zero = scales_and_zeros[..., 1].float().T[..., None]
-    grouped = codes.view(rows, cols // INT4_GROUP_SIZE, INT4_GROUP_SIZE).float()
-    return ((grouped - 8) * scale + zero).view(rows, cols)
-
-
-def _dense_bf16(layer: Linear, x: torch.Tensor) -> torch.Tensor:
-    y = F.linear(x.to(torch.bfloat16), layer.weight).float()
-    return y if layer.bias is None else y + layer.bias
-
-
-_METHODS: dict[str, type[UnquantizedLinearMethod]] = {
-    "float32": UnquantizedLinearMethod, "bfloat16": Bf16LinearMethod, "int8": Int8LinearMethod,
-    "int4": Int4LinearMethod,
-}
+def _method(dtype: str) -> UnquantizedLinearMethod:
+    if dtype in GROUP_BITS:
+        return GroupQuantizedLinearMethod(GROUP_BITS[dtype])
+    return {"float32": UnquantizedLinearMethod, "bfloat16": Bf16LinearMethod}[dtype]()
 
 
 # The output projection keeps 8 bits under int4, as llama.cpp's 4-bit mixes keep it at Q6_K/Q8_0: the
-# embedded model's head is Q8_0 in the file; quantized to int4 groups its weights move 9% (relative
-# norm) against 1.2% for int8 per channel, and the logits of a 12-token prompt 1.2% (int8 head) vs
-# 0.9% (bf16 head) from fp32, while int8's kernel is 2x bf16's at batch 1.
+# embedded model's head is Q8_0 in the file (held exactly as int8 groups); quantized to 4-bit groups its
+# weights would move 9% (relative norm).
 _HEAD_DTYPE = {"int4": "int8"}
 HEAD_NAME = "lm_head"
 
@@ -171,14 +134,9 @@ HEAD_NAME = "lm_head"
 def linear_held_bytes(rows: int, cols: int, bias: bool, dtype: str) -> int:
     """Bytes a `Linear` of `rows` x `cols` holds once converted to `dtype` (what the methods above create)."""
     bias_bytes = 4 * rows if bias else 0
-    dense_bf16 = 2 * rows * cols  # the copy the quantized methods keep for many-row GEMMs
-    held = {
-        "float32": 4 * rows * cols,
-        "bfloat16": dense_bf16,
-        "int8": rows * cols + 2 * rows + dense_bf16,  # codes, bf16 scales
-        "int4": rows * cols // 2 + (cols // INT4_GROUP_SIZE) * rows * 2 * 2 + dense_bf16,  # packed, bf16 scale+zero
-    }[dtype]
-    return held + bias_bytes
+    if dtype in GROUP_BITS:
+        return packed_bytes(rows, cols, GROUP_BITS[dtype]) + bias_bytes
+    return {"float32": 4, "bfloat16": 2}[dtype] * rows * cols + bias_bytes
 
 
 def held_weight_bytes(config: ModelConfig, weights_dtype: str) -> int:
@@ -199,15 +157,36 @@ def held_weight_bytes(config: ModelConfig, weights_dtype: str) -> int:
     return config.num_layers * per_layer + embedding + head + 4 * hidden  # final norm
 
 
-def convert_linear_weights(model: nn.Module, weights_dtype: str, exact_int4: bool = True) -> str:
+def _checkpoint_codes(model: nn.Module, name: str, layer: Linear, source: CodeSource) -> GroupCodes | None:
+    """The checkpoint's own codes for `layer` (module `name`): a fused projection's shards stacked in row
+    order, a tied head's from the embedding; None unless every part has them."""
+    embedding = getattr(getattr(model, "embed_tokens", None), "weight", None)
+    if name == HEAD_NAME and embedding is not None and layer.weight is embedding:
+        names = ["model.embed_tokens.weight"]
+    else:
+        prefix, _, fused = name.rpartition(".")
+        shards = [(part, shard) for fused_name, part, shard in getattr(model, "stacked_params", ())
+                  if fused_name == fused]
+        shards.sort(key=lambda item: layer.shard_rows(item[1]).start)
+        names = [hf_name(f"{prefix}.{part}.weight") for part, _ in shards] or [hf_name(f"{name}.weight")]
+    parts = [source(n) for n in names]
+    if any(p is None for p in parts):
+        return None
+    return GroupCodes.cat(parts)
+
+
+def convert_linear_weights(model: nn.Module, weights_dtype: str, exact_int4: bool = True,
+                           source: CodeSource | None = None) -> str:
     """Convert every loaded `Linear` of `model` to `weights_dtype` ("auto" resolved here, see
-    `resolve_weights_dtype`); returns the dtype used."""
+    `resolve_weights_dtype`); `source` gives a GGUF file's own group codes, held as they are where the
+    format has room for them. Returns the dtype used."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
     resolved = resolve_weights_dtype(weights_dtype, (m.input_size for _, m in linears), exact_int4)
     if resolved == "float32":
         return resolved
     for name, module in linears:
         dtype = _HEAD_DTYPE.get(resolved, resolved) if name == HEAD_NAME else resolved
-        module.method = _METHODS[dtype]()
-        module.method.process_weights_after_loading(module)
+        module.method = _method(dtype)
+        codes = _checkpoint_codes(model, name, module, source) if source and dtype in GROUP_BITS else None
+        module.method.process_weights_after_loading(module, codes)
     return resolved

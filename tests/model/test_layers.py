@@ -94,7 +94,10 @@ def test_rms_norm_and_rotary():
     norm = RMSNorm(8, 1e-6)
     norm.weight.weight_loader(norm.weight, torch.arange(8.0))
     x = torch.randn(3, 8)
-    assert torch.equal(norm(x), F.rms_norm(x, (8,), torch.arange(8.0), 1e-6))
+    torch.testing.assert_close(norm(x), F.rms_norm(x, (8,), torch.arange(8.0), 1e-6))  # the C++ op: one pass
+    residual, delta = x.clone(), torch.randn(3, 8)
+    torch.testing.assert_close(norm.add_and_norm(residual, delta), F.rms_norm(x + delta, (8,), torch.arange(8.0), 1e-6))
+    torch.testing.assert_close(residual, x + delta)
 
     rotary = RotaryEmbedding(head_dim=8, theta=10000.0, scaling=RopeScaling("linear", factor=4.0))
     base = rope_inv_freq(8, 10000.0)

@@ -2,8 +2,8 @@
 
 base.py        the seam: AttentionBackend (cache layout, batch order, step
                metadata, kernels) and AttentionContext (what the model sees)
-cpu.py         the `cpu` backend (cpu_metadata.py, cpu_decode.py; cpu_kernels.py builds the C++
-               decode kernel in csrc/) and `cpu-torch` (torch kernels only)
+cpu.py         the `cpu` backend (cpu_metadata.py, cpu_decode.py; its C++ decode kernel is
+               kvserve/kernels/csrc/paged_decode.cpp) and `cpu-torch` (torch kernels only)
 contiguous.py  one whole sequence over its own K/V, nothing stored (no cache)
 reference.py   per-sequence SDPA with a bottom-right causal mask
 registry.py    name -> backend

@@ -4,7 +4,7 @@ Cache layout per layer: `[num_blocks, num_kv_heads, block_size, row_width]`,
 so one (block, KV head) is a contiguous `[block_size, head_dim]` matrix that
 the decode kernels multiply directly. Batch order: decodes first, so all of
 them run as one batched decode: on an fp32/fp16/bf16 cache, the C++ kernel that reads
-the blocks in place (cpu_kernels.py), else the torch kernels (cpu_decode.py),
+the blocks in place (kvserve/kernels), else the torch kernels (cpu_decode.py),
 which gather them first. Prefill chunks (compute-bound)
 gather their request's blocks (from the window's first block, for a windowed
 group) and run SDPA with a bottom-right-aligned causal mask (reference.py).
@@ -24,7 +24,7 @@ from kvserve.arith import cdiv
 
 from kvserve.kv.attention.base import AttentionBackend, AttentionContext, SequenceSlice
 from kvserve.kv.attention.cpu_decode import split_kv_decode, union_decode
-from kvserve.kv.attention.cpu_kernels import paged_decode_kernel
+from kvserve.kernels import cpu_kernels
 from kvserve.kv.attention.cpu_metadata import (KERNEL_UNION_SHARING_FACTOR, UNION_SHARING_FACTOR, AttentionMetadata,
                                                DecodeMetadata, build_attention_metadata)
 from kvserve.kv.attention.reference import attend
@@ -102,7 +102,7 @@ class CpuAttentionBackend(AttentionBackend):
 
     def __init__(self, use_cpp_kernels: bool = True) -> None:
         # Built (or loaded from the per-machine cache) now, at engine start, not on the first request.
-        self.decode_kernel = paged_decode_kernel() if use_cpp_kernels else None
+        self.decode_kernel = cpu_kernels() if use_cpp_kernels else None
 
     def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, block_size: int, row_width: int) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, block_size, row_width)

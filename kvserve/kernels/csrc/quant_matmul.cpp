@@ -1,0 +1,362 @@
+// y = x W^T with W held as 4-bit or 8-bit codes in groups of 32 inputs: w = a * q + b per (row, group),
+// q unsigned, a and b fp16. Every GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 block is such a group (exactly:
+// Q4_0 is a = d, b = -8d; Q4_1 a = d, b = m; Q8_0 a = d, b = -128d), and so is an int4 / int8 group
+// quantized here from fp32 weights.
+//
+// Activations are quantized to int8 per (row, group of 32), scale dx = max|x| / 127, as llama.cpp does
+// for its quantized matmuls (Q8_0 / Q8_1 activations): the products of a group are then exact integer
+// dot products, y = sum over groups of a * dx * sum(q * xq) + b * dx * sum(xq) = dx * sum(w * xq).
+// The offset term uses the quantized sum, so that b (which is -128d for Q8_0) cancels exactly instead
+// of multiplying the rounding of x by 128.
+//
+// Packed layout (kvserve/model/quantized_linear.py packs it; it is the same for every instruction set):
+// output rows in tiles of 16, and for each (tile, group) one block of
+//   4-bit: 4 vectors of 64 bytes; vector j, byte 4r + i: low nibble = q[r][4j + i], high = q[r][16 + 4j + i]
+//   8-bit: 8 vectors of 64 bytes; vector j, byte 4r + i = q[r][4j + i]
+// (r: row in the tile, indices within the group), then a[16] and b[16] as fp16. So one 64-byte load
+// holds four consecutive inputs of each of 16 rows: a dot-product instruction that sums 4 u8 x s8
+// products per 32-bit lane (AVX512-VNNI's vpdpbusd) gives 16 rows' partial dot products with no
+// horizontal reduction, and one weight load serves several activation rows.
+//
+// Instruction sets are chosen at run time (one binary: AVX512-VNNI, AVX2, portable C++), so a test can
+// run each path on a machine that has them all.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 16;   // output rows per tile
+constexpr int64_t kGroup = 32;  // inputs per group
+constexpr int64_t kMaxRows = 8; // activation rows sharing one pass over a weight tile
+
+inline int64_t block_bytes(int64_t bits) { return bits * kTile * kGroup / 8 + 2 * kTile * 2; }
+
+// fp16 -> fp32 without F16C (the portable path).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400)) { mant <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// x [M, K] fp32 -> xq [M, K] int8, dx [M, K/32] (scale) and sx [M, K/32] (dx * sum of the group's codes).
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx) {
+  const int64_t groups = K / kGroup;
+  at::parallel_for(0, M * groups, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const float* src = x + item * kGroup;  // rows are contiguous: item = m * groups + g
+      float amax = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(src[i]));
+      const float scale = amax / 127.f;
+      const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      int8_t* dst = xq + item * kGroup;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(src[i] * inverse));
+        dst[i] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      dx[item] = scale;
+      sx[item] = scale * static_cast<float>(sum);
+    }
+  });
+}
+
+struct Problem {
+  const uint8_t* packed;
+  const int8_t* xq;
+  const float* dx;
+  const float* sx;
+  float* y;
+  int64_t M, K, N, groups, bits, block;
+};
+
+// ---- portable C++ --------------------------------------------------------------------------------
+
+void tile_portable(const Problem& p, int64_t t, int64_t m0, int64_t rows) {
+  float acc[kMaxRows][kTile] = {};
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const uint8_t* blk = p.packed + (t * p.groups + g) * p.block;
+    const uint16_t* ab = reinterpret_cast<const uint16_t*>(blk + p.bits * kTile * kGroup / 8);
+    for (int64_t r = 0; r < kTile; ++r) {
+      int32_t q[kGroup];
+      if (p.bits == 4) {
+        for (int64_t j = 0; j < 4; ++j) {
+          for (int64_t i = 0; i < 4; ++i) {
+            const uint8_t byte = blk[64 * j + 4 * r + i];
+            q[4 * j + i] = byte & 0x0F;
+            q[16 + 4 * j + i] = byte >> 4;
+          }
+        }
+      } else {
+        for (int64_t j = 0; j < 8; ++j) {
+          for (int64_t i = 0; i < 4; ++i) q[4 * j + i] = blk[64 * j + 4 * r + i];
+        }
+      }
+      const float a = half_to_float(ab[r]), b = half_to_float(ab[kTile + r]);
+      for (int64_t m = 0; m < rows; ++m) {
+        const int8_t* xg = p.xq + (m0 + m) * p.K + g * kGroup;
+        int32_t dot = 0;
+        for (int64_t i = 0; i < kGroup; ++i) dot += q[i] * xg[i];
+        const int64_t s = (m0 + m) * p.groups + g;
+        acc[m][r] += a * p.dx[s] * static_cast<float>(dot) + b * p.sx[s];
+      }
+    }
+  }
+  const int64_t valid = std::min<int64_t>(kTile, p.N - t * kTile);
+  for (int64_t m = 0; m < rows; ++m) std::memcpy(p.y + (m0 + m) * p.N + t * kTile, acc[m], valid * sizeof(float));
+}
+
+#if defined(__x86_64__)
+
+// ---- AVX512-VNNI -----------------------------------------------------------------------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")
+
+template <int BITS, int ROWS>
+void tile_vnni(const Problem& p, int64_t t, int64_t m0) {
+  __m512 acc[ROWS];
+  for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int8_t* xrow[ROWS];
+  for (int m = 0; m < ROWS; ++m) xrow[m] = p.xq + (m0 + m) * p.K;
+  const uint8_t* blk = p.packed + t * p.groups * p.block;
+  for (int64_t g = 0; g < p.groups; ++g, blk += p.block) {
+    __m512i dot[ROWS];
+    for (int m = 0; m < ROWS; ++m) dot[m] = _mm512_setzero_si512();
+    if constexpr (BITS == 4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * j);
+        const __m512i lo = _mm512_and_si512(v, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        for (int m = 0; m < ROWS; ++m) {
+          int32_t x_lo, x_hi;
+          std::memcpy(&x_lo, xrow[m] + g * kGroup + 4 * j, 4);
+          std::memcpy(&x_hi, xrow[m] + g * kGroup + 16 + 4 * j, 4);
+          dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x_lo));
+          dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x_hi));
+        }
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * j);
+        for (int m = 0; m < ROWS; ++m) {
+          int32_t x4;
+          std::memcpy(&x4, xrow[m] + g * kGroup + 4 * j, 4);
+          dot[m] = _mm512_dpbusd_epi32(dot[m], v, _mm512_set1_epi32(x4));
+        }
+      }
+    }
+    const uint8_t* ab = blk + BITS * kTile * kGroup / 8;
+    const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ab)));
+    const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ab + 32)));
+    for (int m = 0; m < ROWS; ++m) {
+      const int64_t s = (m0 + m) * p.groups + g;
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(a, _mm512_set1_ps(p.dx[s])), acc[m]);
+      acc[m] = _mm512_fmadd_ps(b, _mm512_set1_ps(p.sx[s]), acc[m]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(kTile, p.N - t * kTile);
+  const __mmask16 mask = valid == kTile ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+  for (int m = 0; m < ROWS; ++m) _mm512_mask_storeu_ps(p.y + (m0 + m) * p.N + t * kTile, mask, acc[m]);
+}
+
+template <int BITS>
+void tile_vnni_rows(const Problem& p, int64_t t, int64_t m0, int64_t rows) {
+  switch (rows) {
+    case 1: return tile_vnni<BITS, 1>(p, t, m0);
+    case 2: return tile_vnni<BITS, 2>(p, t, m0);
+    case 3: return tile_vnni<BITS, 3>(p, t, m0);
+    case 4: return tile_vnni<BITS, 4>(p, t, m0);
+    case 5: return tile_vnni<BITS, 5>(p, t, m0);
+    case 6: return tile_vnni<BITS, 6>(p, t, m0);
+    case 7: return tile_vnni<BITS, 7>(p, t, m0);
+    default: return tile_vnni<BITS, 8>(p, t, m0);
+  }
+}
+
+#pragma GCC pop_options
+
+// ---- AVX2 (no VNNI): vpmaddubsw + vpmaddwd in place of vpdpbusd, two halves of 8 rows --------------
+
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c,fma")
+
+// u8 x s8, 4 products summed per 32-bit lane. Exact for 4-bit codes: a pair sums to at most
+// 2 * 15 * 127, far from vpmaddubsw's 16-bit saturation.
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+template <int BITS, int ROWS>
+void tile_avx2(const Problem& p, int64_t t, int64_t m0) {
+  __m256 acc[ROWS][2];
+  for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const int8_t* xrow[ROWS];
+  for (int m = 0; m < ROWS; ++m) xrow[m] = p.xq + (m0 + m) * p.K;
+  const uint8_t* blk = p.packed + t * p.groups * p.block;
+  for (int64_t g = 0; g < p.groups; ++g, blk += p.block) {
+    __m256i dot[ROWS][2];
+    for (int m = 0; m < ROWS; ++m) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
+    // 8-bit codes go through as two nibbles (q = lo + 16 hi): vpmaddubsw would saturate on 255 * 127 pairs.
+    constexpr int kVectors = BITS == 4 ? 4 : 8;
+    for (int j = 0; j < kVectors; ++j) {
+      for (int half = 0; half < 2; ++half) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
+        const __m256i lo = _mm256_and_si256(v, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int m = 0; m < ROWS; ++m) {
+          if constexpr (BITS == 4) {
+            int32_t x_lo, x_hi;
+            std::memcpy(&x_lo, xrow[m] + g * kGroup + 4 * j, 4);
+            std::memcpy(&x_hi, xrow[m] + g * kGroup + 16 + 4 * j, 4);
+            dot[m][half] = dot4(dot4(dot[m][half], lo, _mm256_set1_epi32(x_lo)), hi, _mm256_set1_epi32(x_hi));
+          } else {
+            int32_t x4;
+            std::memcpy(&x4, xrow[m] + g * kGroup + 4 * j, 4);
+            const __m256i xs = _mm256_set1_epi32(x4);
+            const __m256i low_sum = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xs), _mm256_set1_epi16(1));
+            const __m256i high_sum = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xs), _mm256_set1_epi16(16));
+            dot[m][half] = _mm256_add_epi32(dot[m][half], _mm256_add_epi32(low_sum, high_sum));
+          }
+        }
+      }
+    }
+    const uint8_t* ab = blk + BITS * kTile * kGroup / 8;
+    for (int half = 0; half < 2; ++half) {
+      const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ab + 16 * half)));
+      const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ab + 32 + 16 * half)));
+      for (int m = 0; m < ROWS; ++m) {
+        const int64_t s = (m0 + m) * p.groups + g;
+        acc[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][half]), _mm256_mul_ps(a, _mm256_set1_ps(p.dx[s])),
+                                       acc[m][half]);
+        acc[m][half] = _mm256_fmadd_ps(b, _mm256_set1_ps(p.sx[s]), acc[m][half]);
+      }
+    }
+  }
+  const int64_t valid = std::min<int64_t>(kTile, p.N - t * kTile);
+  for (int m = 0; m < ROWS; ++m) {
+    float* out = p.y + (m0 + m) * p.N + t * kTile;
+    if (valid == kTile) {
+      _mm256_storeu_ps(out, acc[m][0]);
+      _mm256_storeu_ps(out + 8, acc[m][1]);
+    } else {
+      alignas(32) float tmp[kTile];
+      _mm256_store_ps(tmp, acc[m][0]);
+      _mm256_store_ps(tmp + 8, acc[m][1]);
+      std::memcpy(out, tmp, valid * sizeof(float));
+    }
+  }
+}
+
+template <int BITS>
+void tile_avx2_rows(const Problem& p, int64_t t, int64_t m0, int64_t rows) {
+  switch (rows) {
+    case 1: return tile_avx2<BITS, 1>(p, t, m0);
+    case 2: return tile_avx2<BITS, 2>(p, t, m0);
+    case 3: return tile_avx2<BITS, 3>(p, t, m0);
+    default: return tile_avx2<BITS, 4>(p, t, m0);
+  }
+}
+
+#pragma GCC pop_options
+
+#endif  // __x86_64__
+
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+
+Isa best_isa() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl")) {
+    return kAvx512Vnni;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    return kAvx2;
+  }
+#endif
+  return kPortable;
+}
+
+// Rows of x one pass over a weight tile serves, per instruction set (register budget).
+int64_t rows_per_pass(Isa isa) { return isa == kAvx512Vnni ? 8 : isa == kAvx2 ? 4 : kMaxRows; }
+
+void run_tile(Isa isa, const Problem& p, int64_t t, int64_t m0, int64_t rows) {
+#if defined(__x86_64__)
+  if (isa == kAvx512Vnni) {
+    return p.bits == 4 ? tile_vnni_rows<4>(p, t, m0, rows) : tile_vnni_rows<8>(p, t, m0, rows);
+  }
+  if (isa == kAvx2) {
+    return p.bits == 4 ? tile_avx2_rows<4>(p, t, m0, rows) : tile_avx2_rows<8>(p, t, m0, rows);
+  }
+#endif
+  tile_portable(p, t, m0, rows);
+}
+
+}  // namespace
+
+// The instruction set quant_matmul uses here: "avx512_vnni", "avx2" or "portable".
+std::string quant_matmul_isa() {
+  switch (best_isa()) {
+    case kAvx512Vnni: return "avx512_vnni";
+    case kAvx2: return "avx2";
+    default: return "portable";
+  }
+}
+
+// x [M, K] fp32 (K a multiple of 32), packed [tiles, K / 32, block bytes] uint8 -> y [M, N] fp32.
+// isa: -1 = the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests).
+torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t N, int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "quant_matmul: x must be 2-D fp32");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
+              "quant_matmul: packed weights must be contiguous uint8 [tiles, groups, bytes]");
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_matmul: 4 or 8 bits");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t groups = K / kGroup, tiles = packed.size(0);
+  TORCH_CHECK(K % kGroup == 0 && packed.size(1) == groups && packed.size(2) == block_bytes(bits) &&
+                  tiles * kTile >= N && (tiles - 1) * kTile < N,
+              "quant_matmul: packed weights do not match x's ", K, " inputs and ", N, " outputs");
+  const Isa chosen = isa < 0 ? best_isa() : static_cast<Isa>(std::min<int64_t>(isa, best_isa()));
+  auto xq = torch::empty({M, K}, x.options().dtype(at::kChar));
+  auto scales = torch::empty({2, M, groups}, x.options());
+  auto y = torch::empty({M, N}, x.options());
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), scales[0].data_ptr<float>(),
+                scales[1].data_ptr<float>());
+  const Problem p{packed.data_ptr<uint8_t>(), xq.data_ptr<int8_t>(), scales[0].data_ptr<float>(),
+                  scales[1].data_ptr<float>(), y.data_ptr<float>(), M, K, N, groups, bits, block_bytes(bits)};
+  const int64_t per_pass = rows_per_pass(chosen);
+  // Work items are tiles of 16 outputs; each walks every row of x (the tile's weights stay in L1).
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t m0 = 0; m0 < M; m0 += per_pass) run_tile(chosen, p, t, m0, std::min(per_pass, M - m0));
+    }
+  });
+  return y;
+}

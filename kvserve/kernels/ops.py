@@ -1,0 +1,74 @@
+"""The per-layer ops the model families call: the C++ kernel where it is built, torch where it is not.
+
+Both give the same math in fp32 (the tests hold them to each other); the
+kernel does each in one pass over its rows instead of a chain of dispatched
+torch ops, which is most of a batch-1 decode step's overhead.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels.build import cpu_kernels
+
+SILU, GELU_TANH = 0, 1  # gated_activation's activations (the C++ enum)
+
+_loaded: list[ModuleType | None] = []
+
+
+def kernels() -> ModuleType | None:
+    """The compiled kernels (built or loaded on first use), or None."""
+    if not _loaded:
+        _loaded.append(cpu_kernels())
+    return _loaded[0]
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """Whether the kernel takes x as it is: fp32 rows with a contiguous last dimension."""
+    return x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x `[T, H]` / rms(x) * weight."""
+    ext = kernels()
+    if ext is not None and _rows(x):
+        return ext.rms_norm(x, weight, eps)
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += delta (in place); returns rms_norm(residual)."""
+    ext = kernels()
+    if ext is not None and _rows(residual) and _rows(delta):
+        return ext.add_rms_norm_(residual, delta, weight, eps)
+    residual.add_(delta)
+    return F.rms_norm(residual, residual.shape[-1:], weight, eps)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Rotate-half RoPE in place on the first `heads` heads of each row of x `[T, >= heads * head_dim]`
+    (a fused QKV output's Q and K lie side by side); cos, sin `[T, head_dim]`."""
+    ext = kernels()
+    cos, sin = cos.reshape(x.shape[0], head_dim), sin.reshape(x.shape[0], head_dim)
+    if ext is not None and _rows(x):
+        ext.rope_(x, cos, sin, heads, head_dim)
+        return
+    rotated = x[:, : heads * head_dim].view(x.shape[0], heads, head_dim)
+    half = head_dim // 2
+    first, second = rotated[..., :half], rotated[..., half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    new_first = first * cos[..., :half] - second * sin[..., :half]
+    new_second = second * cos[..., half:] + first * sin[..., half:]
+    rotated.copy_(torch.cat([new_first, new_second], dim=-1))
+
+
+def gated_activation(x: torch.Tensor, activation: int) -> torch.Tensor:
+    """x `[T, 2I]` (gate, then up) -> act(gate) * up `[T, I]`; SILU or GELU_TANH."""
+    ext = kernels()
+    if ext is not None and _rows(x):
+        return ext.gated_activation(x, activation)
+    gate, up = x.chunk(2, dim=-1)
+    return (F.silu(gate) if activation == SILU else F.gelu(gate, approximate="tanh")) * up
