@@ -49,7 +49,7 @@ class Engine:
         self.loaded = loaded or load_model(config.model, config.kv_cache_dtype, config.weights_dtype)
         model_config = self.loaded.config
         self.max_model_len = checked_max_model_len(config, model_config)
-        self.kv_spec = kv_spec(model_config, config.kv_cache_dtype)
+        self.kv_spec = kv_spec(model_config, config.kv_cache_dtype, self.loaded.linear_dtype)
         layout = self.kv_spec.layout
         # One block of the pool is one KV group's page: block_size tokens of page_layers layers.
         block_bytes = self.kv_spec.page_bytes(config.block_size)

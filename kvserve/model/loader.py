@@ -105,7 +105,7 @@ class LoadedModel:
 
     def summary(self, cache_dtype: str = "auto") -> str:
         cfg = self.config
-        spec = kv_spec(cfg, cache_dtype)
+        spec = kv_spec(cfg, cache_dtype, self.linear_dtype)
         windows = [cfg.window_for_layer(i) for i in range(cfg.num_layers)]
         windowed = sum(w is not None for w in windows)
         window = "" if not windowed else f", sliding window {max(w for w in windows if w is not None)}"

