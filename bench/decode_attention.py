@@ -52,7 +52,7 @@ def main() -> None:
         meta = build_attention_metadata(slices, BLOCK)
         q, k = torch.randn(num_seqs, HEADS, HEAD_DIM), torch.randn(num_seqs, KV_HEADS, HEAD_DIM)
         torch_ms = time_ms(PagedKVContext(cache, [meta]), q, k)
-        in_place = build_attention_metadata(slices, BLOCK, union_factor=None)  # the kernel, never the union
+        in_place = build_attention_metadata(slices, BLOCK, union_factor=None)  # what the kernel reads
         kernel_ms = time_ms(PagedKVContext(cache, [in_place], kernel), q, k)
         rows.append({"context": context_len, "requests": num_seqs, "shared_prefix": shared, "torch_ms": torch_ms,
                      "kernel_ms": kernel_ms})

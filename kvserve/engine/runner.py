@@ -178,7 +178,8 @@ class ModelRunner:
         plain = [i for i, s in enumerate(states) if s.plain_greedy]
         tokens = result.tokens
         if plain:
-            best = logits[plain].argmax(dim=-1).tolist()
+            # Every row plain (the common case): no copy of the rows' logits first.
+            best = (logits if len(plain) == len(states) else logits[plain]).argmax(dim=-1).tolist()
             tokens.update((request_ids[i], t) for i, t in zip(plain, best))
         for i, state in enumerate(states):
             request_id = request_ids[i]

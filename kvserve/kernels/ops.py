@@ -65,6 +65,17 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
     rotated.copy_(torch.cat([new_first, new_second], dim=-1))
 
 
+def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> bool:
+    """New tokens' K, V `[T, KVH, D]` (fp32) into float cache rows `[rows, D]` at `slots` (`[T * KVH]`), cast
+    to the cache's dtype, in one pass; False (nothing written) where the kernel is not built."""
+    ext = kernels()
+    if ext is None or k.dtype != torch.float32 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return False
+    ext.store_kv_(k_cache, v_cache, slots, k, v)
+    return True
+
+
 def gated_activation(x: torch.Tensor, activation: int) -> torch.Tensor:
     """x `[T, 2I]` (gate, then up) -> act(gate) * up `[T, I]`; SILU or GELU_TANH."""
     ext = kernels()

@@ -30,9 +30,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from kvserve.kernels import ops
 from kvserve.kv.quant import PARAM_DTYPE, KVCodec
 from kvserve.kv.spec import KVSpec
 
+_STORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the C++ store casts to
 # (num_blocks, num_kv_heads, block_size, row_width) -> the shape of one layer's tensor.
 LayerShape = Callable[[int, int, int, int], tuple[int, ...]]
 
@@ -120,6 +122,9 @@ class PagedKVCache:
         self.values = _PagedSide(spec.v_codec, spec, num_blocks, block_size, layer_shape)
         self.k, self.v = self.keys.data, self.values.data
         self.k_params, self.v_params = self.keys.params, self.values.params
+        # Plain float rows on both sides (no parameters, no fp8 bytes, one dtype): the one-pass C++ store.
+        self._float_rows = (spec.k_codec.kind == "float" and spec.v_codec.kind == "float"
+                            and self.k[0].dtype == self.v[0].dtype and self.k[0].dtype in _STORE_DTYPES)
         # Blocks [0, _zeroed_upto) have been zeroed. A fresh pool hands blocks
         # out in id order, so zeroing up to a high-water mark in contiguous
         # chunks costs one memset per chunk instead of per-block scatters.
@@ -188,6 +193,9 @@ class PagedKVCache:
         """Store (encode) new tokens' K/V `[T, num_kv_heads, head_dim]` at flat rows `slot_indices`
         (`[T * num_kv_heads]`, token-major, in the backend's layout)."""
         head_dim = self.spec.head_dim
+        if self._float_rows and ops.store_kv_(self.k[layer].view(-1, head_dim), self.v[layer].view(-1, head_dim),
+                                              slot_indices, k, v):
+            return
         self.keys.write(layer, slot_indices, k.reshape(-1, head_dim))
         self.values.write(layer, slot_indices, v.reshape(-1, head_dim))
 

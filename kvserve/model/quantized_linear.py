@@ -63,11 +63,11 @@ def packed_kernel_isa() -> str | None:
 def resolve_weights_dtype(weights_dtype: str, input_sizes: Iterable[int] = (), exact_int4: bool = True) -> str:
     """"auto" -> the fastest measured option that keeps accuracy on this CPU: int4 where the quantized
     matmul has a SIMD path (AVX512-VNNI or AVX2) and every input size is a multiple of the group; but
-    `exact_int4=False` (a GGUF file whose linear weights are other quantizations, e.g. Q4_K / Q6_K) keeps
-    int4 out: re-quantizing those compounds two roundings (Gemma 3 270M's Q4_K_M file,
-    bench/weights_accuracy.py: int4 +15.8% perplexity, int8 +0.57%, bfloat16 -0.07%), so it is bfloat16
-    where bf16 GEMMs are native and int8 elsewhere. Without the kernel: bfloat16 or float32.
-    int8 / int4 asked for explicitly need the C++ kernels."""
+    `exact_int4=False` (a GGUF file whose linear weights are other quantizations, e.g. Q4_K / Q6_K) makes
+    it int8: re-quantizing those to 4 bits compounds two roundings (Gemma 3 270M's Q4_K_M file,
+    bench/weights_accuracy.py: int4 +21.6% perplexity, int8 +0.39%, bfloat16 -0.21%; int8 decodes 3x
+    faster than bfloat16 there). Without the SIMD kernel: bfloat16 where bf16 GEMMs are native, else
+    float32. int8 / int4 asked for explicitly need the C++ kernels."""
     if weights_dtype not in WEIGHTS_DTYPES:
         raise ConfigError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {weights_dtype!r}")
     isa = packed_kernel_isa()
@@ -76,12 +76,9 @@ def resolve_weights_dtype(weights_dtype: str, input_sizes: Iterable[int] = (), e
                           "here (see the log: no compiler, or KVSERVE_NO_CPP_KERNELS); use bfloat16 or float32")
     if weights_dtype != "auto":
         return weights_dtype
-    grouped = isa not in (None, "portable") and all(size % GROUP_SIZE == 0 for size in input_sizes)
-    if grouped and exact_int4:
-        return "int4"
-    if has_fast_bf16_matmul():
-        return "bfloat16"
-    return "int8" if grouped else "float32"
+    if isa not in (None, "portable") and all(size % GROUP_SIZE == 0 for size in input_sizes):
+        return "int4" if exact_int4 else "int8"
+    return "bfloat16" if has_fast_bf16_matmul() else "float32"
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:

@@ -67,3 +67,19 @@ def test_the_torch_fallbacks_agree_with_the_kernel(monkeypatch):
     fallback = qkv.clone()
     ops.rope_(fallback, cos, sin, 4, 16)
     torch.testing.assert_close(rotated, fallback)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_store_kv_casts_and_scatters_both_sides(dtype):
+    qkv = torch.randn(5, (4 + 2 * 2) * 16)  # K and V as the strided views of a fused QKV output
+    k = qkv[:, 64:96].view(5, 2, 16)
+    v = qkv[:, 96:].view(5, 2, 16)
+    k_cache, v_cache = torch.zeros(40, 16, dtype=dtype), torch.zeros(40, 16, dtype=dtype)
+    slots = torch.randperm(40)[:10]
+    KERNEL.store_kv_(k_cache, v_cache, slots, k, v)
+    expected_k, expected_v = torch.zeros(40, 16, dtype=dtype), torch.zeros(40, 16, dtype=dtype)
+    expected_k.index_copy_(0, slots, k.reshape(-1, 16).to(dtype))
+    expected_v.index_copy_(0, slots, v.reshape(-1, 16).to(dtype))
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        KERNEL.store_kv_(k_cache, v_cache, slots + 40, k, v)

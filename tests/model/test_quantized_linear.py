@@ -110,8 +110,8 @@ def test_auto_picks_by_the_cpu(monkeypatch):
     assert ql.resolve_weights_dtype("auto") == "int4"
     assert ql.resolve_weights_dtype("auto", [576, 1536]) == "int4"
     assert ql.resolve_weights_dtype("auto", [576, 100]) == "bfloat16"  # 100 is not a multiple of the group
-    # A K-quant GGUF: int4 would re-quantize already quantized weights (Gemma 3 270M: +15.8% perplexity).
-    assert ql.resolve_weights_dtype("auto", [640], exact_int4=False) == "bfloat16"
+    # A K-quant GGUF: 4 bits would re-quantize already quantized weights (Gemma 3 270M: +21.6% perplexity)
+    assert ql.resolve_weights_dtype("auto", [640], exact_int4=False) == "int8"
     monkeypatch.setattr(ql, "has_fast_bf16_matmul", lambda: False)  # an AVX2-only CPU
     monkeypatch.setattr(ql, "packed_kernel_isa", lambda: "avx2")
     assert ql.resolve_weights_dtype("auto") == "int4"
@@ -119,8 +119,12 @@ def test_auto_picks_by_the_cpu(monkeypatch):
     assert ql.resolve_weights_dtype("auto", [100]) == "float32"
     monkeypatch.setattr(ql, "packed_kernel_isa", lambda: "portable")  # no SIMD path: not worth it
     assert ql.resolve_weights_dtype("auto") == "float32"
+    monkeypatch.setattr(ql, "has_fast_bf16_matmul", lambda: True)
+    assert ql.resolve_weights_dtype("auto") == "bfloat16"
     assert ql.resolve_weights_dtype("int8") == "int8"
     monkeypatch.setattr(ql, "packed_kernel_isa", lambda: None)  # no kernels at all
+    assert ql.resolve_weights_dtype("auto") == "bfloat16"
+    monkeypatch.setattr(ql, "has_fast_bf16_matmul", lambda: False)
     assert ql.resolve_weights_dtype("auto") == "float32"
     with pytest.raises(ConfigError, match="needs kvserve's C\\+\\+ kernels"):
         ql.resolve_weights_dtype("int4")
@@ -170,14 +174,15 @@ def test_held_weight_bytes_is_what_the_engine_holds(variant, tmp_path):
         assert ql.held_weight_bytes(loaded.config, dtype) == sum(loaded.weight_bytes.values()), dtype
 
 
-def test_auto_keeps_a_k_quant_gguf_out_of_int4(monkeypatch, tmp_path):
-    # A GGUF whose layer matrices are Q8_0 (not int4 groups): "auto" holds bf16 where bf16 is fast.
+@needs_kernels
+def test_auto_keeps_a_gguf_of_other_quantizations_out_of_int4(monkeypatch, tmp_path):
+    # A GGUF whose layer matrices are Q8_0 (not 4-bit groups): "auto" holds them as int8 (exactly, here).
     from tests.helpers import write_gguf
 
-    monkeypatch.setattr(ql, "has_fast_bf16_matmul", lambda: True)
+    monkeypatch.setattr(ql, "packed_kernel_isa", lambda: "avx2")
     path = tmp_path / "q8.gguf"
     write_gguf(build_hf_model("llama-gqa"), path, {"proj": "Q8_0"})
-    assert load_model(path, weights_dtype="auto").linear_dtype == "bfloat16"
+    assert load_model(path, weights_dtype="auto").linear_dtype == "int8"
 
 
 @needs_kernels

@@ -11,6 +11,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight, double eps);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 torch::Tensor gated_activation(torch::Tensor x, int64_t activation);
+void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over paged fp32 / fp16 / bf16 K/V, read in place");
@@ -20,4 +21,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += delta; RMSNorm of the result");
   m.def("rope_", &rope_, "rotate-half RoPE in place on the first heads of each row");
   m.def("gated_activation", &gated_activation, "act(gate) * up");
+  m.def("store_kv_", &store_kv_, "new tokens' K and V into float cache rows");
 }

@@ -132,3 +132,38 @@ torch::Tensor gated_activation(torch::Tensor x, int64_t activation) {
   });
   return out;
 }
+
+// New tokens' K and V [T, KVH, D] fp32 (rows of a fused QKV output: any strides but the last) into flat
+// cache rows k_cache / v_cache [rows, D] (fp32, fp16 or bf16) at slots [T * KVH] (token-major): the
+// cast and the scatter of both in one pass, where torch took a cast, a reshape and an index_copy_ each.
+void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 3 && v.dim() == 3 &&
+                  k.stride(2) == 1 && v.stride(2) == 1, "store_kv_: fp32 [T, KVH, D] K and V, rows contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "store_kv_: contiguous caches of one dtype");
+  slots = slots.contiguous();
+  const int64_t T = k.size(0), heads = k.size(1), D = k.size(2);
+  TORCH_CHECK(slots.numel() == T * heads && k_cache.size(-1) == D && v.sizes() == k.sizes(), "store_kv_: shapes differ");
+  const int64_t rows = k_cache.numel() / D;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T * heads; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < rows, "store_kv_: slot out of range");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "store_kv_", [&] {
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const float* kp = k.data_ptr<float>();
+    const float* vp = v.data_ptr<float>();
+    at::parallel_for(0, T * heads, grain_rows(2 * D), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / heads, h = i % heads;
+        const float* ks = kp + t * k.stride(0) + h * k.stride(1);
+        const float* vs = vp + t * v.stride(0) + h * v.stride(1);
+        scalar_t* kd = kc + sp[i] * D;
+        scalar_t* vd = vc + sp[i] * D;
+        for (int64_t e = 0; e < D; ++e) {
+          kd[e] = static_cast<scalar_t>(ks[e]);
+          vd[e] = static_cast<scalar_t>(vs[e]);
+        }
+      }
+    });
+  });
+}

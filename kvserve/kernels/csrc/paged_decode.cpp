@@ -1,11 +1,12 @@
 // Decode attention that reads the paged K/V blocks (fp32, fp16 or bf16) where they lie.
 //
-// One query token per request. Work items are (request, KV head, split): a
-// split is a run of the request's blocks, so one long request still keeps
-// every thread busy. Each item keeps, for the G query heads sharing its KV
-// head, a running max, sum and weighted V sum (online softmax, rescaled once
-// per block); the splits of a request are merged at the end. Nothing is
-// gathered or copied: each K/V row is read once per (request, KV head).
+// One query token per request. Work items are (request, split): a split is a
+// run of the request's blocks, walked block by block for every KV head, so
+// one long request still keeps every thread busy. For each KV head an item
+// keeps, for the G query heads sharing it, a running max, sum and weighted V
+// sum (online softmax, rescaled once per block); the splits of a request are
+// merged at the end. Nothing is gathered or copied: each K/V row is read once
+// per (request, KV head). Threads: at::parallel_for (OpenMP; kernels/build.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

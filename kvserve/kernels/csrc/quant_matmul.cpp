@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -344,13 +345,18 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, 
                   tiles * kTile >= N && (tiles - 1) * kTile < N,
               "quant_matmul: packed weights do not match x's ", K, " inputs and ", N, " outputs");
   const Isa chosen = isa < 0 ? best_isa() : static_cast<Isa>(std::min<int64_t>(isa, best_isa()));
-  auto xq = torch::empty({M, K}, x.options().dtype(at::kChar));
-  auto scales = torch::empty({2, M, groups}, x.options());
+  // The quantized activations live in a workspace kept by the calling thread (a decode step makes ~120
+  // of these calls: no allocator round trip for them).
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> scales;
+  xq.resize(M * K);
+  scales.resize(2 * M * groups);
+  float* dx = scales.data();
+  float* sx = dx + M * groups;
   auto y = torch::empty({M, N}, x.options());
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), scales[0].data_ptr<float>(),
-                scales[1].data_ptr<float>());
-  const Problem p{packed.data_ptr<uint8_t>(), xq.data_ptr<int8_t>(), scales[0].data_ptr<float>(),
-                  scales[1].data_ptr<float>(), y.data_ptr<float>(), M, K, N, groups, bits, block_bytes(bits)};
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), dx, sx);
+  const Problem p{packed.data_ptr<uint8_t>(), xq.data(), dx, sx, y.data_ptr<float>(), M, K, N, groups, bits,
+                  block_bytes(bits)};
   const int64_t per_pass = rows_per_pass(chosen);
   // Work items are tiles of 16 outputs; each walks every row of x (the tile's weights stay in L1).
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {

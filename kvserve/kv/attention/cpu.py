@@ -10,8 +10,9 @@ gather their request's blocks (from the window's first block, for a windowed
 group) and run causal SDPA: cached keys and the chunk's own apart (cpu_prefill.py), or, where a
 window cuts the keys, with a bottom-right-aligned mask (reference.py).
 Metadata is built once per KV group; each layer attends with its group's.
-Decodes that share most of their blocks (a common prefix) attend over the
-union of their blocks instead of the C++ kernel or split-KV (cpu_metadata.py says when).
+Without the C++ kernel, decodes that share most of their blocks (a common
+prefix) attend over the union of their blocks instead of split-KV
+(cpu_metadata.py says when); the kernel reads shared blocks in place faster.
 """
 
 from __future__ import annotations
@@ -22,12 +23,11 @@ from typing import Sequence
 import torch
 
 from kvserve.arith import cdiv
-
+from kvserve.kernels import cpu_kernels
 from kvserve.kv.attention.base import AttentionBackend, AttentionContext, SequenceSlice
 from kvserve.kv.attention.cpu_decode import split_kv_decode, union_decode
-from kvserve.kernels import cpu_kernels
-from kvserve.kv.attention.cpu_metadata import (KERNEL_UNION_SHARING_FACTOR, UNION_SHARING_FACTOR, AttentionMetadata,
-                                               DecodeMetadata, build_attention_metadata)
+from kvserve.kv.attention.cpu_metadata import (UNION_SHARING_FACTOR, AttentionMetadata, DecodeMetadata,
+                                               build_attention_metadata)
 from kvserve.kv.attention.cpu_prefill import prefill_attention
 from kvserve.kv.storage import PagedKVCache
 
@@ -120,10 +120,8 @@ class CpuAttentionBackend(AttentionBackend):
         plain = not cache.k_params and not cache.v_params and cache.k[0].dtype == cache.v[0].dtype \
             and cache.k[0].dtype in _KERNEL_CACHE_DTYPES
         kernel = self.decode_kernel if plain else None
-        # The union can pay against the kernel only when several decodes share blocks; for the torch path
-        # it is also the faster kernel for a single decode (one SDPA over its blocks).
-        several = sum(s.num_new_tokens == 1 for s in slices) > 1
-        factor = UNION_SHARING_FACTOR if kernel is None else KERNEL_UNION_SHARING_FACTOR if several else None
+        # The union is the torch path's (also its faster kernel for a single decode); the C++ kernel beats it.
+        factor = UNION_SHARING_FACTOR if kernel is None else None
         groups = cache.spec.layout.groups
         return PagedKVContext(cache, [build_attention_metadata(slices, cache.block_size, group.window, index,
                                                                union_factor=factor)

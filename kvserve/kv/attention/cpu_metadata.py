@@ -35,12 +35,10 @@ class DecodeMetadata:
 
 
 # Use the union when the dense scores over it (num_seqs x U blocks) cost at most this many times the
-# (request, block) pairs the other path reads: 4 against the torch split-KV path (it gathers every
-# pair); 1.5 against the C++ kernel, which reads pairs in place about 1.8x faster per block than the
-# union is computed (bench/decode_attention.py, 32 requests sharing 1,024 tokens: union 1.22 ms,
-# kernel 1.53 ms per layer, at a ratio of 1.48).
+# (request, block) pairs the torch split-KV path gathers. Never against the C++ kernel: since it runs on
+# every thread it reads shared pairs in place faster than the union is computed even when 32 requests
+# share 1,024 of their 1,040 tokens (bench/decode_attention.py: kernel 1.15 / 1.52 ms, union 1.64 / 1.71).
 UNION_SHARING_FACTOR = 4
-KERNEL_UNION_SHARING_FACTOR = 1.5
 
 
 def _with_union(meta: DecodeMetadata, block_size: int, factor: float) -> DecodeMetadata:
@@ -82,27 +80,29 @@ def _decode_metadata(
     """Decode metadata for (block table, query position) pairs, reading only blocks inside the window."""
     if not decodes:
         return None
+    # Lists per request (slices of its table), then one vectorized pass over all blocks: a long context
+    # is hundreds of blocks, and this runs every step.
     dec_blocks: list[int] = []
-    dec_seq: list[int] = []
-    dec_block_start: list[int] = []
-    dec_lo: list[int] = []
-    dec_qpos: list[int] = []
+    first_index: list[int] = []
+    lows: list[int] = []
+    q_positions: list[int] = []
     offsets = [0]
-    for seq, (block_ids, q_pos) in enumerate(decodes):
+    for block_ids, q_pos in decodes:
         lo = max(0, q_pos - sliding_window + 1) if sliding_window else 0
-        for index in range(lo // block_size, q_pos // block_size + 1):
-            if block_ids[index] < 0:
-                raise KVIntegrityError(f"a decode at position {q_pos} would read freed block {index}")
-            dec_blocks.append(block_ids[index])
-            dec_seq.append(seq)
-            dec_block_start.append(index * block_size)
-            dec_lo.append(lo)
-            dec_qpos.append(q_pos)
+        read = block_ids[lo // block_size : q_pos // block_size + 1]
+        if min(read) < 0:
+            raise KVIntegrityError(f"a decode at position {q_pos} would read a freed block")
+        dec_blocks.extend(read)
+        first_index.append(lo // block_size)
+        lows.append(lo)
+        q_positions.append(q_pos)
         offsets.append(len(dec_blocks))
-    key_pos = torch.tensor(dec_block_start)[:, None] + torch.arange(block_size)[None, :]
-    key_valid = (key_pos <= torch.tensor(dec_qpos)[:, None]) & (key_pos >= torch.tensor(dec_lo)[:, None])
-    meta = DecodeMetadata(len(decodes), torch.tensor(dec_blocks), torch.tensor(dec_seq), key_valid,
-                          torch.tensor(offsets))
+    offsets_t = torch.tensor(offsets)
+    seq_index = torch.repeat_interleave(torch.arange(len(decodes)), offsets_t[1:] - offsets_t[:-1])
+    block_index = torch.arange(len(dec_blocks)) - offsets_t[seq_index] + torch.tensor(first_index)[seq_index]
+    key_pos = (block_index * block_size)[:, None] + torch.arange(block_size)[None, :]
+    key_valid = (key_pos <= torch.tensor(q_positions)[seq_index, None]) & (key_pos >= torch.tensor(lows)[seq_index, None])
+    meta = DecodeMetadata(len(decodes), torch.tensor(dec_blocks), seq_index, key_valid, offsets_t)
     return _with_union(meta, block_size, union_factor) if union_factor is not None else meta
 
 

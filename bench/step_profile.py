@@ -1,0 +1,136 @@
+"""Where a decode step goes: weight matmuls, attention, other ops, Python; against the physical floor.
+
+One request decodes after a W2 (512-token) or W4 (4,096-token) prompt, and
+W1's 32 requests decode together. The step time is measured plain; then the
+same steps run with every C++ kernel call timed (kvserve/kernels) and under
+torch's profiler for the torch ops: weights = the quantized matmuls (or fp32 / bf16 GEMMs), attention =
+the decode kernel plus writing the new K/V, other ops = every other torch op
+or kernel, Python = the rest. The floor is the bytes a step must read (the
+linear weights it multiplies, plus the K/V it attends over) divided by this
+machine's memory bandwidth, measured here by summing a 1 GiB tensor.
+
+    .venv/bin/python bench/step_profile.py [--weights-dtype auto] [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from types import ModuleType
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvserve.config import EngineConfig
+from kvserve.cpu_features import describe_cpu
+from kvserve.engine.engine import Engine
+from kvserve.kernels import ops
+from kvserve.model.layers import Linear
+from kvserve.model.loader import load_model
+from workloads import greedy, random_prompts, save
+
+WEIGHT_OPS = {"quant_matmul", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul"}
+ATTENTION_OPS = {"paged_decode", "aten::index_copy_", "aten::_to_copy"}  # the kernel, and the new K/V's write
+
+
+class _TimedKernels(ModuleType):
+    """The kernels module with every call timed (seconds per name)."""
+
+    def __init__(self, inner: ModuleType) -> None:
+        super().__init__(inner.__name__)
+        self.inner, self.seconds = inner, defaultdict(float)
+
+    def __getattr__(self, name: str):
+        function = getattr(self.inner, name)
+
+        def timed(*args):
+            started = time.perf_counter()
+            result = function(*args)
+            self.seconds[name] += time.perf_counter() - started
+            return result
+        return timed
+
+
+def memory_bandwidth() -> float:
+    """Bytes per second reading a 1 GiB tensor (best of 5)."""
+    data = torch.ones(2**28)
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best
+
+
+def linear_bytes(model: torch.nn.Module) -> int:
+    """Bytes the linear layers hold: what every decode step reads once."""
+    return sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, Linear)
+               for p in m.parameters(recurse=False))
+
+
+def profile_steps(engine: Engine, steps: int) -> dict:
+    for _ in range(5):
+        engine.step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_s = (time.perf_counter() - started) / steps
+    timed = _TimedKernels(ops.kernels())
+    ops._loaded[0] = timed
+    engine.attention_backend.decode_kernel = timed
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                engine.step()
+    finally:
+        ops._loaded[0] = timed.inner
+        engine.attention_backend.decode_kernel = timed.inner
+    torch_ops = {event.key: event.self_cpu_time_total / 1e6 for event in prof.key_averages()}
+    kernel = dict(timed.seconds)
+    weights = sum(kernel.pop(name, 0.0) for name in list(kernel) if name in WEIGHT_OPS)
+    weights += sum(torch_ops.pop(name, 0.0) for name in list(torch_ops) if name in WEIGHT_OPS)
+    attention = sum(kernel.pop(name, 0.0) for name in list(kernel) if name in ATTENTION_OPS)
+    attention += sum(torch_ops.pop(name, 0.0) for name in list(torch_ops) if name in ATTENTION_OPS)
+    other = sum(kernel.values()) + sum(torch_ops.values())
+    parts = {"weights": weights / steps, "attention": attention / steps, "other ops": other / steps}
+    parts["python"] = max(step_s - sum(parts.values()), 0.0)
+    return {"step_s": step_s, **parts}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights-dtype", default="auto")
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    if ops.kernels() is None:
+        raise SystemExit("the C++ kernels are not built here: nothing to break down")
+    print(f"CPU: {describe_cpu()}, {torch.get_num_threads()} threads", flush=True)
+    loaded = load_model(weights_dtype=args.weights_dtype)
+    bandwidth = memory_bandwidth()
+    weight_bytes = linear_bytes(loaded.model)
+    print(f"linear weights {loaded.linear_dtype}: {weight_bytes / 2**20:.1f} MiB read per step; "
+          f"memory bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+    results = {}
+    for name, prompt_len, batch in (("W2", 512, 1), ("W4", 4096, 1), ("W1", 256, 32)):
+        engine = Engine(EngineConfig(kv_cache_memory="2GiB"), loaded=loaded)
+        for prompt in random_prompts(batch, prompt_len, seed=prompt_len):
+            engine.add_request(prompt, greedy(args.steps * 2 + 200))
+        while engine.stats().requests[0].num_computed_tokens < prompt_len:  # prefill first
+            engine.step()
+        row = profile_steps(engine, args.steps)
+        kv_bytes = batch * (prompt_len + args.steps) * engine.kv_spec.bytes_per_token
+        row["floor_s"] = (weight_bytes + kv_bytes) / bandwidth
+        results[name] = row
+        print(f"{name} decode step ({batch} x ~{prompt_len} tokens, KV {engine.kv_spec.dtype}): "
+              f"{row['step_s'] * 1e3:.2f} ms = weights {row['weights'] * 1e3:.2f} + attention "
+              f"{row['attention'] * 1e3:.2f} + other ops {row['other ops'] * 1e3:.2f} + Python "
+              f"{row['python'] * 1e3:.2f} ms; floor (weights + KV read at {bandwidth / 1e9:.0f} GB/s) "
+              f"{row['floor_s'] * 1e3:.2f} ms", flush=True)
+        for request_id in [r.request_id for r in engine.stats().requests]:
+            engine.abort(request_id)
+    print(f"wrote {save('step_profile', {'args': vars(args), 'bandwidth_bytes_s': bandwidth, 'results': results})}")
+
+
+if __name__ == "__main__":
+    main()
