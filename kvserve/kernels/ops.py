@@ -52,7 +52,6 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
     """Rotate-half RoPE in place on the first `heads` heads of each row of x `[T, >= heads * head_dim]`
     (a fused QKV output's Q and K lie side by side); cos, sin `[T, head_dim]`."""
     ext = kernels()
-    cos, sin = cos.reshape(x.shape[0], head_dim), sin.reshape(x.shape[0], head_dim)
     if ext is not None and _rows(x):
         ext.rope_(x, cos, sin, heads, head_dim)
         return

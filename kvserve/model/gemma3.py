@@ -27,7 +27,7 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.kernels import ops
 from kvserve.kv.attention import AttentionContext, ContiguousContext
-from kvserve.model.layers import GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
+from kvserve.model.layers import GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding
 from kvserve.model.causal_lm import CausalLM
 
 _NORM_OFFSET = 1.0  # Gemma's RMSNorm multiplies by (1 + w)
@@ -59,8 +59,10 @@ class Gemma3Attention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))  # new contiguous tensors
+        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        ops.rope_(q.view(num_tokens, q_size), cos, sin, self.num_heads, self.head_dim)
+        ops.rope_(k.view(num_tokens, kv_size), cos, sin, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(kv.attend(layer, q, k, v, self.scale))
 

@@ -266,9 +266,9 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, divisors.reshape(-1))
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions `[T]` -> cos, sin `[T, 1, head_dim]`."""
+        """positions `[T]` -> cos, sin `[T, head_dim]` (what `ops.rope_` and `apply_rope` take)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
 
@@ -278,5 +278,5 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[T, heads, D]`, cos/sin `[T, 1, D]` (rotate-half layout, as in Hugging Face)."""
-    return x * cos + _rotate_half(x) * sin
+    """x `[T, heads, D]`, cos/sin `[T, D]` (rotate-half layout, as in Hugging Face); a new tensor."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]

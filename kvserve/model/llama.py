@@ -49,10 +49,9 @@ class Attention(nn.Module):
         kv_size = self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)
         ops.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)  # Q and K, in place
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(kv.attend(layer, q, k, v, self.scale))
 
 

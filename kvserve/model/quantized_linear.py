@@ -111,8 +111,11 @@ class GroupQuantizedLinearMethod(UnquantizedLinearMethod):
         layer.weight = None  # a tied head only lets go of the embedding's tensor
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        y = ops.kernels().quant_matmul(x, layer.packed, self.bits, layer.output_size, -1)
-        return y if layer.bias is None else y + layer.bias
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        y = ops.kernels().quant_matmul(rows, layer.packed, self.bits, layer.output_size, -1)
+        if layer.bias is not None:
+            y += layer.bias
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], layer.output_size)
 
 
 def _method(dtype: str) -> UnquantizedLinearMethod:
@@ -181,6 +184,10 @@ def convert_linear_weights(model: nn.Module, weights_dtype: str, exact_int4: boo
     resolved = resolve_weights_dtype(weights_dtype, (m.input_size for _, m in linears), exact_int4)
     if resolved == "float32":
         return resolved
+    uneven = next(((name, m.input_size) for name, m in linears if m.input_size % GROUP_SIZE), None)
+    if resolved in GROUP_BITS and uneven is not None:
+        raise ConfigError(f"--weights-dtype {resolved} holds weights in groups of {GROUP_SIZE} inputs, and "
+                          f"{uneven[0]} has {uneven[1]}; use bfloat16 or float32 for this model")
     for name, module in linears:
         dtype = _HEAD_DTYPE.get(resolved, resolved) if name == HEAD_NAME else resolved
         module.method = _method(dtype)

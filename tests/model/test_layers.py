@@ -103,7 +103,7 @@ def test_rms_norm_and_rotary():
     base = rope_inv_freq(8, 10000.0)
     assert torch.equal(rotary.inv_freq, base / 4.0)
     cos, sin = rotary(torch.tensor([0, 5]))
-    assert cos.shape == (2, 1, 8) and torch.equal(cos[0], torch.ones(1, 8)) and torch.equal(sin[0], torch.zeros(1, 8))
+    assert cos.shape == (2, 8) and torch.equal(cos[0], torch.ones(8)) and torch.equal(sin[0], torch.zeros(8))
     divisors = torch.tensor([1.0, 2.0, 4.0, 8.0])
     rotary.load_freq_divisors(divisors)  # GGUF rope_freqs replaces the config's scaling
     assert torch.equal(rotary.inv_freq, base / divisors)

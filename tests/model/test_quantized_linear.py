@@ -194,3 +194,15 @@ def test_an_engine_on_int4_weights_keeps_an_fp16_cache_by_default(tmp_path):
     exact = Engine(EngineConfig(kv_cache_memory="4MiB"), loaded=load_model(directory))
     assert (int4.kv_spec.dtype, exact.kv_spec.dtype) == ("float16", "float32")
     assert int4.kv_cache.k[0].dtype == torch.float16
+
+
+@needs_kernels
+def test_group_quantized_weights_need_input_sizes_in_whole_groups(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    directory = save_hf_model(LlamaForCausalLM(config), tmp_path)
+    with pytest.raises(ConfigError, match="groups of 32 inputs, and .* has 48; use bfloat16 or float32"):
+        load_model(directory, weights_dtype="int4")
+    assert load_model(directory, weights_dtype="auto").linear_dtype in ("bfloat16", "float32")
