@@ -59,7 +59,7 @@ test: install-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: install-dev
-	for script in throughput latency prefix kv_vs_recompute serve kv_quant_accuracy kv_quant_speed int4_variants weights_accuracy decode_attention lab_feed_cost; do $(BIN)/python bench/$$script.py || exit 1; done
+	for script in throughput latency prefix kv_vs_recompute serve kv_quant_accuracy kv_quant_speed int4_variants weights_accuracy decode_attention step_profile lab_feed_cost; do $(BIN)/python bench/$$script.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

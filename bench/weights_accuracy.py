@@ -4,8 +4,8 @@ For each `--weights-dtype` (float32 first, the reference; the KV cache stays
 float32): perplexity and its change, mean KL(float32 || dtype) of the
 next-token distributions, top-1 agreement, and greedy agreement length on the
 chat prompts. The embedded model is a Q4_1 GGUF (Q8_0 embedding / head): int4
-re-packs its Q4_1 groups (exact but for bf16 scales), int8 re-quantizes per
-channel, and every non-float32 dtype runs bf16 activations.
+and int8 hold the file's own codes (its 4-bit groups, its 8-bit head) and run
+int8 activations per group of 32; bfloat16 runs bf16 activations.
 
     .venv/bin/python bench/weights_accuracy.py [--dtypes bfloat16 int8 int4] [--windows 8] [--window 1024]
                                                [--model gemma3]
