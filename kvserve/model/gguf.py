@@ -18,8 +18,8 @@ import torch
 
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.errors import ModelLoadError, UnsupportedModelError
-from kvserve.model.gguf_file import GGUFFile
 from kvserve.kernels.packing import GroupCodes
+from kvserve.model.gguf_file import GGUFFile
 from kvserve.model.gguf_quants import dequantize, ggml_type_name, group_codes, tensor_nbytes
 from kvserve.model.registry import GGUF, Architecture, find_architecture
 
@@ -91,7 +91,6 @@ class GGUFModel:
             elif self.permuted_qk and ".k_proj." in hf_name:
                 value = unpermute_qk(value, self.config.num_kv_heads)
             yield hf_name, value
-
 
     def group_codes(self, hf_name: str) -> GroupCodes | None:
         """The file's own codes of the matrix loaded as `hf_name` (Q/K rows unpermuted as in `weights`), where

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from kvserve.config import ModelConfig
-from kvserve.kv.attention import AttentionContext, ContiguousContext
 from kvserve.kernels import ops
+from kvserve.kv.attention import AttentionContext, ContiguousContext
 from kvserve.model.layers import GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
 from kvserve.model.causal_lm import CausalLM
 

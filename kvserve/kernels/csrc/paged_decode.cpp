@@ -209,6 +209,16 @@ inline __mmask16 visible_rows(const bool* valid) {
   return mask;
 }
 
+// Each 16-row tile's visible rows of one block (`valid`: its BS flags); false when none is visible.
+inline bool visible_tiles(const bool* valid, int64_t tiles, __mmask16* visible) {
+  bool any_visible = false;
+  for (int64_t t = 0; t < tiles; ++t) {
+    visible[t] = visible_rows(valid + t * 16);
+    any_visible |= visible[t] != 0;
+  }
+  return any_visible;
+}
+
 // As attend_blocks, for D = 16 * NC and BS a multiple of 16.
 template <typename scalar_t, int NC>
 void attend_blocks(const float* qh, int64_t G, const scalar_t* kp, const scalar_t* vp, const int64_t* blocks,
@@ -222,12 +232,7 @@ void attend_blocks(const float* qh, int64_t G, const scalar_t* kp, const scalar_
     const int64_t base = (blocks[idx] * KVH + h) * BS * D;
     const scalar_t* kb = kp + base;
     const scalar_t* vb = vp + base;
-    bool any_visible = false;
-    for (int64_t t = 0; t < tiles; ++t) {
-      visible[t] = visible_rows(valid + idx * BS + t * 16);
-      any_visible |= visible[t] != 0;
-    }
-    if (!any_visible) continue;
+    if (!visible_tiles(valid + idx * BS, tiles, visible)) continue;
     for (int64_t g = 0; g < G; ++g) {
       __m512 q[NC];
       for (int c = 0; c < NC; ++c) q[c] = _mm512_mul_ps(_mm512_loadu_ps(qh + g * D + 16 * c), _mm512_set1_ps(scale));
@@ -293,12 +298,7 @@ void attend_blocks_grouped(const float* qh, const scalar_t* kp, const scalar_t* 
     const int64_t base = (blocks[idx] * KVH + h) * BS * D;
     const scalar_t* kb = kp + base;
     const scalar_t* vb = vp + base;
-    bool any_visible = false;
-    for (int64_t t = 0; t < tiles; ++t) {
-      visible[t] = visible_rows(valid + idx * BS + t * 16);
-      any_visible |= visible[t] != 0;
-    }
-    if (!any_visible) continue;
+    if (!visible_tiles(valid + idx * BS, tiles, visible)) continue;
     float block_max[G];
     for (int g = 0; g < G; ++g) block_max[g] = kEmpty;
     for (int64_t t = 0; t < tiles; ++t) {

@@ -11,7 +11,7 @@ one there would be a bug, so building the metadata refuses it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
