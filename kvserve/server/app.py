@@ -20,6 +20,7 @@ from kvserve.engine.async_engine import AsyncEngine, EngineFailedError
 from kvserve.engine.engine import Engine
 from kvserve.errors import (InvalidRequestError, KVIntegrityError, KVServeError, RequestFailedError,
                             TokenizerUnavailableError, UnsupportedModelError)
+from kvserve.runtime import freeze_startup_heap, unfreeze_heap
 from kvserve.server.body_limit import BodyLimitMiddleware
 from kvserve.server.chat import ChatServing
 from kvserve.server.completions import CompletionServing
@@ -49,7 +50,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await async_engine.start()
+        freeze_startup_heap()
         yield
+        unfreeze_heap()
         await async_engine.stop()
         serving.close()
         # The step loop has stopped: the disk tier may finish its queued writes (a restart finds them).

@@ -59,3 +59,14 @@ def test_health_answers_while_bodies_at_and_over_the_limit_are_refused(app):
     assert response.status_code == 413 and "4,194,304 bytes" in response.text
     assert max(latencies, default=0) < RESPONSIVE_S
     assert_idle_and_intact(app)
+
+
+def test_a_running_server_keeps_its_startup_heap_out_of_full_collections(embedded):
+    # A full collection walks every tracked object (torch's import alone leaves ~165k: 80-160 ms a pass
+    # here, the loop stopped meanwhile); a running server has them frozen, and gives them back at shutdown.
+    import gc
+
+    with serve_in_process(embedded) as client:
+        assert gc.get_freeze_count() > 100_000
+        assert client.get("/health").status_code == 200
+    assert gc.get_freeze_count() == 0
