@@ -23,7 +23,7 @@ from kvserve.config import WEIGHTS_DTYPES, ModelConfig, format_memory
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.spec import KVSpec, kv_spec
 from kvserve.model.catalog import KNOWN_MODELS, find_known_model, num_parameters
-from kvserve.model.quantized_linear import held_weight_bytes, resolve_weights_dtype
+from kvserve.model.quantized_linear import held_weight_bytes, resolve_for_config
 
 # Bytes per parameter of formats other engines hold (kvserve's own dtypes are in ENGINE_WEIGHTS_DTYPES).
 WEIGHT_BYTES = {"float16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_k": 144 / 256}
@@ -151,10 +151,7 @@ def _longest_context(spec: KVSpec, block_size: int, room: int, model_max_context
 def _linear_dtype(config: ModelConfig, weights_dtype: str) -> str:
     """What the linear layers hold with `weights_dtype` ("auto" KV follows it): kvserve's dtypes resolved
     as the engine would on this CPU; another format (q4_0, float16 elsewhere) is not float32."""
-    if weights_dtype in ENGINE_WEIGHTS_DTYPES:
-        return resolve_weights_dtype(weights_dtype, (config.hidden_size, config.num_heads * config.head_dim,
-                                                     config.intermediate_size))
-    return weights_dtype
+    return resolve_for_config(config, weights_dtype) if weights_dtype in ENGINE_WEIGHTS_DTYPES else weights_dtype
 
 
 def _weight_bytes(config: ModelConfig, num_params: int, weights_dtype: str) -> int:

@@ -32,7 +32,10 @@ _state: dict[str, ModuleType | None] = {}
 
 
 def cpu_kernels() -> ModuleType | None:
-    """The compiled module, or None where it cannot be built or is turned off."""
+    """The compiled module, or None where it cannot be built or is turned off (built or loaded once; later
+    calls, a few hundred per decode step, read it without the lock)."""
+    if "module" in _state:
+        return _state["module"]
     with _lock:
         if "module" not in _state:
             _state["module"] = _build()

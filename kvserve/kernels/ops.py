@@ -7,23 +7,12 @@ torch ops, which is most of a batch-1 decode step's overhead.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels.build import cpu_kernels
+from kvserve.kernels.build import cpu_kernels as kernels  # the compiled kernels, or None
 
 SILU, GELU_TANH = 0, 1  # gated_activation's activations (the C++ enum)
-
-_loaded: list[ModuleType | None] = []
-
-
-def kernels() -> ModuleType | None:
-    """The compiled kernels (built or loaded on first use), or None."""
-    if not _loaded:
-        _loaded.append(cpu_kernels())
-    return _loaded[0]
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -56,12 +45,14 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
         ext.rope_(x, cos, sin, heads, head_dim)
         return
     rotated = x[:, : heads * head_dim].view(x.shape[0], heads, head_dim)
-    half = head_dim // 2
-    first, second = rotated[..., :half], rotated[..., half:]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    new_first = first * cos[..., :half] - second * sin[..., :half]
-    new_second = second * cos[..., half:] + first * sin[..., half:]
-    rotated.copy_(torch.cat([new_first, new_second], dim=-1))
+    rotated.copy_(apply_rope(rotated, cos, sin))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[T, heads, D]`, cos/sin `[T, D]` (rotate-half layout, as in Hugging Face); a new tensor."""
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated_half * sin[:, None, :]
 
 
 def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,

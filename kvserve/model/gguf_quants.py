@@ -188,13 +188,18 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch
 
     Raises UnsupportedModelError naming the type when kvserve has no decoder for it.
     """
-    num_blocks, block_bytes, decode = _layout(type_name, shape)
+    decode = _layout(type_name, shape)[2]
+    return decode(_blocks(raw, type_name, shape)).reshape(shape)
+
+
+def _blocks(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The raw bytes of one tensor as `[num_blocks, block_bytes]` uint8 (a copy: the source is usually a
+    read-only memory map)."""
+    num_blocks, block_bytes, _ = _layout(type_name, shape)
     data = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
     if data.size != num_blocks * block_bytes:
         raise UnsupportedModelError(f"{type_name} tensor has {data.size} bytes, expected {num_blocks * block_bytes}")
-    # A copy: the source is usually a read-only memory map.
-    blocks = torch.from_numpy(data.copy()).view(num_blocks, block_bytes)
-    return decode(blocks).reshape(shape)
+    return torch.from_numpy(data.copy()).view(num_blocks, block_bytes)
 
 
 def _raw_f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -229,10 +234,7 @@ def group_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Grou
     for other types, or where an offset (-8d, -16d, -128d: exact multiples) would overflow fp16."""
     if len(shape) != 2 or type_name not in _TYPES:
         return None
-    num_blocks, block_bytes, _ = _layout(type_name, shape)
-    data = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
-    blocks = torch.from_numpy(data.copy()).view(num_blocks, block_bytes)
-    grouped = _grouped(type_name, blocks)
+    grouped = _grouped(type_name, _blocks(raw, type_name, shape))
     if grouped is None:
         return None
     codes, scales, offsets, bits = grouped

@@ -266,17 +266,8 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, divisors.reshape(-1))
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions `[T]` -> cos, sin `[T, head_dim]` (what `ops.rope_` and `apply_rope` take)."""
+        """positions `[T]` -> cos, sin `[T, head_dim]` (what `ops.rope_` and `ops.apply_rope` take)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[T, heads, D]`, cos/sin `[T, D]` (rotate-half layout, as in Hugging Face); a new tensor."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]

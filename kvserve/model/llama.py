@@ -19,7 +19,7 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.kernels import ops
 from kvserve.kv.attention import AttentionContext, ContiguousContext
-from kvserve.model.layers import GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
+from kvserve.model.layers import GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding
 from kvserve.model.causal_lm import CausalLM
 
 
@@ -98,7 +98,7 @@ class LlamaForCausalLM(CausalLM):
         """Cached keys `[T, KVH, D]` (RoPE applied) as if computed `delta` positions later: RoPE is a rotation
         by position, so rotating by `delta` moves them (a context shift's re-rotation, as llama.cpp does)."""
         cos, sin = self.rotary_emb(torch.tensor([delta]))
-        return apply_rope(keys, cos, sin)
+        return ops.apply_rope(keys, cos, sin)
 
     @torch.inference_mode()
     def forward(

@@ -139,11 +139,16 @@ def linear_held_bytes(rows: int, cols: int, bias: bool, dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2}[dtype] * rows * cols + bias_bytes
 
 
+def resolve_for_config(config: ModelConfig, weights_dtype: str) -> str:
+    """`resolve_weights_dtype` for a model of `config`'s shape (its linear layers' input sizes)."""
+    return resolve_weights_dtype(weights_dtype, (config.hidden_size, config.num_heads * config.head_dim,
+                                                 config.intermediate_size))
+
+
 def held_weight_bytes(config: ModelConfig, weights_dtype: str) -> int:
     """Bytes a Llama-family model of `config` holds with `weights_dtype` ("auto" resolved on this CPU):
     fp32 embedding and norms, each linear in its converted format. `kvserve memory` plans with it."""
-    dtype = resolve_weights_dtype(weights_dtype, (config.hidden_size, config.num_heads * config.head_dim,
-                                                  config.intermediate_size))
+    dtype = resolve_for_config(config, weights_dtype)
     hidden, q_size, kv_size = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     per_layer = (linear_held_bytes(q_size + 2 * kv_size, hidden, config.attention_bias, dtype)
                  + linear_held_bytes(hidden, q_size, False, dtype)

@@ -71,7 +71,7 @@ def test_the_shifted_keys_equal_recomputed_keys(tiny_models):
     x = loaded.model.layers[0].input_layernorm(loaded.model.embed_tokens(torch.tensor(context)))
     q, k, v = attn.qkv_proj(x).split([attn.num_heads * attn.head_dim] + [attn.num_kv_heads * attn.head_dim] * 2, -1)
     cos, sin = loaded.model.rotary_emb(torch.arange(len(context)))
-    from kvserve.model.layers import apply_rope
+    from kvserve.kernels.ops import apply_rope
 
     fresh_k = apply_rope(k.view(len(context), attn.num_kv_heads, attn.head_dim), cos, sin)
     torch.testing.assert_close(cached_k, fresh_k, atol=1e-5, rtol=1e-5)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.kv.attention.reference import attend
+from kvserve.kv.attention.reference import attend, window_applies
 
 _flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -31,8 +31,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
     cached = num_keys - num_queries
     last = int(q_positions[-1])
     chunk_is_last = cached >= 0 and last == key_start + num_keys - 1 and int(q_positions[0]) == last - num_queries + 1
-    window_cuts = sliding_window is not None and last - key_start >= sliding_window
-    if _flash is None or not chunk_is_last or window_cuts or q.dtype != torch.float32:
+    if (_flash is None or not chunk_is_last or window_applies(last, sliding_window, key_start)
+            or q.dtype != torch.float32):
         return attend(q, k, v, q_positions, scale, sliding_window, key_start)
     queries = q.unsqueeze(0)
     own, own_lse = _flash(queries, k[None, :, cached:], v[None, :, cached:], 0.0, True, scale=scale)

@@ -9,6 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+def window_applies(last_position: int, sliding_window: int | None, key_start: int = 0) -> bool:
+    """Whether a query at `last_position` sees fewer keys than those from `key_start` on (its window cuts them)."""
+    return sliding_window is not None and last_position - key_start >= sliding_window
+
+
 def attention_mask(q_positions: torch.Tensor, num_keys: int, sliding_window: int | None,
                    key_start: int = 0) -> torch.Tensor | None:
     """Boolean `[T, num_keys]` mask (True = attend) for keys at positions key_start..key_start+num_keys-1.
@@ -19,12 +24,12 @@ def attention_mask(q_positions: torch.Tensor, num_keys: int, sliding_window: int
     query may see every key (a plain decode step), so SDPA takes its fast path.
     """
     last = int(q_positions[-1])
-    window_applies = sliding_window is not None and last - key_start >= sliding_window
-    if q_positions.numel() == 1 and last == key_start + num_keys - 1 and not window_applies:
+    windowed = window_applies(last, sliding_window, key_start)
+    if q_positions.numel() == 1 and last == key_start + num_keys - 1 and not windowed:
         return None
     k_positions = torch.arange(key_start, key_start + num_keys)
     mask = k_positions[None, :] <= q_positions[:, None]
-    if window_applies:
+    if windowed:
         mask &= (q_positions[:, None] - k_positions[None, :]) < sliding_window
     return mask
 
