@@ -144,6 +144,8 @@ class EngineConfig:
     """Engine arguments, named as in vLLM where vLLM has them."""
 
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    # Where weights, the KV pool and every step's tensors live (kvserve/platform.py knows the device).
+    device: str = "cpu"
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
