@@ -52,11 +52,12 @@ def _build() -> ModuleType | None:
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         import torch
 
-        # One build per CPU feature set and torch version: a shared cache never loads a foreign binary.
-        machine = hashlib.sha1(" ".join([torch.__version__, *sorted(cpu_flags())]).encode()).hexdigest()[:10]
-        name = f"kvserve_cpu_kernels_{machine}"
-        # Built inside the environment (the venv), not in a per-user cache shared by every checkout:
-        # two checkouts alternating in one cache rebuild each other's binary (ninja sees another source path).
+        # One build per CPU feature set, torch version and source checkout: a shared cache never loads a
+        # foreign binary, and two checkouts (git worktrees) sharing one venv do not rebuild each other's
+        # binary in turn (ninja sees another source path).
+        key = " ".join([torch.__version__, str(_SOURCES[0].parent.resolve()), *sorted(cpu_flags())])
+        name = f"kvserve_cpu_kernels_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+        # Built inside the environment (the venv), not in a per-user cache shared by every environment.
         build_directory = Path(sys.prefix) / "kvserve-kernels" / name
         build_directory.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
