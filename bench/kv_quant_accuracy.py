@@ -23,7 +23,7 @@ import math
 
 import torch
 
-import kvserve.engine.runner as runner_module
+import kvserve.engine.acceptance as runner_module
 from kvserve import LLM, SamplingParams
 from workloads import save
 

@@ -1,10 +1,12 @@
-"""Per-request output: stop conditions and text deltas, timing metrics, and the two output types.
+"""What a request's outputs are: timing metrics, logprobs, the prefix-cache report, and the two output types.
 
 The engine emits a `RequestDelta` per request per step: only what that step
 added (vLLM's RequestOutputKind.DELTA). `RequestOutputAssembler` turns a
 request's deltas into its final, cumulative `RequestOutput` (vLLM's
 FINAL_ONLY view), the one the offline API returns and non-streaming responses
-are built from. See RequestDelta for why these are two types.
+are built from. See RequestDelta for why these are two types. Deciding what a
+step's tokens add (stop conditions, text) is the output processor's job
+(engine/output_processor.py).
 """
 
 from __future__ import annotations
@@ -13,9 +15,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvserve.engine.sampling import SamplingParams
-from kvserve.errors import InvalidRequestError
-from kvserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass(slots=True)
@@ -46,72 +45,6 @@ class RequestMetrics:
         if self.num_output_tokens < 2 or self.first_token_time is None or self.last_token_time is None:
             return None
         return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
-
-
-class OutputTracker:
-    """Follows one request's sampled tokens and decides when it is finished.
-
-    Stops on the model's EOS / end-of-turn tokens (unless ignore_eos), on
-    `stop_token_ids`, on stop strings (found even when they span tokens; the
-    stop string and what follows are not part of the text), or at max_tokens.
-    While running, `take_delta()` withholds the last len(longest stop) - 1
-    characters, which could still turn out to begin a stop string.
-    """
-
-    def __init__(self, params: SamplingParams, tokenizer: Tokenizer | None) -> None:
-        if params.stop and tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this model was loaded without one")
-        self.params = params
-        self._detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None
-        self._eos_ids = frozenset() if params.ignore_eos or tokenizer is None else tokenizer.stop_token_ids
-        self._stop_ids = frozenset(params.stop_token_ids)
-        self._holdback = max((len(s) for s in params.stop), default=1) - 1
-        self.token_ids: list[int] = []
-        self.text = ""
-        self._emitted = 0  # characters of `text` already handed out as deltas
-        self.finish_reason: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def append(self, token_id: int) -> str | None:
-        """Record one sampled token; returns the finish reason once finished ("stop" / "length")."""
-        self.token_ids.append(token_id)
-        if token_id in self._eos_ids or token_id in self._stop_ids:
-            self._finish("stop")
-            return self.finish_reason
-        if self._detokenizer is not None:
-            searched_from = max(len(self.text) - self._holdback, 0)
-            self.text += self._detokenizer.add(token_id)
-            if self._find_stop_string(searched_from):
-                return self.finish_reason
-        if len(self.token_ids) >= self.params.max_tokens:
-            self._finish("length")
-        return self.finish_reason
-
-    def _find_stop_string(self, searched_from: int) -> bool:
-        hits = [i for i in (self.text.find(s, searched_from) for s in self.params.stop) if i >= 0]
-        if not hits:
-            return False
-        self.text = self.text[: min(hits)]
-        self.finish_reason = "stop"
-        return True
-
-    def _finish(self, reason: str) -> None:
-        if self._detokenizer is not None:
-            searched_from = max(len(self.text) - self._holdback, 0)
-            self.text += self._detokenizer.flush()
-            self._find_stop_string(searched_from)
-        if self.finish_reason is None:
-            self.finish_reason = reason
-
-    def take_delta(self) -> str:
-        """Text not yet handed out that is safe to show now."""
-        end = len(self.text) if self.finished else max(len(self.text) - self._holdback, self._emitted)
-        delta = self.text[self._emitted : end]
-        self._emitted = end
-        return delta
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +150,7 @@ class RequestDelta:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    new_token_ids: list[int]  # sampled this step: one, or none (a final delta of an abort or error)
+    new_token_ids: list[int]  # accepted this step: one or more, or none (a final delta of an abort or error)
     new_text: str  # text that became safe to show this step (a possible stop string is held back)
     finish_reason: str | None
     finished: bool

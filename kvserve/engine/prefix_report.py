@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from kvserve.engine.output import PrefixCacheReport
 from kvserve.engine.request import Request
+from kvserve.engine.sampling import SamplingParams
+from kvserve.errors import InvalidRequestError
+from kvserve.kv.manager import KVCacheManager
 from kvserve.model.tokenizer import Tokenizer
 
 
@@ -37,3 +40,18 @@ def build_prefix_report(request: Request, prefix_caching: bool, block_size: int,
             report.prompt_snippet = f"{report.common_text}[{report.prompt_continuation}]"
             report.cached_snippet = f"{report.common_text}[{report.cached_continuation}]"
     return report
+
+
+def explain_prompt(kv: KVCacheManager, token_ids: list[int], cache_salt: str | None, prefix_caching: bool,
+                   block_size: int, tokenizer: Tokenizer | None) -> PrefixCacheReport:
+    """How the prefix cache would serve this prompt now, and where it would leave the closest cached
+    prompt: the report a request gets at admission, without running anything. Read-only."""
+    if not token_ids:
+        raise InvalidRequestError("the prompt is empty")
+    request = Request("explain", token_ids, SamplingParams(max_tokens=1), cache_salt=cache_salt,
+                      block_size=block_size if prefix_caching else None)
+    match = kv.find_cached_prefix(request.all_token_ids, request.block_hashes)
+    request.num_cached_tokens = match.num_tokens
+    if match.num_tokens < request.num_prompt_tokens - 1:  # as the scheduler does at admission
+        request.prefix_divergence = kv.find_divergence(request.all_token_ids, match)
+    return build_prefix_report(request, prefix_caching, block_size, tokenizer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from kvserve.engine.output import OutputTracker, RequestMetrics, TokenLogprob
+from kvserve.engine.output import RequestMetrics, TokenLogprob
 from kvserve.engine.sampling import SamplingParams
 from kvserve.kv.hashing import BlockHashChain
 
@@ -33,7 +33,6 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        tracker: OutputTracker,
         prompt: str | None = None,
         cache_salt: str | None = None,
         block_size: int | None = None,
@@ -43,7 +42,6 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.tracker = tracker
         self.metrics = RequestMetrics(num_prompt_tokens=len(prompt_token_ids))
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -54,6 +52,9 @@ class Request:
         self.block_hashes = BlockHashChain(block_size, cache_salt)
         self.block_hashes.extend(self.all_token_ids)
         self._output_token_ids: list[int] = []
+        # Tokens a proposer guessed follow all_token_ids (speculative decoding): the next step computes them
+        # after the last token and keeps those the model agrees with. Never part of all_token_ids.
+        self.draft_token_ids: list[int] = []
         self.num_shifted_tokens = 0  # dropped from the context by context shifts (engine/context_shift.py)
         # Prefix cache outcome at first admission: prompt tokens served from the
         # cache, and where the prompt left the closest cached chain (or None).
@@ -84,13 +85,13 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_output_token(self, token_id: int) -> str | None:
-        """Record a sampled token; returns the finish reason if this token ends the request."""
-        self.all_token_ids.append(token_id)
-        self._output_token_ids.append(token_id)
+    def append_output_tokens(self, token_ids: list[int]) -> None:
+        """Record a step's accepted tokens (the output processor has already cut them at a stop)."""
+        self.all_token_ids.extend(token_ids)
+        self._output_token_ids.extend(token_ids)
         self.block_hashes.extend(self.all_token_ids)
-        self.metrics.record_token()
-        return self.tracker.append(token_id)
+        for _ in token_ids:
+            self.metrics.record_token()
 
     def shift_context(self, keep: int, drop: int) -> None:
         """Drop `drop` tokens after the first `keep` from the context (`all_token_ids`: what the model

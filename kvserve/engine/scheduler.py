@@ -34,11 +34,27 @@ from kvserve.kv.manager import KVCacheManager, PrefixMatch, ShiftPlan
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
+    """One request's part of a step: the tokens computed now, in order. They end with `forced_token_ids`
+    (outputs known without sampling) and then `draft_token_ids` (outputs guessed, to be verified); both
+    follow the request's last token, and the step accepts a list of tokens for the request."""
+
     request_id: str
-    token_ids: list[int]  # the tokens computed this step
+    token_ids: list[int]  # the tokens computed this step, forced and draft tokens last
     num_computed_tokens: int  # tokens already cached before this step
     block_tables: list[list[int]]  # per KV group: opaque ids from the KV manager, for the runner
-    sample: bool  # whether this step reaches the end of the request's tokens (a new token is sampled)
+    sample: bool  # whether this step reaches the end of the request's tokens (new tokens are accepted)
+    forced_token_ids: tuple[int, ...] = ()
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Tokens computed past the request's last token (forced and drafts): their K/V is kept only
+        for those the step accepts."""
+        return len(self.forced_token_ids) + len(self.draft_token_ids)
 
 
 @dataclass
@@ -106,7 +122,10 @@ class Scheduler:
                 budget += self._shift_running(request, out, counts)
                 if request.status is not RequestStatus.RUNNING:
                     continue
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            if request.draft_token_ids and (remaining != 1 or len(request.draft_token_ids) >= budget):
+                request.draft_token_ids = []  # drafts ride on a decode, and only whole
+            count = min(remaining, budget) + len(request.draft_token_ids)
             while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + count):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -197,19 +216,22 @@ class Scheduler:
 
     def _scheduled_request(self, request: Request, count: int) -> ScheduledRequest:
         """What the runner needs of a request this step (it lays the batch out in its backend's order)."""
-        start = request.num_computed_tokens
+        start, drafts = request.num_computed_tokens, tuple(request.draft_token_ids)
+        end = start + count - len(drafts)
         return ScheduledRequest(
             request.request_id,
-            request.all_token_ids[start : start + count],
+            request.all_token_ids[start:end] + list(drafts),
             start,
             self.kv.block_ids(request.request_id),
-            sample=start + count == request.num_tokens,
+            sample=end == request.num_tokens,
+            draft_token_ids=drafts,
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         out.shifts = [shift for shift in out.shifts if shift[0] != request.request_id]  # its blocks are gone
         self.kv.free(request.request_id)
+        request.draft_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -217,30 +239,34 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request.request_id)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance progress after a step; returns the requests that got a token (finished ones included)."""
-        touched: list[Request] = []
-        for item in out.scheduled:
-            request = self.requests[item.request_id]
-            request.num_computed_tokens += len(item.token_ids)
-            self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.block_hashes,
-                                      request.num_computed_tokens)
-            # Cached first, then freed: a block behind a window stays hittable while the pool keeps it.
-            self.kv.free_behind_window(request.request_id, request.num_computed_tokens)
-            if item.request_id not in sampled:
-                continue
-            reason = request.append_output_token(sampled[item.request_id])
-            touched.append(request)
-            if reason is not None:
-                self.finish(request, reason)
-            elif not self.config.enable_kv_cache:
-                # No-cache baseline: forget everything, recompute the whole sequence next step.
-                self.kv.free(request.request_id)
-                request.num_computed_tokens = 0
-        return touched
+    def advance(self, item: ScheduledRequest, num_accepted: int, num_kept: int) -> None:
+        """Record a step's progress for one request whose accepted tokens (`num_accepted`, of which the
+        output processor appended `num_kept` before any stop) are already in its token ids: its computed
+        count, the blocks now full (cached) and the blocks behind a window (freed).
+
+        Of the forced and draft tokens computed, only those that became the request's tokens hold valid
+        K/V: the k-th accepted token is the k-th token fed after the last one, except the step's last
+        accepted token, which was sampled and is computed next step. The blocks the others took are
+        given back."""
+        request = self.requests[item.request_id]
+        num_valid = min(num_kept, max(num_accepted - 1, 0))
+        num_rejected = item.num_speculative_tokens - num_valid
+        request.num_computed_tokens += item.num_new_tokens - num_rejected
+        request.draft_token_ids = []
+        if num_rejected:
+            self.kv.truncate(request.request_id, request.num_computed_tokens)
+        self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.block_hashes,
+                                  request.num_computed_tokens)
+        # Cached first, then freed: a block behind a window stays hittable while the pool keeps it.
+        self.kv.free_behind_window(request.request_id, request.num_computed_tokens)
+        if num_kept and not self.config.enable_kv_cache:
+            # No-cache baseline: forget everything, recompute the whole sequence next step.
+            self.kv.free(request.request_id)
+            request.num_computed_tokens = 0
 
     def finish(self, request: Request, reason: str) -> None:
-        """Finish (or abort) a request wherever it is; its blocks go back to the pool."""
+        """Finish (or abort) a request wherever it is; its blocks go back to the pool. Only the engine's
+        retire() calls this: it also drops the request's state everywhere else."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:

@@ -28,7 +28,7 @@ def test_max_model_len_beyond_the_context_is_refused_without_rope_scaling(tiny_m
 
 
 def test_max_model_len_beyond_the_context_is_allowed_with_rope_scaling(tiny_models, caplog):
-    with caplog.at_level(logging.WARNING, logger="kvserve.engine.config_checks"):
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine.setup"):
         engine = make_engine(tiny_models("llama-linear-rope"), max_model_len=1000)
     assert engine.max_model_len == 1000
     assert "max_model_len 1,000 is beyond the model's context of 256 tokens" in caplog.text
@@ -37,14 +37,14 @@ def test_max_model_len_beyond_the_context_is_allowed_with_rope_scaling(tiny_mode
 
 def test_a_kv_budget_above_available_memory_is_refused_unless_overcommit_is_allowed(tiny_models, monkeypatch,
                                                                                      caplog):
-    monkeypatch.setattr("kvserve.engine.config_checks.available_memory", lambda: 2**20)
+    monkeypatch.setattr("kvserve.engine.setup.available_memory", lambda: 2**20)
     with pytest.raises(ConfigError) as info:
         make_engine(tiny_models(), kv_cache_memory="2MiB")
     message = str(info.value)
     assert "2.00 MiB (2,097,152 bytes) is larger than the memory available, 1.00 MiB (1,048,576 bytes" in message
     assert "--allow-kv-overcommit" in message
 
-    with caplog.at_level(logging.WARNING, logger="kvserve.engine.config_checks"):
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine.setup"):
         engine = make_engine(tiny_models(), kv_cache_memory="2MiB", allow_kv_overcommit=True)
     assert engine.kv_cache.bytes_allocated <= 2 * 2**20
     assert "2,097,152 bytes) is larger than the memory available" in caplog.text

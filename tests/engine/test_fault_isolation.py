@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from kvserve.engine import runner as runner_module
+from kvserve.engine import acceptance as acceptance_module
 from kvserve.engine.output import RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams, sample
 from kvserve.errors import RequestFailedError
@@ -60,7 +60,7 @@ def test_a_request_whose_sampling_raises_fails_alone(tiny_models, expected, monk
             raise RuntimeError("simulated sampling failure")
         return sample(logits, params, *args)
 
-    monkeypatch.setattr(runner_module, "sample", flaky_sample)
+    monkeypatch.setattr(acceptance_module, "sample", flaky_sample)
     engine = make_engine(tiny_models(), block_size=4)
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
     culprit = engine.add_request(prompts[4], SamplingParams(max_tokens=5, temperature=1.0, seed=POISON_SEED))

@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvserve.engine.output import OutputTracker, RequestMetrics
+from kvserve.engine.output import RequestMetrics
+from kvserve.engine.output_processor import OutputTracker
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 

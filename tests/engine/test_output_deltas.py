@@ -57,7 +57,7 @@ def test_a_long_generation_emits_only_what_each_step_added(loaded):
 def run(engine, prompts, params):
     """Finals in prompt order, and each request's engine state (what the finals used to be copied from)."""
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    requests = [engine.scheduler.requests[i] for i in ids]
+    requests = [(engine.scheduler.requests[i], engine.outputs.tracker(i)) for i in ids]
     finals = run_to_finals(engine)
     return [finals[i] for i in ids], requests
 
@@ -79,11 +79,11 @@ def test_assembled_finals_are_the_whole_results(loaded, reference, engine_args):
     if "kv_cache_memory" in engine_args:
         assert engine.stats().num_preemptions > 0  # prompt logprobs of a recomputed prompt are not sent twice
 
-    for prompt, stop, final, request in zip(prompts, stops, finals, requests):
+    for prompt, stop, final, (request, tracker) in zip(prompts, stops, finals, requests):
         completion = final.outputs[0]
         # What the engine holds for the request: where the cumulative outputs used to be copied from.
-        assert completion.token_ids == request.tracker.token_ids == request.output_token_ids
-        assert completion.text == request.tracker.text
+        assert completion.token_ids == tracker.token_ids == request.output_token_ids
+        assert completion.text == tracker.text
         assert completion.finish_reason == request.finish_reason
         assert final.prompt_token_ids == prompt and final.finished and final.error is None
         whole = tokenizer.decode(completion.token_ids)

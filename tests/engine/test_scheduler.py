@@ -3,7 +3,7 @@
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine.output import OutputTracker
+from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
@@ -17,17 +17,26 @@ def make_scheduler(num_blocks=64, block_size=4, **config):
 
 def add(scheduler, request_id, prompt_len, max_tokens=4):
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    request = Request(request_id, list(range(1, prompt_len + 1)), params, OutputTracker(params, None),
-                      block_size=scheduler.kv.block_size)
+    request = Request(request_id, list(range(1, prompt_len + 1)), params, block_size=scheduler.kv.block_size)
+    OUTPUTS.add(request_id, params)
     scheduler.add(request)
     return request
 
 
+# Stop conditions (max_tokens here) are the output processor's, as in the engine's step.
+OUTPUTS = OutputProcessor(None)
+
+
 def step(scheduler):
-    """One step with a fake runner that samples token 7 for every request that caught up."""
+    """One step with a fake runner that samples token 7 for every request that caught up, advanced as
+    the engine does: accepted tokens appended (up to a stop), progress recorded, finished requests retired."""
     out = scheduler.schedule()
-    sampled = {item.request_id: 7 for item in out.scheduled if item.sample}
-    scheduler.update(out, sampled)
+    for item in out.scheduled:
+        request = scheduler.requests[item.request_id]
+        kept, reason = OUTPUTS.accept(request, [7]) if item.sample else ([], None)
+        scheduler.advance(item, 1 if item.sample else 0, len(kept))
+        if reason is not None:
+            scheduler.finish(request, reason)
     scheduler.kv.check_integrity()
     return out
 

@@ -3,7 +3,8 @@
 import pytest
 
 from kvserve.model.loader import embedded_model_path
-from kvserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.model.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world!",

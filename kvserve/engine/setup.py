@@ -1,0 +1,153 @@
+"""Building an engine: every check of a config against this machine and the model, the KV pool's size,
+the attention backend, the cache, the KV manager, the disk tier and the startup log, in one place.
+
+The config's own value checks (ranges, choices) run when an EngineConfig is
+made (kvserve/config.py); what needs the machine or the loaded model is
+checked here, in the order that fails fastest: the KV budget before the model
+loads, the context and the layout right after.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import EngineConfig, ModelConfig, available_memory, format_memory
+from kvserve.engine.tiering import TierTraffic, open_disk_tier
+from kvserve.errors import ConfigError
+from kvserve.kv.attention import AttentionBackend, get_attention_backend
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.spec import KVSpec, kv_spec
+from kvserve.kv.storage import PagedKVCache
+from kvserve.model.loader import LoadedModel, load_model
+from kvserve.runtime import keep_freed_memory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    """What an engine is built from; the engine adds the scheduler, runner and output processor."""
+
+    config: EngineConfig
+    device: torch.device
+    loaded: LoadedModel
+    max_model_len: int
+    kv_spec: KVSpec
+    attention_backend: AttentionBackend
+    kv_cache: PagedKVCache
+    kv_manager: KVCacheManager
+    tiering: TierTraffic | None
+    prefix_caching: bool  # without a KV cache there is nothing to share: a hit would skip the recompute
+
+
+def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None,
+                       clock: Callable[[], float] | None = None) -> EngineParts:
+    """Check, load and allocate; raises ConfigError (before anything heavy where it can)."""
+    check_kv_budget(config)  # before the load: an impossible budget fails in a second
+    keep_freed_memory()
+    backend = get_attention_backend(config.attention_backend)  # fails before the model loads
+    loaded = loaded or load_model(config.model, config.kv_cache_dtype, config.weights_dtype)
+    max_model_len = checked_max_model_len(config, loaded.config)
+    spec = kv_spec(loaded.config, config.kv_cache_dtype, loaded.linear_dtype)
+    check_layout(config, spec, max_model_len)
+    num_blocks = pool_blocks(config, spec)
+    kv_cache = backend.allocate_kv_cache(spec, num_blocks, config.block_size)
+    prefix_caching = config.enable_prefix_caching and config.enable_kv_cache
+    tier = open_disk_tier(config, loaded, kv_cache, spec.dtype) if config.kv_disk_path is not None else None
+    kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=prefix_caching,
+                                record_cached_blocks=tier is not None,
+                                max_pinned_fraction=config.max_pinned_fraction, clock=clock,
+                                group_windows=spec.layout.windows)
+    tiering = TierTraffic(tier, kv_manager, kv_cache) if tier is not None else None
+    parts = EngineParts(config, torch.device(config.device), loaded, max_model_len, spec, backend, kv_cache,
+                        kv_manager, tiering, prefix_caching)
+    log_startup(parts)
+    return parts
+
+
+def check_kv_budget(config: EngineConfig) -> None:
+    """Refuse a kv_cache_memory above the RAM available now, unless overcommit is allowed (then warn).
+
+    The pool is committed lazily, so without this check an impossible budget
+    starts fine and fails at OOM once enough blocks are written.
+    """
+    if config.kv_cache_memory is None:
+        return  # the default is a share of what is available
+    budget, available = config.kv_cache_bytes, available_memory()
+    if budget > available:
+        numbers = (f"kv_cache_memory {format_memory(budget)} ({budget:,} bytes) is larger than the memory "
+                   f"available, {format_memory(available)} ({available:,} bytes, MemAvailable)")
+        if not config.allow_kv_overcommit:
+            raise ConfigError(f"{numbers}; lower --kv-cache-memory (kv_cache_memory=), or allow it on purpose "
+                              f"with --allow-kv-overcommit (allow_kv_overcommit=True)")
+        log.warning("%s; allowed by --allow-kv-overcommit: the process is killed if the pool fills", numbers)
+
+
+def checked_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The context limit: the model's unless set lower; beyond the model's only with RoPE scaling."""
+    context = model_config.max_position_embeddings
+    if config.max_model_len is None or config.max_model_len <= context:
+        return config.max_model_len or context
+    rope = model_config.rope_scaling
+    if rope.rope_type == "default":
+        raise ConfigError(f"max_model_len {config.max_model_len:,} is beyond the model's context of {context:,} "
+                          f"tokens and the model configures no RoPE scaling; lower --max-model-len "
+                          f"(max_model_len=) to at most {context:,}")
+    log.warning("max_model_len %s is beyond the model's context of %s tokens; allowed because the model "
+                "configures RoPE scaling (%s, factor %g), but quality past the trained context is not guaranteed",
+                f"{config.max_model_len:,}", f"{context:,}", rope.rope_type, rope.factor)
+    return config.max_model_len
+
+
+def check_layout(config: EngineConfig, spec: KVSpec, max_model_len: int) -> None:
+    """Features that need a full-attention cache, refused for a model with sliding-window layers."""
+    has_windows = spec.layout.has_windows
+    if config.kv_disk_path is not None and has_windows:
+        raise ConfigError("kv_disk_path: the disk tier holds prefix blocks of full-attention models only; "
+                          "this model has sliding-window layers (their blocks are freed behind the window)")
+    if config.context_overflow == "shift":
+        if has_windows:
+            raise ConfigError("context_overflow='shift' re-rotates full-attention caches; this model has "
+                              "sliding-window layers, whose windows already bound what they hold")
+        if config.keep_tokens > max_model_len // 2:
+            raise ConfigError(f"keep_tokens ({config.keep_tokens}) must be at most half the context "
+                              f"({max_model_len} tokens): a shift drops half of what is not kept")
+
+
+def pool_blocks(config: EngineConfig, spec: KVSpec) -> int:
+    """How many blocks the KV budget holds; one block is one KV group's page: block_size tokens of
+    page_layers layers."""
+    block_bytes = spec.page_bytes(config.block_size)
+    budget = config.kv_cache_bytes  # the default is a share of what is free after the load
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ConfigError(f"kv_cache_memory of {budget:,} bytes holds no block of {block_bytes:,} bytes "
+                          f"({config.block_size} tokens x {spec.layout.page_layers} layers x "
+                          f"{spec.bytes_per_token_per_layer:,} bytes/token/layer)")
+    return num_blocks
+
+
+def log_startup(parts: EngineParts) -> None:
+    """One line for every KV layout: the pool's geometry, its groups, and what caching does."""
+    config, spec, layout = parts.config, parts.kv_spec, parts.kv_spec.layout
+    num_blocks = parts.kv_manager.num_blocks
+    if layout.num_groups == 1:
+        geometry = (f"{num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} tokens, "
+                    f"{spec.bytes_per_token:,} bytes/token ({spec.dtype})")
+        groups = ","
+    else:  # a block is one group's page
+        geometry = (f"{num_blocks} blocks of {config.block_size} tokens x {layout.page_layers} layers "
+                    f"({spec.page_bytes(config.block_size):,} bytes each, {spec.dtype})")
+        groups = f"; KV groups: {layout.describe()};"
+    if layout.has_windows:
+        groups += " blocks behind a window are freed;"
+    log.info("KV cache: %s, %.1f MiB%s prefix caching %s%s", geometry, parts.kv_cache.bytes_allocated / 2**20,
+             groups, "on" if parts.prefix_caching else "off",
+             "" if config.enable_kv_cache else "; KV cache DISABLED: every step recomputes every sequence")
+    if spec.k_codec.is_fp8 or spec.v_codec.is_fp8:
+        log.warning("%s KV cache: this CPU has no fp8 arithmetic, so every read converts the gathered blocks "
+                    "to float32 in software (works; int8 is as small and faster here)", spec.dtype)
