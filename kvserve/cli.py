@@ -263,8 +263,8 @@ def _serve(args: argparse.Namespace) -> int:
     from kvserve.engine.engine import Engine
     from kvserve.runtime import run_on_compute_thread
     from kvserve.server.app import create_app
-    from kvserve.server.serving import ServerSettings
-    from kvserve.server.shutdown import serve
+    from kvserve.server.core.serving import ServerSettings
+    from kvserve.server.core.shutdown import serve
 
     config = engine_config_from_args(args)
     api_keys = list(args.api_key) + [k for k in os.environ.get("KVSERVE_API_KEY", "").split(",") if k]

@@ -12,13 +12,13 @@ from pydantic import BaseModel, Field
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.errors import InvalidRequestError
-from kvserve.server.errors import APIError, RETRY_AFTER_S, bad_request
+from kvserve.server.core.errors import APIError, RETRY_AFTER_S, bad_request
+from kvserve.server.core.serving import Serving
 from kvserve.server.lab.access import LabAccess
 from kvserve.server.lab.feed import FeedSettings, feed_events, fresh_snapshot, snapshot_json
 from kvserve.server.lab.memory import MemoryQuery, catalog, memory_plan
 from kvserve.server.lab.recent import RecentRequests, explanation_json
 from kvserve.server.lab.steps import StepsBusyError, StepsRunner
-from kvserve.server.serving import Serving
 
 STATIC_DIR = Path(__file__).parent / "static"
 PAGES = {"": "cache.html", "/memory": "memory.html", "/steps": "steps.html", "/explain": "explain.html"}

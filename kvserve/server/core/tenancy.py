@@ -1,6 +1,6 @@
 """Who is calling: API-key checks and the prefix-cache salt derived from the key.
 
-Each API key is a tenant. The salt that roots a request's prefix-cache chain is
+Each API key is a tenant (core/auth.py reads it from a request's headers). The salt that roots a request's prefix-cache chain is
 derived here, on the server, from the key; a client-sent `cache_salt` is mixed
 into it, so a client can split its own traffic further (narrow sharing) but
 can never name another tenant's salt (widen it).
@@ -11,6 +11,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Sequence
+
+
+def tenant_id(api_key: str) -> str:
+    """The tenant's stable id, what its stored state (Responses) is filed under: a digest, never the key."""
+    return hashlib.sha256(b"kvserve-responses\0" + api_key.encode()).hexdigest()[:32]
 
 
 def _digest(*parts: str) -> str:
