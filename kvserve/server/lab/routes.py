@@ -11,7 +11,6 @@ from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.errors import InvalidRequestError
 from kvserve.server.core.errors import APIError, RETRY_AFTER_S, bad_request
 from kvserve.server.core.serving import Serving
 from kvserve.server.lab.access import LabAccess
@@ -125,7 +124,7 @@ def lab_router(async_engine: AsyncEngine, serving: Serving, access: LabAccess, r
         if body.prompt is None:
             raise bad_request("give a prompt or a request_id")
         token_ids = await serving.off_loop(serving.encode, body.prompt, "prompt")
-        salt = serving.tenancy.cache_salt(_tenant_key(serving, body.tenant), body.cache_salt)
+        salt = serving.tenancy.cache_salt(serving.tenancy.key_of_tenant(body.tenant), body.cache_salt)
         report = await async_engine.call(lambda: engine.explain_prompt(token_ids, salt))
         # The pasted prompt's own text is the caller's; the cached side is someone else's prompt.
         return await serving.off_loop(explanation_json, report, token_ids, tokenizer, True, settings.log_prompts)
@@ -139,16 +138,6 @@ def _page(filename: str):
         return FileResponse(STATIC_DIR / filename, media_type="text/html")
 
     return page
-
-
-def _tenant_key(serving: Serving, tenant: int | None) -> str:
-    keys = serving.tenancy.api_keys
-    if not keys:
-        return ""
-    if tenant is None or not 1 <= tenant <= len(keys):
-        raise InvalidRequestError(f"this server has {len(keys)} tenants: choose tenant 1..{len(keys)}",
-                                  param="tenant")
-    return keys[tenant - 1]
 
 
 async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
