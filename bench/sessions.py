@@ -22,7 +22,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import load_model
 from kvserve.server.app import create_app
-from kvserve.server.serving import ServerSettings
+from kvserve.server.core.serving import ServerSettings
 from workloads import save
 
 WORDS = ("cache block prefix token layer head value key pool page hash chain turn session pin expire "

@@ -9,6 +9,7 @@ import sys
 from typing import Sequence
 
 from kvserve.config import parse_memory
+from kvserve.engine_args import add_engine_args, engine_config_from_args
 from kvserve.errors import ConfigError, KVServeError
 
 
@@ -26,81 +27,22 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine arguments (vLLM's names), shared by every command that builds an Engine."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
-    group.add_argument("--kv-cache-dtype", default="auto", help="auto (= float32), float32, float16, bfloat16, int8, int4, fp8_e4m3, fp8_e5m2")
-    group.add_argument("--weights-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8", "int4"),
-                       help="what the linear layers hold: auto (default: int4 with an int8 head where the CPU has "
-                            "native bf16 GEMMs, else float32), float32 (exact), bfloat16, int8, int4")
-    group.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "cpu-torch"),
-                       help="auto (= cpu), cpu (C++ decode kernel on an fp32 cache, built at install), "
-                            "cpu-torch (torch kernels only)")
-    group.add_argument("--kv-cache-memory", default=None,
-                       help="KV pool size, e.g. 2GiB (default: 30%% of free RAM, at most 4 GiB); "
-                            "more than the memory available is refused unless --allow-kv-overcommit")
-    group.add_argument("--allow-kv-overcommit", action="store_true",
-                       help="accept a --kv-cache-memory larger than the memory available (logs a warning)")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    group.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch at most")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens computed per step at most")
-    group.add_argument("--max-model-len", type=int, default=None,
-                       help="context limit (default: the model's; more only if the model configures RoPE scaling)")
-    group.add_argument("--context-overflow", default="error", choices=("error", "shift"),
-                       help="when a sequence reaches --max-model-len: error (default: refuse requests whose prompt + "
-                            "max_tokens exceed it) or shift (drop the oldest tokens after --keep-tokens and go on)")
-    group.add_argument("--keep-tokens", type=int, default=4,
-                       help="with --context-overflow shift: leading tokens never dropped (attention sinks, system "
-                            "prompt; default 4)")
-    group.add_argument("--no-kv-cache", action="store_true", help="recompute every sequence in full every step (baseline)")
-    group.add_argument("--no-prefix-caching", action="store_true", help="do not share K/V of identical prompt prefixes")
-    group.add_argument("--kv-disk-path", default=None,
-                       help="a second KV tier on disk in this directory (off by default): prefix blocks are written "
-                            "through to it, hit again after the pool evicts them, and survive restarts")
-    group.add_argument("--max-pinned-fraction", type=float, default=0.5,
-                       help="most of the KV pool that pinned prefixes (cache breakpoints with a TTL) may hold "
-                            "(default 0.5); past it the least recently used pins lapse")
-    group.add_argument("--kv-disk-size", default="8GiB",
-                       help="capacity of the disk tier, e.g. 20GiB (default 8GiB; least recently used blocks go beyond it)")
-
-
-def engine_config_from_args(args: argparse.Namespace):
-    from kvserve.config import EngineConfig
-    from kvserve.kv.spec import resolve_cache_dtype
-
-    resolve_cache_dtype(args.kv_cache_dtype)  # fail before the model loads
-    return EngineConfig(  # raises ConfigError
-        model=args.model, kv_cache_dtype=args.kv_cache_dtype, weights_dtype=args.weights_dtype,
-        attention_backend=args.attention_backend,
-        kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_kv_cache=not args.no_kv_cache, enable_prefix_caching=not args.no_prefix_caching,
-        allow_kv_overcommit=args.allow_kv_overcommit, kv_disk_path=args.kv_disk_path, kv_disk_size=args.kv_disk_size,
-        max_pinned_fraction=args.max_pinned_fraction, context_overflow=args.context_overflow,
-        keep_tokens=args.keep_tokens,
-    )
-
-
-# Integer flags (by argparse dest) that must be >= 1, on whichever command has them.
-_POSITIVE_INT_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                       "max_waiting_requests", "context", "batch")
+# Integer flags outside EngineConfig that must be >= 1, by command (EngineConfig checks the engine flags itself,
+# when engine_config_from_args builds it before the model loads).
+_POSITIVE_INT_FLAGS = {"serve": ("max_waiting_requests",), "memory": ("context", "batch", "block_size")}
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Range checks argparse cannot express, before anything heavy is imported or loaded."""
-    for name in _POSITIVE_INT_FLAGS:
-        value = getattr(args, name, None)
+    """Range checks of the flags that are not EngineConfig's, before anything heavy is imported or loaded."""
+    for name in _POSITIVE_INT_FLAGS.get(args.command, ()):
+        value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for name in ("kv_cache_memory", "kv_disk_size", "memory"):
-        value = getattr(args, name, None)
-        if value is not None:
-            try:
-                parse_memory(value)
-            except ValueError as exc:
-                raise ConfigError(f"--{name.replace('_', '-')}: {exc}") from None
+    if args.command == "memory" and args.memory is not None:
+        try:
+            parse_memory(args.memory)
+        except ValueError as exc:
+            raise ConfigError(f"--memory: {exc}") from None
     port = getattr(args, "port", None)
     if port is not None and not 0 <= port <= 65535:
         raise ConfigError(f"--port must be in 0..65535 (0 = any free port), got {port}")
@@ -145,6 +87,11 @@ def _build_parser() -> argparse.ArgumentParser:
                             "ended with finish_reason 'abort' (default 30; new requests are refused at once)")
     serve.add_argument("--max-request-bytes", type=_byte_size, default="4MiB",
                        help="largest request body accepted, e.g. 8MiB; larger ones get 413 (default 4MiB)")
+    serve.add_argument("--responses-store-path", default=None, metavar="DIR",
+                       help="directory where stored responses (/v1/responses with store=true: each response, its "
+                            "input items and the exact token ids of its conversation) persist as JSON files, so a "
+                            "restart keeps them and previous_response_id goes on; one directory per model (default: "
+                            "in memory only, forgotten at restart)")
     add_engine_args(serve)
 
     memory = commands.add_parser(
@@ -178,8 +125,6 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _byte_size(value: str) -> int:
-    from kvserve.config import parse_memory
-
     try:
         return parse_memory(value)
     except ValueError as exc:
@@ -228,7 +173,7 @@ def _generate_each(args: argparse.Namespace, engine, params) -> None:
         m = final.metrics
         elapsed = (m.last_token_time or m.arrival_time) - m.arrival_time
         tpot = f"{m.tpot * 1000:.1f} ms" if m.tpot is not None else "n/a"
-        held = " (no KV cache: recomputed every step)" if args.no_kv_cache else ""
+        held = "" if args.enable_kv_cache else " (no KV cache: recomputed every step)"
         print(
             f"[prompt {m.num_prompt_tokens} tokens ({final.num_cached_tokens} cached) | output {m.num_output_tokens} "
             f"tokens ({final.outputs[0].finish_reason}) | TTFT {m.ttft * 1000:.0f} ms | TPOT {tpot} | "
@@ -263,8 +208,8 @@ def _serve(args: argparse.Namespace) -> int:
     from kvserve.engine.engine import Engine
     from kvserve.runtime import run_on_compute_thread
     from kvserve.server.app import create_app
-    from kvserve.server.serving import ServerSettings
-    from kvserve.server.shutdown import serve
+    from kvserve.server.core.serving import ServerSettings
+    from kvserve.server.core.shutdown import serve
 
     config = engine_config_from_args(args)
     api_keys = list(args.api_key) + [k for k in os.environ.get("KVSERVE_API_KEY", "").split(",") if k]
@@ -286,7 +231,7 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or _model_name(engine.loaded.source)
     settings = ServerSettings(model_name=name, api_keys=api_keys, max_waiting_requests=args.max_waiting_requests,
                               log_prompts=args.log_prompts, max_request_bytes=args.max_request_bytes,
-                              admin_key=admin_key)
+                              admin_key=admin_key, responses_store_path=args.responses_store_path)
     app = create_app(engine, settings)
     host, port = sock.getsockname()[:2]
     log = logging.getLogger(__name__)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvserve.config_fields import a_name, check_fields, engine_arg, fraction, memory_size, positive_int, token_count
 from kvserve.errors import ConfigError
 
 
@@ -141,71 +142,64 @@ CONTEXT_OVERFLOW = ("error", "shift")
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Engine arguments, named as in vLLM where vLLM has them."""
+    """Engine arguments, named as in vLLM where vLLM has them. Each field's help, flag and static check are
+    its metadata (config_fields.py): the CLI's engine flags are built from them, and the checks run here."""
 
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    # Where weights, the KV pool and every step's tensors live (kvserve/platform.py knows the device).
-    device: str = "cpu"
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    kv_cache_dtype: str = "auto"
-    # What the linear layers hold (kvserve.model.quantized_linear): "auto" = int4 (head int8) where the
-    # CPU has native bf16 GEMMs, else float32. Ignored when the Engine is given a loaded model.
-    weights_dtype: str = "auto"
-    kv_cache_memory: int | str | None = None  # bytes or "2GiB"; None: default_kv_cache_memory()
-    max_model_len: int | None = None  # None: the model's context length
-    # False: every step recomputes each request's whole sequence and keeps no
-    # KV between steps (the baseline that shows what the cache buys).
-    enable_kv_cache: bool = True
-    # Share the K/V of identical prompt prefixes across requests (DESIGN §3).
-    enable_prefix_caching: bool = True
-    # Attention backend by name (kvserve.kv.attention.registry); "auto" picks
-    # the one for the model's device. Unknown names fail when the Engine starts.
-    attention_backend: str = "auto"
-    # A kv_cache_memory above the RAM available now is refused unless this is
-    # set (the pool is committed lazily, so an overcommit fails late: at OOM).
-    allow_kv_overcommit: bool = False
-    # A second KV tier on disk (kvserve/kv/disk_tier.py): full prefix blocks are written through to
-    # this directory and found again after pool evictions and restarts. None: off.
-    kv_disk_path: str | None = None
-    kv_disk_size: int | str = "8GiB"  # the tier's capacity (least recently used blocks go beyond it)
-    # The most of the pool that pinned prefixes (cache breakpoints with a TTL, kv/pins.py) may hold;
-    # past it the least recently refreshed pins lapse. Pins are evicted last, never "never".
-    max_pinned_fraction: float = 0.5
-    # What a running sequence does when it reaches max_model_len: "error" refuses requests that could get
-    # there (prompt + max_tokens over the context); "shift" drops the oldest tokens after the first
-    # `keep_tokens` (attention sinks, a system prompt) and re-rotates the kept keys, as llama.cpp's context
-    # shift does, so generation goes on (engine/context_shift.py).
-    context_overflow: str = "error"
-    keep_tokens: int = 4
+    model: str | None = field(default=None, metadata=engine_arg(
+        "GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)"))
+    # kvserve/platform.py knows the device; one device today, so no flag yet.
+    device: str = field(default="cpu", metadata=engine_arg(
+        "where weights, the KV pool and every step's tensors live", cli=False))
+    block_size: int = field(default=16, metadata=engine_arg("tokens per KV block", check=positive_int))
+    max_num_seqs: int = field(default=64, metadata=engine_arg("requests in one batch at most", check=positive_int))
+    max_num_batched_tokens: int = field(default=2048, metadata=engine_arg(
+        "tokens computed per step at most", check=positive_int))
+    kv_cache_dtype: str = field(default="auto", metadata=engine_arg(
+        "what the KV cache holds: auto follows {weights_dtype} (float32 beside float32 weights, float16 beside "
+        "bfloat16, int8 or int4 ones), or one of {choices}, or K/V to give keys and values their own (e.g. "
+        "int8/int4)"))
+    # Ignored when the Engine is given a loaded model (kvserve.model.quantized_linear resolves "auto").
+    weights_dtype: str = field(default="auto", metadata=engine_arg(
+        "what the linear layers hold: auto (int4 where kvserve's C++ matmul kernel has a SIMD path, int8 for a "
+        "GGUF of other quantizations such as K-quants; without the kernel bfloat16 where the CPU has native "
+        "bf16 GEMMs, else float32), float32 (exact), bfloat16, int8, int4", choices=WEIGHTS_DTYPES))
+    kv_cache_memory: int | str | None = field(default=None, metadata=engine_arg(
+        "KV pool size, e.g. 2GiB (default: 30% of free RAM, at most 4 GiB); more than the memory available is "
+        "refused unless {allow_kv_overcommit}", check=memory_size(parse_memory)))
+    max_model_len: int | None = field(default=None, metadata=engine_arg(
+        "context limit (default: the model's; more only if the model configures RoPE scaling)", check=positive_int))
+    enable_kv_cache: bool = field(default=True, metadata=engine_arg(
+        "recompute every sequence in full every step and keep no KV between steps (the baseline that shows "
+        "what the cache buys)", flag="--no-kv-cache"))
+    enable_prefix_caching: bool = field(default=True, metadata=engine_arg(
+        "do not share the K/V of identical prompt prefixes across requests", flag="--no-prefix-caching"))
+    attention_backend: str = field(default="auto", metadata=engine_arg(
+        "attention kernels, one of {choices}: auto picks the device's own (cpu on a CPU); cpu runs kvserve's "
+        "C++ kernels over the paged cache (decode on fp32, fp16 and bf16 caches; torch kernels for quantized "
+        "caches or where no compiler is present); cpu-torch runs torch kernels only",
+        check=a_name("a backend name such as 'auto'")))
+    # The pool is committed lazily, so an overcommit fails late: at OOM.
+    allow_kv_overcommit: bool = field(default=False, metadata=engine_arg(
+        "accept a {kv_cache_memory} larger than the memory available (logs a warning)"))
+    kv_disk_path: str | None = field(default=None, metadata=engine_arg(
+        "a second KV tier on disk in this directory (off by default): prefix blocks are written through to it, "
+        "hit again after the pool evicts them, and survive restarts (kv/disk_tier.py)"))
+    kv_disk_size: int | str = field(default="8GiB", metadata=engine_arg(
+        "capacity of the disk tier, e.g. 20GiB; least recently used blocks go beyond it",
+        check=memory_size(parse_memory)))
+    max_pinned_fraction: float = field(default=0.5, metadata=engine_arg(
+        "most of the KV pool that pinned prefixes (cache breakpoints with a TTL, kv/pins.py) may hold; past it "
+        "the least recently refreshed pins lapse (pins are evicted last, never \"never\")", check=fraction))
+    context_overflow: str = field(default="error", metadata=engine_arg(
+        "when a sequence reaches {max_model_len}: error (refuse requests whose prompt + max_tokens exceed it) "
+        "or shift (drop the oldest tokens after the first {keep_tokens} and re-rotate the kept keys, as "
+        "llama.cpp's context shift does, so generation goes on)", choices=CONTEXT_OVERFLOW))
+    keep_tokens: int = field(default=4, metadata=engine_arg(
+        "with {context_overflow} shift: leading tokens never dropped (attention sinks, a system prompt)",
+        check=token_count))
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if value is None and name == "max_model_len":
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.weights_dtype not in WEIGHTS_DTYPES:
-            raise ConfigError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {self.weights_dtype!r}")
-        if not isinstance(self.attention_backend, str) or not self.attention_backend:
-            raise ConfigError(f"attention_backend must be a backend name such as 'auto', got {self.attention_backend!r}")
-        for name in ("kv_cache_memory", "kv_disk_size"):
-            value = getattr(self, name)
-            if value is not None:
-                try:
-                    parse_memory(value)
-                except ValueError as exc:
-                    raise ConfigError(f"{name}: {exc}") from None
-        if (not isinstance(self.max_pinned_fraction, (int, float)) or isinstance(self.max_pinned_fraction, bool)
-                or not 0 <= self.max_pinned_fraction <= 1):
-            raise ConfigError(f"max_pinned_fraction must be between 0 and 1, got {self.max_pinned_fraction!r}")
-        if self.context_overflow not in CONTEXT_OVERFLOW:
-            raise ConfigError(f"context_overflow must be one of {', '.join(CONTEXT_OVERFLOW)}, "
-                              f"got {self.context_overflow!r}")
-        if not isinstance(self.keep_tokens, int) or isinstance(self.keep_tokens, bool) or self.keep_tokens < 0:
-            raise ConfigError(f"keep_tokens must be a token count >= 0, got {self.keep_tokens!r}")
+        check_fields(self)
         if self.context_overflow == "shift" and not self.enable_kv_cache:
             raise ConfigError("context_overflow='shift' moves cached K/V: it needs the KV cache on")
         if self.kv_disk_path is not None and not (self.enable_prefix_caching and self.enable_kv_cache):

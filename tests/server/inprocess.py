@@ -16,7 +16,7 @@ from kvserve.model.loader import LoadedModel
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.runtime import run_on_compute_thread
 from kvserve.server.app import create_app
-from kvserve.server.serving import ServerSettings
+from kvserve.server.core.serving import ServerSettings
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

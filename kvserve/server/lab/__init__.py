@@ -7,12 +7,12 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.server.core.serving import Serving
 from kvserve.server.lab.access import LabAccess
 from kvserve.server.lab.feed import FeedSettings
 from kvserve.server.lab.recent import RecentRequests
 from kvserve.server.lab.routes import STATIC_DIR, lab_router
 from kvserve.server.lab.steps import StepsLimits, StepsRunner
-from kvserve.server.serving import Serving
 
 
 def mount_lab(app: FastAPI, async_engine: AsyncEngine, serving: Serving, feed: FeedSettings | None = None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Sequence
 
-from kvserve.server.errors import APIError
+from kvserve.server.core.errors import APIError
 
 
 class LabAccess:

@@ -11,14 +11,13 @@ from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.errors import InvalidRequestError
-from kvserve.server.errors import APIError, RETRY_AFTER_S, bad_request
+from kvserve.server.core.errors import APIError, RETRY_AFTER_S, bad_request
+from kvserve.server.core.serving import Serving
 from kvserve.server.lab.access import LabAccess
 from kvserve.server.lab.feed import FeedSettings, feed_events, fresh_snapshot, snapshot_json
 from kvserve.server.lab.memory import MemoryQuery, catalog, memory_plan
 from kvserve.server.lab.recent import RecentRequests, explanation_json
 from kvserve.server.lab.steps import StepsBusyError, StepsRunner
-from kvserve.server.serving import Serving
 
 STATIC_DIR = Path(__file__).parent / "static"
 PAGES = {"": "cache.html", "/memory": "memory.html", "/steps": "steps.html", "/explain": "explain.html"}
@@ -125,7 +124,7 @@ def lab_router(async_engine: AsyncEngine, serving: Serving, access: LabAccess, r
         if body.prompt is None:
             raise bad_request("give a prompt or a request_id")
         token_ids = await serving.off_loop(serving.encode, body.prompt, "prompt")
-        salt = serving.tenancy.cache_salt(_tenant_key(serving, body.tenant), body.cache_salt)
+        salt = serving.tenancy.cache_salt(serving.tenancy.key_of_tenant(body.tenant), body.cache_salt)
         report = await async_engine.call(lambda: engine.explain_prompt(token_ids, salt))
         # The pasted prompt's own text is the caller's; the cached side is someone else's prompt.
         return await serving.off_loop(explanation_json, report, token_ids, tokenizer, True, settings.log_prompts)
@@ -139,16 +138,6 @@ def _page(filename: str):
         return FileResponse(STATIC_DIR / filename, media_type="text/html")
 
     return page
-
-
-def _tenant_key(serving: Serving, tenant: int | None) -> str:
-    keys = serving.tenancy.api_keys
-    if not keys:
-        return ""
-    if tenant is None or not 1 <= tenant <= len(keys):
-        raise InvalidRequestError(f"this server has {len(keys)} tenants: choose tenant 1..{len(keys)}",
-                                  param="tenant")
-    return keys[tenant - 1]
 
 
 async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvserve.server.errors import APIError
+from kvserve.server.core.errors import APIError
 from kvserve.server.lab.access import LabAccess
 from tests.server.inprocess import serve_in_process, with_tiny_tokenizer
 

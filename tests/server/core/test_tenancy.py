@@ -1,6 +1,6 @@
 """API-key checks and the salts they derive (no server needed)."""
 
-from kvserve.server.tenancy import Tenancy
+from kvserve.server.core.tenancy import Tenancy
 
 
 def test_without_keys_everyone_is_the_anonymous_tenant():

@@ -27,8 +27,10 @@ from collections.abc import Generator
 from types import FrameType
 
 import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.server.core.errors import APIError
 
 log = logging.getLogger(__name__)
 
@@ -94,3 +96,20 @@ class _DrainingServer(uvicorn.Server):
         if num_aborted:
             log.info("shutdown: %d request(s) still running after %gs ended with finish_reason 'abort'",
                      num_aborted, timeout)
+
+
+class RefuseWhileDraining:
+    """Once shutdown has begun, new generation requests get 503 (the ones in flight finish or end with
+    finish_reason "abort"). Plain ASGI, so streaming responses pass through untouched."""
+
+    def __init__(self, app: ASGIApp, async_engine: AsyncEngine) -> None:
+        self.app = app
+        self.async_engine = async_engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and self.async_engine.draining:
+            error = APIError(503, "The server is shutting down and accepts no new requests; retry on another "
+                                  "instance or after it restarts.", type="server_error", code="shutting_down")
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -6,7 +6,7 @@ Tokenizing releases the GIL (Tokenizer.encode), templating is Python (which
 yields the GIL every few milliseconds), and a prompt whose length alone proves
 it cannot fit the context is refused before any of that runs.
 
-Each API (completions.py, chat.py) turns its request body into jobs through
+Each API (openai/, responses/, anthropic/) turns its request body into jobs through
 `Serving` and answers through `Serving.respond` with its own OutputFormat.
 """
 
@@ -28,9 +28,9 @@ from kvserve.engine.output import RequestOutput
 from kvserve.engine.sampling import SEED_RANGE, SamplingParams
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.server.errors import bad_request, model_not_found, overloaded
-from kvserve.server.streaming import Job, OutputFormat, run_jobs
-from kvserve.server.tenancy import Tenancy
+from kvserve.server.core.errors import bad_request, model_not_found, overloaded
+from kvserve.server.core.streaming import Job, OutputFormat, run_jobs
+from kvserve.server.core.tenancy import Tenancy
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ class ServerSettings:
     # Stored responses (/v1/responses with store=true), in memory: least recently used go past either bound.
     responses_store_max_count: int = 10_000
     responses_store_max_bytes: int = 256 * 2**20
+    # Where stored responses also persist (JSON files, one per response), so a restart keeps them; None: memory only.
+    responses_store_path: str | None = None
     admin_key: str | None = None  # opens the lab (/lab), which shows every tenant's activity
 
 

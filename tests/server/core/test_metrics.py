@@ -2,7 +2,7 @@
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.sampling import SamplingParams
-from kvserve.server.metrics import ServerMetrics
+from kvserve.server.core.metrics import ServerMetrics
 from tests.engine.test_engine import make_engine
 
 
@@ -40,7 +40,7 @@ def test_disk_tier_metrics_and_the_request_log_line(tiny_models, tmp_path, caplo
     import logging
 
     from kvserve.engine.output import RequestOutputAssembler
-    from kvserve.server.metrics import log_request
+    from kvserve.server.core.metrics import log_request
 
     loaded = tiny_models("llama-gqa")
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

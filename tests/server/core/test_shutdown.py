@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kvserve.server.app import create_app
-from kvserve.server.serving import ServerSettings
+from kvserve.server.core.serving import ServerSettings
 from tests.engine.test_engine import make_engine
 from tests.server.conftest import start_server
 

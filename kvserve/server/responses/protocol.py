@@ -16,7 +16,7 @@ from pydantic_core import PydanticCustomError
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import TTL_SECONDS
-from kvserve.server.protocol import Number, Text, _bounded
+from kvserve.server.core.fields import Number, Text, bounded
 
 _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 MAX_METADATA_KEYS = 16  # as OpenAI
@@ -68,9 +68,9 @@ class ResponsesRequest(BaseModel):
     model: Text | None = None
     input: Text | list[InputMessage]
     instructions: Text | None = None
-    max_output_tokens: StrictInt | None = _bounded(minimum=1)
-    temperature: Number | None = _bounded(minimum=0, maximum=2)
-    top_p: Number | None = _bounded(exclusiveMinimum=0, maximum=1)
+    max_output_tokens: StrictInt | None = bounded(minimum=1)
+    temperature: Number | None = bounded(minimum=0, maximum=2)
+    top_p: Number | None = bounded(exclusiveMinimum=0, maximum=1)
     stream: StrictBool = False
     store: StrictBool = True
     previous_response_id: Text | None = None
@@ -80,8 +80,8 @@ class ResponsesRequest(BaseModel):
     metadata: dict[Text, Text] | None = None
     user: Text | None = None
     # vLLM's extras, as on the other endpoints
-    top_k: StrictInt | None = _bounded(minimum=-1)
-    min_p: Number | None = _bounded(minimum=0, maximum=1)
+    top_k: StrictInt | None = bounded(minimum=-1)
+    min_p: Number | None = bounded(minimum=0, maximum=1)
     repetition_penalty: Number | None = None
     seed: StrictInt | None = None
     ignore_eos: StrictBool = False

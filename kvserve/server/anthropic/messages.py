@@ -23,9 +23,9 @@ from fastapi import Request as HTTPRequest
 from kvserve.engine.output import RequestDelta, RequestOutput
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.kv.pins import PinRequest, cache_write_tokens
-from kvserve.server.anthropic_protocol import MessagesRequest
-from kvserve.server.serving import Serving
-from kvserve.server.streaming import Job, OutputFormat, sse_event
+from kvserve.server.anthropic.protocol import MessagesRequest
+from kvserve.server.core.serving import Serving
+from kvserve.server.core.streaming import Job, OutputFormat, sse_event
 
 _MARKER = "\x00kvserve-breakpoint\x00"
 

@@ -1,9 +1,10 @@
 """Who is calling: API-key checks and the prefix-cache salt derived from the key.
 
-Each API key is a tenant. The salt that roots a request's prefix-cache chain is
-derived here, on the server, from the key; a client-sent `cache_salt` is mixed
-into it, so a client can split its own traffic further (narrow sharing) but
-can never name another tenant's salt (widen it).
+Each API key is a tenant (core/auth.py reads it from a request's headers).
+The salt that roots a request's prefix-cache chain is derived here, on the
+server, from the key; a client-sent `cache_salt` is mixed into it, so a client
+can split its own traffic further (narrow sharing) but can never name another
+tenant's salt (widen it). Stored state (Responses) is filed under `tenant_id`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Sequence
+
+from kvserve.errors import InvalidRequestError
+
+
+def tenant_id(api_key: str) -> str:
+    """The tenant's stable id, what its stored state (Responses) is filed under: a digest, never the key."""
+    return hashlib.sha256(b"kvserve-responses\0" + api_key.encode()).hexdigest()[:32]
 
 
 def _digest(*parts: str) -> str:
@@ -39,6 +47,15 @@ class Tenancy:
         # Compare against every key in constant time: no early exit that leaks which prefix matched.
         matched = [key for key in self.api_keys if hmac.compare_digest(token.encode(), key.encode())]
         return matched[0] if matched else None
+
+    def key_of_tenant(self, tenant: int | None) -> str:
+        """The key of tenant number `tenant` (1-based, in --api-key order), for the lab's operator."""
+        if not self.api_keys:
+            return ""
+        if tenant is None or not 1 <= tenant <= len(self.api_keys):
+            raise InvalidRequestError(f"this server has {len(self.api_keys)} tenants: choose tenant "
+                                      f"1..{len(self.api_keys)}", param="tenant")
+        return self.api_keys[tenant - 1]
 
     def cache_salt(self, api_key: str, client_salt: str | None) -> str | None:
         """The prefix-cache salt for a request from `api_key` carrying `client_salt`."""

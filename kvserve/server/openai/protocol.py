@@ -10,43 +10,19 @@ non-text content parts), which are refused by name rather than silently dropped.
 
 from __future__ import annotations
 
-import re
-from typing import Annotated, Any, Literal
+from typing import Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvserve.engine.sampling import (
     MAX_LOGPROBS, MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams,
 )
 from kvserve.errors import InvalidRequestError
+from kvserve.server.core.fields import Number, Text, bounded
 
-# Strict numbers: "0.7" (a string) is a type error, as in OpenAI's API; ints are accepted as floats.
-Number = StrictFloat | StrictInt
 # Most choices one request may ask for (OpenAI's bound for n).
 MAX_CHOICES = 128
-
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _valid_text(value: str) -> str:
-    # JSON can spell a lone surrogate ("\ud800"); Python keeps it, but no tokenizer or UTF-8
-    # encoder accepts it. Refuse it here, where the error can name the field.
-    if not value.isascii() and (match := _LONE_SURROGATE.search(value)):
-        raise PydanticCustomError(
-            "lone_surrogate", "contains a lone surrogate (U+{code}) at character {position}: not valid Unicode text",
-            {"code": f"{ord(match.group()):04X}", "position": match.start()})
-    return value
-
-
-# Every string a request carries.
-Text = Annotated[str, AfterValidator(_valid_text)]
-
-
-def _bounded(default: Any = None, **bounds: Any) -> Any:
-    """A field whose range is documented in the OpenAPI schema (JSON Schema keywords) and enforced
-    by SamplingParams or `_check_common`, which word the errors the same way for the offline API."""
-    return Field(default, json_schema_extra=bounds)
 
 
 class StreamOptions(BaseModel):
@@ -59,29 +35,29 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Text | None = None
-    max_tokens: StrictInt | None = _bounded(minimum=1)
-    temperature: Number | None = _bounded(minimum=0, maximum=MAX_TEMPERATURE)
-    top_p: Number | None = _bounded(exclusiveMinimum=0, maximum=1)
-    n: StrictInt = _bounded(1, minimum=1, maximum=MAX_CHOICES)
+    max_tokens: StrictInt | None = bounded(minimum=1)
+    temperature: Number | None = bounded(minimum=0, maximum=MAX_TEMPERATURE)
+    top_p: Number | None = bounded(exclusiveMinimum=0, maximum=1)
+    n: StrictInt = bounded(1, minimum=1, maximum=MAX_CHOICES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
-    seed: StrictInt | None = _bounded(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
-    presence_penalty: Number = _bounded(0.0, minimum=-2, maximum=2)
-    frequency_penalty: Number = _bounded(0.0, minimum=-2, maximum=2)
+    seed: StrictInt | None = bounded(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
+    presence_penalty: Number = bounded(0.0, minimum=-2, maximum=2)
+    frequency_penalty: Number = bounded(0.0, minimum=-2, maximum=2)
     logit_bias: dict[str, Number] | None = None
     user: Text | None = None
     # vLLM extras
-    top_k: StrictInt | None = _bounded(minimum=-1)
-    min_p: Number | None = _bounded(minimum=0, maximum=1)
-    repetition_penalty: Number | None = _bounded(minimum=REPETITION_PENALTY_RANGE[0],
+    top_k: StrictInt | None = bounded(minimum=-1)
+    min_p: Number | None = bounded(minimum=0, maximum=1)
+    repetition_penalty: Number | None = bounded(minimum=REPETITION_PENALTY_RANGE[0],
                                                  maximum=REPETITION_PENALTY_RANGE[1])
     ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = _bounded(items={"type": "integer", "minimum": 0})
+    stop_token_ids: list[StrictInt] | None = bounded(items={"type": "integer", "minimum": 0})
     skip_special_tokens: StrictBool = True
     cache_salt: Text | None = Field(default=None, min_length=1)
     # Log-probabilities of each prompt token after the first, in vLLM's shape (not with stream=true).
-    prompt_logprobs: StrictInt | None = _bounded(minimum=0, maximum=MAX_LOGPROBS)
+    prompt_logprobs: StrictInt | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
 
     def check(self) -> None:
         """Checks that need no prompt (call before tokenizing); ranges of sampling values are
@@ -120,7 +96,7 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
     echo: StrictBool = False
-    logprobs: StrictInt | None = _bounded(minimum=0, maximum=MAX_LOGPROBS)
+    logprobs: StrictInt | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
     suffix: Text | None = None
     best_of: StrictInt | None = None
 
@@ -190,9 +166,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = _bounded(minimum=1)
+    max_completion_tokens: StrictInt | None = bounded(minimum=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = _bounded(minimum=0, maximum=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     tools: list[dict] | None = None
     response_format: dict | None = None

@@ -1,14 +1,15 @@
 """Stored responses (the Responses API's `store`): bounded, least recently used first, per tenant.
 
-In memory, and, when the server has a disk KV tier (`--kv-disk-path`), also
-written through to JSON files in the tier's directory for this model and
-cache layout, so a restart keeps them: a follow-up after a restart continues
-the same token ids, and its prefix comes back from the disk tier. Plain JSON,
-no pickle; files owner-only; a bad file is skipped and removed; a disk error
-is logged once and the store goes on in memory. Without a disk tier, a
-restart forgets every stored response (a follow-up then gets "not found").
+In memory, and, when the server is given a directory (`--responses-store-path`),
+also written through to JSON files there, so a restart keeps them: a follow-up
+after a restart continues the same token ids (with a disk KV tier, its prefix
+comes back from the tier too). The ids are the model's own tokens: give each
+model its own directory. Plain JSON, no pickle; files owner-only; a bad file
+is skipped and removed; a disk error is logged once and the store goes on in
+memory. Without a directory, a restart forgets every stored response (a
+follow-up then gets "not found").
 Each entry keeps the response object as returned, its input
-items, and the exact token ids of its conversation (server/conversation.py),
+items, and the exact token ids of its conversation (responses/conversation.py),
 so a follow-up continues from those ids. Bounded by count and by an estimate
 of bytes (token ids counted at 8 bytes, text at its UTF-8 size); past either
 bound the least recently used responses go. Entries belong to the tenant
@@ -18,7 +19,6 @@ they do not exist.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -32,10 +32,6 @@ log = logging.getLogger(__name__)
 _ID = re.compile(r"resp_[0-9a-f]{32}")  # the ids this server hands out: safe as file names
 
 _BYTES_PER_TOKEN = 8  # a Python int in a tuple: one pointer (small ints are shared)
-
-
-def tenant_id(api_key: str) -> str:
-    return hashlib.sha256(b"kvserve-responses\0" + api_key.encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """/v1/responses: OpenAI's Responses API with token-exact continuation (previous_response_id).
 
 A follow-up's prompt is the previous response's exact token ids + the closing
-of its answer + the new turn's tokens (server/conversation.py), so it hits
+of its answer + the new turn's tokens (responses/conversation.py), so it hits
 every block the previous turn computed. `truncation="auto"` drops the oldest
 turns (never the instructions, never the new turn) until the prompt and
 `max_output_tokens` fit; "disabled" (the default) answers 400 with the counts.
@@ -22,12 +22,13 @@ from fastapi import Request as HTTPRequest
 from kvserve.engine.output import RequestDelta, RequestOutput
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.kv.pins import PinRequest
-from kvserve.server.conversation import ChatRenderer
-from kvserve.server.errors import APIError, bad_request, internal
-from kvserve.server.responses_protocol import ResponsesRequest
-from kvserve.server.responses_store import ResponsesStore, StoredResponse, tenant_id
-from kvserve.server.serving import Serving
-from kvserve.server.streaming import Job, OutputFormat, sse_event
+from kvserve.server.core.errors import APIError, bad_request, internal
+from kvserve.server.core.serving import Serving
+from kvserve.server.core.streaming import Job, OutputFormat, sse_event
+from kvserve.server.core.tenancy import tenant_id
+from kvserve.server.responses.conversation import ChatRenderer
+from kvserve.server.responses.protocol import ResponsesRequest
+from kvserve.server.responses.store import ResponsesStore, StoredResponse
 
 
 def not_found(response_id: str) -> APIError:

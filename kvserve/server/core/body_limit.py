@@ -14,7 +14,7 @@ from __future__ import annotations
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvserve.server.errors import request_too_large
+from kvserve.server.core.errors import request_too_large
 
 
 DRAIN_LIMIT_BYTES = 64 * 2**20  # past this much, answer at once and let the connection close

@@ -4,7 +4,7 @@ continuation over turns, streaming events, the store (GET / DELETE / input_items
 import openai
 import pytest
 
-from kvserve.server.conversation import ChatRenderer
+from kvserve.server.responses.conversation import ChatRenderer
 from tests.server.inprocess import serve_in_process, tiny_tokenizer, with_tiny_tokenizer
 
 BS = 16

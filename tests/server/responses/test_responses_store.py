@@ -2,7 +2,7 @@
 
 import uuid
 
-from kvserve.server.responses_store import ResponsesStore, StoredResponse
+from kvserve.server.responses.store import ResponsesStore, StoredResponse
 
 
 def entry(tenant="t1", tokens=(1, 2, 3)) -> StoredResponse:

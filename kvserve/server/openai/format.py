@@ -10,9 +10,9 @@ from collections.abc import Iterable
 
 from kvserve.engine.output import RequestDelta, RequestOutput
 from kvserve.errors import InvalidRequestError, KVServeError
-from kvserve.server.errors import bad_request, internal
-from kvserve.server.serving import Serving, Usage
-from kvserve.server.streaming import Job, OutputFormat, sse_event
+from kvserve.server.core.errors import bad_request, internal
+from kvserve.server.core.serving import Serving, Usage
+from kvserve.server.core.streaming import Job, OutputFormat, sse_event
 
 
 class OpenAIFormat(OutputFormat):

@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi import Request as HTTPRequest
 
 from kvserve.engine.output import RequestDelta, RequestOutput, TokenLogprob
-from kvserve.server.openai_format import OpenAIFormat
-from kvserve.server.protocol import CompletionRequest
-from kvserve.server.serving import Serving
-from kvserve.server.streaming import Job
+from kvserve.server.core.serving import Serving
+from kvserve.server.core.streaming import Job
+from kvserve.server.openai.format import OpenAIFormat
+from kvserve.server.openai.protocol import CompletionRequest
 
 
 class CompletionServing:

@@ -15,7 +15,7 @@ from pydantic_core import PydanticCustomError
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import TTL_SECONDS
-from kvserve.server.protocol import Number, Text, _bounded
+from kvserve.server.core.fields import Number, Text, bounded
 
 MAX_BREAKPOINTS = 4  # as Anthropic
 
@@ -62,13 +62,13 @@ class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Text
-    max_tokens: StrictInt = _bounded(minimum=1)
+    max_tokens: StrictInt = bounded(minimum=1)
     messages: list[Message] = Field(min_length=1)
     system: Text | list[TextBlock] | None = None
     stop_sequences: list[Text] | None = None
-    temperature: Number | None = _bounded(minimum=0, maximum=1)
-    top_p: Number | None = _bounded(exclusiveMinimum=0, maximum=1)
-    top_k: StrictInt | None = _bounded(minimum=0)
+    temperature: Number | None = bounded(minimum=0, maximum=1)
+    top_p: Number | None = bounded(exclusiveMinimum=0, maximum=1)
+    top_k: StrictInt | None = bounded(minimum=0)
     stream: StrictBool = False
     metadata: dict[str, Any] | None = None
     ignore_eos: StrictBool = False  # vLLM's extra, as on the other endpoints (benchmarks)

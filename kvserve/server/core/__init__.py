@@ -1,0 +1,1 @@
+"""What every API shares: serving, streaming, errors, auth and tenancy, metrics, limits, shutdown."""
