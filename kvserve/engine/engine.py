@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from kvserve.config import EngineConfig
 from kvserve.engine.breakpoints import PendingBreakpoints, check_breakpoints
@@ -210,13 +209,10 @@ class Engine:
         return explain_prompt(self.kv_manager, token_ids, cache_salt, self.prefix_caching, self.config.block_size,
                               self.loaded.tokenizer)
 
-    def persistent_directory(self) -> Path | None:
-        """Where state tied to this model and cache layout may outlive the process: the disk tier's
-        fingerprinted directory (None without a disk tier, or once it disabled itself)."""
-        if self.tiering is None:
-            return None
-        stats = self.tiering.stats()
-        return Path(stats.location) if stats.enabled else None
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes the KV pool was allocated (fixed for the engine's life)."""
+        return self.kv_cache.bytes_allocated
 
     def close(self) -> None:
         """Finish background work (the disk tier's queued writes). The engine is not used after."""

@@ -68,7 +68,7 @@ def kv_cache_report(engine: Engine) -> dict:
         "capacity_tokens": stats.num_blocks // layout.num_groups * stats.block_size,
         "bytes_per_token": engine.kv_spec.bytes_per_token,
         "kv_groups": [{"window": group.window, "layers": list(group.layers)} for group in layout.groups],
-        "dtype": engine.kv_spec.dtype, "pool_bytes": engine.kv_cache.bytes_allocated,
+        "dtype": engine.kv_spec.dtype, "pool_bytes": engine.pool_bytes,
         "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
         "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits,
         "num_preemptions": stats.num_preemptions, "num_steps": stats.num_steps, "integrity": integrity,

@@ -59,7 +59,7 @@ def lab_router(async_engine: AsyncEngine, serving: Serving, access: LabAccess, r
         return {
             "model": settings.model_name, "block_size": stats.block_size, "num_blocks": stats.num_blocks,
             "bytes_per_token": engine.kv_spec.bytes_per_token, "kv_dtype": engine.kv_spec.dtype,
-            "pool_bytes": engine.kv_cache.bytes_allocated, "num_layers": engine.loaded.config.num_layers,
+            "pool_bytes": engine.pool_bytes, "num_layers": engine.loaded.config.num_layers,
             "log_prompts": settings.log_prompts, "num_tenants": len(serving.tenancy.api_keys),
             "steps": {"max_prompt_tokens": steps.limits.max_prompt_tokens,
                       "max_new_tokens": steps.limits.max_new_tokens},
