@@ -69,7 +69,6 @@ class Engine:
         tier = (open_disk_tier(config, self.loaded, self.kv_cache, self.kv_spec.dtype)
                 if config.kv_disk_path is not None else None)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=self.prefix_caching,
-                                         record_cached_blocks=tier is not None,
                                          max_pinned_fraction=config.max_pinned_fraction, clock=clock,
                                          group_windows=layout.windows)
         # Breakpoints of requests whose prompt is not computed yet: pinned once it is (kv/pins.py).

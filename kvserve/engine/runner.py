@@ -14,7 +14,7 @@ from kvserve.engine.output import TokenLogprob
 from kvserve.engine.sampling import SamplingParams, make_generator, sample
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kv.attention import AttentionBackend, SequenceSlice
-from kvserve.kv.manager import ShiftPlan, TokenMoves
+from kvserve.kv.context_shift import ShiftPlan, TokenMoves
 from kvserve.kv.storage import PagedKVCache
 from kvserve.model.llama import LlamaForCausalLM
 

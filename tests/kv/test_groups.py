@@ -128,7 +128,7 @@ def test_tables_that_lost_a_block_their_next_query_reads_fail_the_check():
     kv = manager()
     tokens = list(range(100, 120))
     advance(kv, "a", tokens, 20)
-    kv._tables["a"][1][-1] = None  # corrupt: the windowed group's newest block is gone
+    kv.groups[1].tables["a"][-1] = None  # corrupt: the windowed group's newest block is gone
     with pytest.raises(KVIntegrityError, match="lost a block"):
         kv.check_tables("a", 20)
 
