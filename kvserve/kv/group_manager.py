@@ -26,6 +26,7 @@ class GroupManager(ABC):
     """The tables of one KV group, over the shared pool."""
 
     window: int | None = None  # the sliding window of the group's layers (None: full attention)
+    keeps_whole_chains = True  # every block of a request's chain stays in its table while it runs
 
     def __init__(self, pool: BlockPool, block_size: int, group: int) -> None:
         self.pool = pool

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 from kvserve.arith import cdiv
 from kvserve.errors import KVIntegrityError
 from kvserve.kv.block_pool import BlockPool
-from kvserve.kv.block_updates import NULL_BLOCK_ID, BlockTableUpdate, BlockTableUpdates, table_ids
+from kvserve.kv.block_updates import BlockTableUpdate, BlockTableUpdates, table_ids
 from kvserve.kv.context_shift import ShiftPlan, plan_shift
 from kvserve.kv.full import FullAttentionManager
 from kvserve.kv.group_manager import GroupManager

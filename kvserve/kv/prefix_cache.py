@@ -120,8 +120,8 @@ class PrefixCache:
         start = match.num_tokens
         ours = tuple(token_ids[start : start + self.block_size])
         best, best_common = None, -1
-        # A full-attention group keeps whole chains (a windowed one may have lost the blocks before).
-        group = next((manager.group for manager in self.groups if manager.window is None), 0)
+        # Explained against a group that keeps whole chains (a windowed one may have lost the blocks before).
+        group = next((manager.group for manager in self.groups if manager.keeps_whole_chains), 0)
         for block in self.pool.children_of(match.last_hash, group).values():
             common = 0
             while common < len(ours) and block.token_ids[common] == ours[common]:

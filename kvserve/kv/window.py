@@ -19,6 +19,8 @@ from kvserve.kv.groups import first_needed_block
 
 
 class SlidingWindowManager(GroupManager):
+    keeps_whole_chains = False
+
     def __init__(self, pool: BlockPool, block_size: int, group: int, window: int) -> None:
         super().__init__(pool, block_size, group)
         self.window = window

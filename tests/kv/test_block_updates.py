@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from kvserve.kv.block_updates import BlockTableUpdate
+from kvserve.kv.block_updates import NULL_BLOCK_ID, BlockTableUpdate
 from kvserve.kv.hashing import block_hashes
-from kvserve.kv.manager import NULL_BLOCK_ID, KVCacheManager
+from kvserve.kv.manager import KVCacheManager
 
 BS = 4
 

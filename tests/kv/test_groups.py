@@ -5,7 +5,8 @@ import pytest
 from kvserve.errors import KVIntegrityError
 from kvserve.kv.groups import blocks_held, first_needed_block, kv_group_layout, max_blocks_held
 from kvserve.kv.hashing import block_hashes
-from kvserve.kv.manager import NULL_BLOCK_ID, KVCacheManager
+from kvserve.kv.block_updates import NULL_BLOCK_ID
+from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import KVSpec
 
 BS = 4

@@ -2,8 +2,9 @@
 
 import pytest
 
+from kvserve.kv.block_updates import NULL_BLOCK_ID
 from kvserve.kv.hashing import block_hashes
-from kvserve.kv.manager import NULL_BLOCK_ID, KVCacheManager
+from kvserve.kv.manager import KVCacheManager
 
 BS = 4
 
