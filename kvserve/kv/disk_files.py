@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.kv import block_file
+from kvserve.kv.hashing import BlockHash
 from kvserve.kv.tier import BlockKey
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,12 @@ class BlockShape:
     fingerprint: bytes
     block_size: int
     payload_len: int
+
+
+def block_path(directory: Path, block_hash: BlockHash) -> Path:
+    """A block's file: in a subdirectory named by the hash's first two hex digits (no directory of millions)."""
+    name = block_hash.hex()
+    return directory / name[:2] / (name + block_file.SUFFIX)
 
 
 def prepare_directory(root: Path, directory: Path) -> None:

@@ -29,8 +29,8 @@ from typing import Sequence
 
 from kvserve.errors import KVIntegrityError
 from kvserve.kv import block_file
-from kvserve.kv.disk_files import (BlockShape, DiskEntry, prepare_directory, scan_foreign_files, scan_own_files,
-                                   unlink, write_atomically)
+from kvserve.kv.disk_files import (BlockShape, DiskEntry, block_path, prepare_directory, scan_foreign_files,
+                                   scan_own_files, unlink, write_atomically)
 from kvserve.kv.hashing import BlockHash, hash_block
 from kvserve.kv.tier import BlockKey, KVTier, Payload, TierCounters, TierStats
 
@@ -121,7 +121,7 @@ class DiskTier(KVTier):
         return payloads
 
     def _read(self, key: BlockKey) -> Payload | None:
-        path = self._path(key.block_hash)
+        path = block_path(self.directory, key.block_hash)
         try:
             data = path.read_bytes()
             payload = block_file.decode(data, self.fingerprint, key, self.payload_len)
@@ -236,7 +236,7 @@ class DiskTier(KVTier):
 
     def _write(self, key: BlockKey, payload: Payload) -> None:
         header = block_file.encode_header(self.fingerprint, key, payload)
-        path = self._path(key.block_hash)
+        path = block_path(self.directory, key.block_hash)
         try:
             write_atomically(path, header, payload)
         except OSError as exc:
@@ -253,10 +253,6 @@ class DiskTier(KVTier):
             self._evict_to_capacity()
 
     # -- helpers ---------------------------------------------------------------------------------
-
-    def _path(self, block_hash: BlockHash) -> Path:
-        name = block_hash.hex()
-        return self.directory / name[:2] / (name + block_file.SUFFIX)
 
     def _evict_to_capacity(self) -> None:
         """Under the lock: drop other fingerprints' files, then our least recently used blocks."""
@@ -276,7 +272,7 @@ class DiskTier(KVTier):
         self._bytes_used -= entry.size
         self._counters.blocks_evicted += 1
         self._counters.bytes_evicted += entry.size
-        unlink(self._path(block_hash))
+        unlink(block_path(self.directory, block_hash))
 
     def _forget(self, block_hash: BlockHash) -> None:
         with self._lock:
