@@ -42,6 +42,7 @@ class KVCacheManager:
             FullAttentionManager(self.pool, block_size, group) if window is None
             else SlidingWindowManager(self.pool, block_size, group, window)
             for group, window in enumerate(self.group_windows))
+        self._windowed = tuple(group for group in self.groups if not group.keeps_whole_chains)
         self.prefix = PrefixCache(self.pool, block_size, enable_caching, self.groups)
         # Admissions keep this many blocks free, so running requests can grow
         # a little before anyone has to be preempted.
@@ -179,7 +180,9 @@ class KVCacheManager:
     def free_behind_window(self, request_id: str, num_computed_tokens: int) -> int:
         """Free the blocks of windowed groups that no later query of the request reads (those wholly before
         the window of position `num_computed_tokens`); their table positions become null. Returns how many."""
-        freed = sum(group.free_behind_window(request_id, num_computed_tokens) for group in self.groups)
+        if not self._windowed:  # every step, every request: nothing to do for full attention
+            return 0
+        freed = sum(group.free_behind_window(request_id, num_computed_tokens) for group in self._windowed)
         if freed:
             self._updates.changed(request_id)
         return freed

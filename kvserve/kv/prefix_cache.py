@@ -153,13 +153,13 @@ class PrefixCache:
         """Register the request's blocks that are now full and computed, so later requests can share them."""
         if not self.enable_caching:
             return
-        tables = [manager.tables.get(request_id) for manager in self.groups]
-        length = len(tables[0]) if tables[0] else 0
+        length = len(self.groups[0].tables.get(request_id, ()))
         done = self._num_cached.get(request_id, 0)
         end = min(num_computed_tokens // self.block_size, length, len(block_hashes),
                   self._cache_limit.get(request_id, length))
-        if end <= done:
+        if end <= done:  # the common case, every step of every decoding request
             return
+        tables = [manager.tables[request_id] for manager in self.groups]
         bs, hashes = self.block_size, block_hashes.hashes
         for index in range(done, end):
             chunk = tuple(token_ids[index * bs : (index + 1) * bs])
