@@ -1,6 +1,8 @@
 """KVCacheManager.truncate: a request's KV cut back (rejected draft tokens, a retokenized tail)."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.kv.block_updates import NULL_BLOCK_ID
 from kvserve.kv.hashing import block_hashes
@@ -132,3 +134,40 @@ def test_truncating_past_the_tables_is_an_error():
     compute(kv, "a", list(range(1, 8)), 7)
     with pytest.raises(ValueError, match="truncate"):
         kv.truncate("a", 9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.sampled_from([(1,) * 9, (1, 2) * 5]),
+                          st.lists(st.integers(1, 3), max_size=6), st.integers(0, 16),
+                          st.lists(st.integers(1, 3), max_size=6)), max_size=30))
+def test_a_block_is_only_ever_cached_under_the_tokens_every_holder_has(ops):
+    """Requests share blocks (two common prefixes); a held one is cut back and its tail retokenized: every
+    hashed block any table holds still carries exactly that table's tokens at its place."""
+    kv = manager(num_blocks=24, windows=(None,))
+    held: dict[str, list[int]] = {}
+    for rid, prefix, rest, cut, tail in ops:
+        request_id, tokens = f"r{rid}", list(prefix) + rest
+        if request_id in held:
+            tokens = held[request_id]
+            kept = kv.truncate(request_id, min(cut, len(tokens)))
+            assert kept <= min(cut, len(tokens))
+            tokens = tokens[:kept] + tail
+            if tokens and kv.allocate_slots(request_id, len(tokens)):
+                kv.cache_full_blocks(request_id, tokens, block_hashes(tokens, BS), len(tokens))
+                held[request_id] = tokens
+            else:
+                kv.free(request_id)
+                held.pop(request_id)
+        else:
+            chain = block_hashes(tokens, BS)
+            if kv.allocate_slots(request_id, len(tokens), prefix=kv.find_cached_prefix(tokens, chain)):
+                kv.cache_full_blocks(request_id, tokens, chain, len(tokens))
+                held[request_id] = tokens
+        kv.check_integrity()
+        for request_id, tokens in held.items():
+            for index, block in enumerate(table(kv, request_id)):
+                if block.block_hash is not None:
+                    assert block.token_ids == tuple(tokens[index * BS : (index + 1) * BS])
+    for request_id in held:
+        kv.free(request_id)
+    kv.check_integrity()
