@@ -42,6 +42,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.output import RequestOutputAssembler
 from kvserve.kv.hashing import block_hashes
+from kvserve.kv.tier_bridge import keys_after
 from kvserve.model.loader import load_model
 
 PREFIX = 1024
@@ -173,7 +174,7 @@ def per_block_costs(loaded, disk: Path) -> dict:
     fresh = Engine(EngineConfig(kv_cache_memory=256 * 2**20, kv_disk_path=str(disk)), loaded=loaded)
     tier, kv = fresh.tiering.tier, fresh.kv_manager
     chain = block_hashes(prompt, fresh.config.block_size)
-    keys = kv.keys_after(prompt, chain, kv.find_cached_prefix(prompt, chain))
+    keys = keys_after(kv, prompt, chain, kv.find_cached_prefix(prompt, chain))
     started = time.perf_counter()
     payloads = tier.load(keys)
     read_s = time.perf_counter() - started

@@ -15,7 +15,7 @@ from kvserve.engine.acceptance import AcceptRows, StepResult, TokenAcceptor
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kv.attention import AttentionBackend, SequenceSlice
-from kvserve.kv.manager import ShiftPlan, TokenMoves
+from kvserve.kv.context_shift import ShiftPlan, TokenMoves
 from kvserve.kv.storage import PagedKVCache
 from kvserve.model.causal_lm import CausalLM
 

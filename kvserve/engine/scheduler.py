@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
 from kvserve.engine.request import Request, RequestStatus
+from kvserve.kv.context_shift import ShiftPlan
 from kvserve.kv.hashing import BlockHash
-from kvserve.kv.manager import KVCacheManager, PrefixMatch, ShiftPlan
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.prefix_cache import PrefixMatch
 
 
 @dataclass(frozen=True, slots=True)

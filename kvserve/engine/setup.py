@@ -59,7 +59,6 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None,
     prefix_caching = config.enable_prefix_caching and config.enable_kv_cache
     tier = open_disk_tier(config, loaded, kv_cache, spec.dtype) if config.kv_disk_path is not None else None
     kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=prefix_caching,
-                                record_cached_blocks=tier is not None,
                                 max_pinned_fraction=config.max_pinned_fraction, clock=clock,
                                 group_windows=spec.layout.windows)
     tiering = TierTraffic(tier, kv_manager, kv_cache) if tier is not None else None

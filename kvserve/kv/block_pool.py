@@ -2,9 +2,9 @@
 
 Every block is created once, at startup. A block is either in use (ref_cnt > 0)
 or in the free queue, never both. A full block can carry a hash (prefix
-caching) and keeps it while free, until it is handed out again. The free queue is a doubly linked list so a
-block can leave it from the middle in O(1): prefix caching (a freed block keeps
-its contents and can be claimed back before it is reused) needs exactly that.
+caching) and keeps it while free, until it is handed out again. The free queue
+(kv/free_queue.py) is ordered least recently used first. Subscribers hear
+when a block enters or leaves the cache (kv/events.py).
 
 Pinned blocks (a cache breakpoint with a TTL, kv/pins.py) hold no reference:
 a reference would keep a block from every request, and a pool full of pins
@@ -16,80 +16,12 @@ last, never "never", and every free block stays allocatable.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from kvserve.errors import KVIntegrityError
+from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventCallback, KVEventSubscribers
+from kvserve.kv.free_queue import FreeBlockQueue, KVBlock
 from kvserve.kv.hashing import BlockHash
-
-
-@dataclass(eq=False, slots=True)
-class KVBlock:
-    block_id: int
-    ref_cnt: int = 0
-    prev_free: "KVBlock | None" = None
-    next_free: "KVBlock | None" = None
-    # Set once the block is full and its K/V computed (prefix caching):
-    block_hash: BlockHash | None = None
-    parent_hash: BlockHash | None = None  # hash of the previous block of the chain (the salt's root: first block)
-    token_ids: tuple[int, ...] = ()  # kept so a hash collision can never serve the wrong K/V
-    # Loaded from a lower tier and not yet claimed by a request: that request's hit counts as the tier's.
-    from_tier: bool = False
-    pin_count: int = 0  # live pins covering this block (kv/pins.py); while free it sits in the pinned queue
-    group: int = 0  # the KV group (kv/groups.py) whose content it caches: one hash is cached once per group
-
-
-class FreeBlockQueue:
-    """Doubly linked list of free blocks: allocate from the head, free to the tail (LRU order)."""
-
-    def __init__(self, blocks: Iterable[KVBlock]) -> None:
-        self._head = KVBlock(-1)  # sentinels: no None checks on the hot path
-        self._tail = KVBlock(-1)
-        self._head.next_free, self._tail.prev_free = self._tail, self._head
-        self._len = 0
-        for block in blocks:
-            self.append(block)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def appendleft(self, block: KVBlock) -> None:
-        """Put a block at the head: it is the next one handed out."""
-        first = self._head.next_free
-        if first is None:
-            raise KVIntegrityError("the free queue's head sentinel lost its link")
-        self._head.next_free, block.prev_free = block, self._head
-        block.next_free, first.prev_free = first, block
-        self._len += 1
-
-    def append(self, block: KVBlock) -> None:
-        last = self._tail.prev_free
-        if last is None:  # the sentinels are linked at construction; only corruption unlinks them
-            raise KVIntegrityError("the free queue's tail sentinel lost its link")
-        last.next_free, block.prev_free = block, last
-        block.next_free, self._tail.prev_free = self._tail, block
-        self._len += 1
-
-    def remove(self, block: KVBlock) -> None:
-        prev, nxt = block.prev_free, block.next_free
-        if prev is None or nxt is None:
-            raise ValueError(f"block {block.block_id} is not in the free queue")
-        prev.next_free, nxt.prev_free = nxt, prev
-        block.prev_free = block.next_free = None
-        self._len -= 1
-
-    def popleft(self) -> KVBlock:
-        first = self._head.next_free
-        if first is self._tail or first is None:
-            raise ValueError("no free blocks")
-        self.remove(first)
-        return first
-
-    def __iter__(self):
-        block = self._head.next_free
-        while block is not None and block is not self._tail:
-            yield block
-            block = block.next_free
 
 
 class BlockPool:
@@ -116,6 +48,14 @@ class BlockPool:
         self.num_pinned_blocks = 0  # blocks with pin_count > 0, free or in use
         # Called with a pinned block that `allocate` is about to evict; it must drop every pin on it.
         self.on_pinned_evict: Callable[[KVBlock], None] | None = None
+        self._subscribers = KVEventSubscribers()
+
+    def subscribe(self, callback: KVEventCallback) -> None:
+        """Call `callback` with every BlockStored / BlockRemoved / AllBlocksCleared from now on (kv/events.py)."""
+        self._subscribers.add(callback)
+
+    def unsubscribe(self, callback: KVEventCallback) -> None:
+        self._subscribers.remove(callback)
 
     @property
     def num_blocks(self) -> int:
@@ -222,6 +162,8 @@ class BlockPool:
         self.children.setdefault((group, parent_hash), {})[block_hash] = block
         if block.ref_cnt == 0:
             self.num_cached_free_blocks += 1
+        if self._subscribers:
+            self._subscribers.emit(BlockStored(block.block_id, block_hash, parent_hash, token_ids, group))
         return True
 
     def uncache(self, block: KVBlock) -> None:
@@ -251,7 +193,27 @@ class BlockPool:
         """The cached blocks of `group` whose parent is `parent_hash`."""
         return self.children.get((group, parent_hash), {})
 
+    def reset_cache(self) -> bool:
+        """Drop every cached prefix (pins lapse first); False, and nothing changes, while any block is in use
+        (a running request's blocks must keep their hashes: vLLM's reset_prefix_cache has the same rule)."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        subscribers, self._subscribers = self._subscribers, KVEventSubscribers()  # one event, not one per block
+        try:
+            for block in list(self.cached.values()):
+                if block.pin_count and self.on_pinned_evict is not None:
+                    self.on_pinned_evict(block)
+                self._evict(block)
+        finally:
+            self._subscribers = subscribers
+        self.num_cached_free_blocks = 0
+        if self._subscribers:
+            self._subscribers.emit(AllBlocksCleared())
+        return True
+
     def _evict(self, block: KVBlock) -> None:
+        if self._subscribers and block.block_hash is not None:
+            self._subscribers.emit(BlockRemoved(block.block_hash, block.group))
         del self.cached[block.group, block.block_hash]
         key = (block.group, block.parent_hash)
         siblings = self.children[key]

@@ -17,7 +17,6 @@ modification times, which a hit refreshes.
 from __future__ import annotations
 
 import atexit
-import bisect
 import logging
 import os
 import queue
@@ -25,40 +24,19 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from kvserve.errors import KVIntegrityError
 from kvserve.kv import block_file
+from kvserve.kv.disk_files import (BlockShape, DiskEntry, block_path, prepare_directory, scan_foreign_files,
+                                   scan_own_files, unlink, write_atomically)
 from kvserve.kv.hashing import BlockHash, hash_block
-from kvserve.kv.tier import LOAD_SECONDS_BUCKETS, BlockKey, KVTier, Payload, TierStats
+from kvserve.kv.tier import BlockKey, KVTier, Payload, TierCounters, TierStats
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
-
-
-@dataclass(slots=True)
-class _Entry:
-    key: BlockKey
-    size: int  # file bytes
-
-
-@dataclass(slots=True)
-class _Counters:
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    blocks_written: int = 0
-    bytes_written: int = 0
-    blocks_read: int = 0
-    bytes_read: int = 0
-    blocks_evicted: int = 0
-    bytes_evicted: int = 0
-    writes_dropped: int = 0
-    files_rejected: int = 0
-    load_seconds_count: int = 0
-    load_seconds_sum: float = 0.0
 
 
 class DiskTier(KVTier):
@@ -76,13 +54,12 @@ class DiskTier(KVTier):
         self.directory = self.root / fingerprint.hex()
         self.enabled = True
         self._lock = threading.Lock()
-        self._index: OrderedDict[BlockHash, _Entry] = OrderedDict()  # least recently used first
+        self._index: OrderedDict[BlockHash, DiskEntry] = OrderedDict()  # least recently used first
         self._bytes_used = 0
         self._foreign: list[tuple[float, str, int]] = []  # (mtime, path, size) of other fingerprints' files, oldest first
         self._pending: dict[BlockHash, tuple[BlockKey, Payload]] = {}  # queued for the writer
         self._pending_bytes = 0
-        self._counters = _Counters()
-        self._load_buckets = [0] * len(LOAD_SECONDS_BUCKETS)
+        self._counters = TierCounters()
         self._queue: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
         try:
@@ -98,74 +75,22 @@ class DiskTier(KVTier):
     # -- startup ---------------------------------------------------------------------------------
 
     def _open(self) -> None:
-        # Owner-only: the files hold K/V from which prompts can be partly reconstructed.
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.directory.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(self.directory, 0o700)
-        probe = self.directory / f".probe-{os.getpid()}"
-        probe.write_bytes(b"")  # unwritable: fail now, with the path in the message
-        probe.unlink()
+        prepare_directory(self.root, self.directory)
         started = time.perf_counter()
-        rejected = self._index_own_files()
-        self._index_foreign_files()
+        entries, rejected = scan_own_files(self.directory, BlockShape(self.fingerprint, self.block_size,
+                                                                      self.payload_len))
+        for entry in entries:
+            self._index[entry.key.block_hash] = entry
+            self._bytes_used += entry.size
+        self._counters.files_rejected += rejected
+        self._foreign = scan_foreign_files(self.root, self.directory)
+        self._bytes_used += sum(size for _, _, size in self._foreign)
         with self._lock:
             self._evict_to_capacity()
         log.info("KV disk tier: %s, %d blocks (%.1f MiB) of this model and cache layout, capacity %.1f MiB, "
                  "indexed in %.2fs%s", self.directory, len(self._index), self._bytes_used / 2**20,
                  self.capacity_bytes / 2**20, time.perf_counter() - started,
                  f"; {rejected} bad file(s) removed" if rejected else "")
-
-    def _index_own_files(self) -> int:
-        found: list[tuple[float, _Entry]] = []
-        rejected = 0
-        needed = block_file.header_bytes_needed(self.block_size)
-        # Blocks live in two-hex-digit subdirectories; anything else there (stored responses) is not ours.
-        for path in self.directory.glob("??/*"):
-            if ".tmp-" in path.name:
-                _unlink(path)  # a write that never finished
-                continue
-            if not path.name.endswith(block_file.SUFFIX):
-                continue
-            try:
-                stat = path.stat()
-                with open(path, "rb") as file:
-                    header = block_file.read_header(file.read(needed))
-                self._check_header(header, path, stat.st_size)
-            except (OSError, block_file.BlockFileError) as exc:
-                log.warning("KV disk tier: removing %s: %s", path, exc)
-                _unlink(path)
-                rejected += 1
-                continue
-            found.append((stat.st_mtime, _Entry(header.key, stat.st_size)))
-        found.sort(key=lambda item: item[0])
-        for _, entry in found:
-            self._index[entry.key.block_hash] = entry
-            self._bytes_used += entry.size
-        self._counters.files_rejected += rejected
-        return rejected
-
-    def _check_header(self, header: block_file.BlockFileHeader, path: Path, size: int) -> None:
-        if header.fingerprint != self.fingerprint:
-            raise block_file.BlockFileError("foreign file: another fingerprint")
-        if path.name != header.key.block_hash.hex() + block_file.SUFFIX:
-            raise block_file.BlockFileError("file name does not match the block hash inside")
-        if len(header.key.token_ids) != self.block_size or header.payload_len != self.payload_len:
-            raise block_file.BlockFileError("block shape differs from this cache's")
-        if size != header.file_len:
-            raise block_file.BlockFileError(f"{size} bytes, expected {header.file_len} (truncated)")
-
-    def _index_foreign_files(self) -> None:
-        for directory in self.root.iterdir():
-            if directory == self.directory or not directory.is_dir():
-                continue
-            for path in directory.glob("??/*" + block_file.SUFFIX):
-                try:
-                    stat = path.stat()
-                except OSError:
-                    continue
-                self._foreign.append((stat.st_mtime, str(path), stat.st_size))
-                self._bytes_used += stat.st_size
-        self._foreign.sort()
 
     # -- KVTier ----------------------------------------------------------------------------------
 
@@ -192,17 +117,11 @@ class DiskTier(KVTier):
             payloads.append(payload)
         elapsed = time.perf_counter() - started
         with self._lock:
-            counters = self._counters
-            counters.hit_tokens += len(payloads) * self.block_size
-            counters.load_seconds_count += 1
-            counters.load_seconds_sum += elapsed
-            slot = bisect.bisect_left(LOAD_SECONDS_BUCKETS, elapsed)
-            if slot < len(self._load_buckets):
-                self._load_buckets[slot] += 1
+            self._counters.record_load(len(payloads) * self.block_size, elapsed)
         return payloads
 
     def _read(self, key: BlockKey) -> Payload | None:
-        path = self._path(key.block_hash)
+        path = block_path(self.directory, key.block_hash)
         try:
             data = path.read_bytes()
             payload = block_file.decode(data, self.fingerprint, key, self.payload_len)
@@ -212,7 +131,7 @@ class DiskTier(KVTier):
         except (OSError, block_file.BlockFileError) as exc:
             log.warning("KV disk tier: %s is unusable (%s); removed, the block will be recomputed", path, exc)
             self._forget(key.block_hash)
-            _unlink(path)
+            unlink(path)
             with self._lock:
                 self._counters.files_rejected += 1
             return None
@@ -256,21 +175,8 @@ class DiskTier(KVTier):
 
     def stats(self) -> TierStats:
         with self._lock:
-            c = self._counters
-            cumulative, running = [], 0
-            for count in self._load_buckets:
-                running += count
-                cumulative.append(running)
-            return TierStats(
-                kind="disk", location=str(self.directory), enabled=self.enabled,
-                capacity_bytes=self.capacity_bytes, bytes_used=self._bytes_used, num_blocks=len(self._index),
-                pending_writes=len(self._pending), query_tokens=c.query_tokens, hit_tokens=c.hit_tokens,
-                blocks_written=c.blocks_written, bytes_written=c.bytes_written, blocks_read=c.blocks_read,
-                bytes_read=c.bytes_read, blocks_evicted=c.blocks_evicted, bytes_evicted=c.bytes_evicted,
-                writes_dropped=c.writes_dropped, files_rejected=c.files_rejected,
-                load_seconds_buckets=tuple(cumulative), load_seconds_count=c.load_seconds_count,
-                load_seconds_sum=c.load_seconds_sum,
-            )
+            return self._counters.snapshot("disk", str(self.directory), self.enabled, self.capacity_bytes,
+                                           self._bytes_used, len(self._index), len(self._pending))
 
     def flush(self) -> None:
         if self._writer is not None and self._writer.is_alive():
@@ -330,24 +236,17 @@ class DiskTier(KVTier):
 
     def _write(self, key: BlockKey, payload: Payload) -> None:
         header = block_file.encode_header(self.fingerprint, key, payload)
-        path = self._path(key.block_hash)
-        temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        path = block_path(self.directory, key.block_hash)
         try:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as file:
-                file.write(header)
-                file.write(payload)  # not concatenated first: one copy less of 720 KiB
-            os.replace(temporary, path)
+            write_atomically(path, header, payload)
         except OSError as exc:
-            _unlink(temporary)
             self._disable(f"cannot write {path}: {exc}")
             with self._lock:
                 self._counters.writes_dropped += 1
             return
         size = len(header) + len(payload)
         with self._lock:
-            self._index[key.block_hash] = _Entry(key, size)
+            self._index[key.block_hash] = DiskEntry(key, size)
             self._bytes_used += size
             self._counters.blocks_written += 1
             self._counters.bytes_written += size
@@ -355,16 +254,12 @@ class DiskTier(KVTier):
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _path(self, block_hash: BlockHash) -> Path:
-        name = block_hash.hex()
-        return self.directory / name[:2] / (name + block_file.SUFFIX)
-
     def _evict_to_capacity(self) -> None:
         """Under the lock: drop other fingerprints' files, then our least recently used blocks."""
         while self._bytes_used > self.capacity_bytes and (self._foreign or self._index):
             if self._foreign:
                 _, path, size = self._foreign.pop(0)
-                _unlink(Path(path))
+                unlink(Path(path))
                 self._bytes_used -= size
                 self._counters.blocks_evicted += 1
                 self._counters.bytes_evicted += size
@@ -377,7 +272,7 @@ class DiskTier(KVTier):
         self._bytes_used -= entry.size
         self._counters.blocks_evicted += 1
         self._counters.bytes_evicted += entry.size
-        _unlink(self._path(block_hash))
+        unlink(block_path(self.directory, block_hash))
 
     def _forget(self, block_hash: BlockHash) -> None:
         with self._lock:
@@ -398,9 +293,3 @@ def _close_at_exit(tier_ref: weakref.ref) -> None:
     if tier is not None:
         tier.close()
 
-
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except OSError:
-        pass

@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvserve.errors import KVIntegrityError
-from kvserve.kv.block_pool import BlockPool, KVBlock
+from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.free_queue import KVBlock
 from kvserve.kv.hashing import BlockHash
 
 # Anthropic's cache_control TTLs; OpenAI's prompt_cache_retention values.

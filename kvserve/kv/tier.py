@@ -17,7 +17,8 @@ hash collision is a miss; and every payload is checked (checksum) when read.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from kvserve.kv.hashing import BlockHash
@@ -61,6 +62,50 @@ class TierStats:
     load_seconds_buckets: tuple[int, ...]  # count of loads <= each LOAD_SECONDS_BUCKETS bound (cumulative)
     load_seconds_count: int
     load_seconds_sum: float
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """A tier's monotonic counters; the tier keeps them under its own lock."""
+
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    blocks_written: int = 0
+    bytes_written: int = 0
+    blocks_read: int = 0
+    bytes_read: int = 0
+    blocks_evicted: int = 0
+    bytes_evicted: int = 0
+    writes_dropped: int = 0
+    files_rejected: int = 0
+    load_seconds_count: int = 0
+    load_seconds_sum: float = 0.0
+    load_buckets: list[int] = field(default_factory=lambda: [0] * len(LOAD_SECONDS_BUCKETS))  # not cumulative
+
+    def record_load(self, num_tokens: int, elapsed_s: float) -> None:
+        """One load of a request's run of blocks: `num_tokens` tokens came back in `elapsed_s` seconds."""
+        self.hit_tokens += num_tokens
+        self.load_seconds_count += 1
+        self.load_seconds_sum += elapsed_s
+        slot = bisect.bisect_left(LOAD_SECONDS_BUCKETS, elapsed_s)
+        if slot < len(self.load_buckets):
+            self.load_buckets[slot] += 1
+
+    def snapshot(self, kind: str, location: str, enabled: bool, capacity_bytes: int, bytes_used: int,
+                 num_blocks: int, pending_writes: int) -> TierStats:
+        cumulative, running = [], 0
+        for count in self.load_buckets:
+            running += count
+            cumulative.append(running)
+        return TierStats(
+            kind=kind, location=location, enabled=enabled, capacity_bytes=capacity_bytes, bytes_used=bytes_used,
+            num_blocks=num_blocks, pending_writes=pending_writes, query_tokens=self.query_tokens,
+            hit_tokens=self.hit_tokens, blocks_written=self.blocks_written, bytes_written=self.bytes_written,
+            blocks_read=self.blocks_read, bytes_read=self.bytes_read, blocks_evicted=self.blocks_evicted,
+            bytes_evicted=self.bytes_evicted, writes_dropped=self.writes_dropped,
+            files_rejected=self.files_rejected, load_seconds_buckets=tuple(cumulative),
+            load_seconds_count=self.load_seconds_count, load_seconds_sum=self.load_seconds_sum,
+        )
 
 
 class KVTier(abc.ABC):

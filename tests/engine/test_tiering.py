@@ -226,3 +226,71 @@ def test_a_new_process_hits_what_an_earlier_one_wrote(tiny_models, tmp_path):
     first, second = child(), child()  # the first never calls close(): its exit still flushes the writes
     assert first["from_disk"] == 0 and second["from_disk"] == 36
     assert first["tokens"] == second["tokens"]
+
+
+class MemoryTier:
+    """A tier in a dict that never pre-filters stores (`contains` is always False)."""
+
+    enabled = True
+
+    def __init__(self):
+        self.blocks, self.stored = {}, []
+
+    def lookup(self, keys):
+        return next((i for i, key in enumerate(keys) if key not in self.blocks), len(keys))
+
+    def load(self, keys):
+        return [self.blocks[key] for key in keys]
+
+    def store(self, entries):
+        self.stored.extend(key for key, _ in entries)
+        self.blocks.update(entries)
+
+    def contains(self, block_hash):
+        return False
+
+    def close(self):
+        pass
+
+
+class BytesCache:
+    """Block contents as bytes, standing in for the paged tensors."""
+
+    def __init__(self, num_blocks):
+        self.contents = [b""] * num_blocks
+
+    def read_blocks(self, block_ids):
+        return [self.contents[i] for i in block_ids]
+
+    def write_blocks(self, block_ids, payloads):
+        for block_id, payload in zip(block_ids, payloads):
+            self.contents[block_id] = payload
+
+
+def test_write_through_hears_stored_blocks_from_the_pool_but_not_the_ones_it_loaded():
+    from types import SimpleNamespace
+
+    from kvserve.engine.tiering import TierTraffic
+    from kvserve.kv.hashing import block_hashes
+    from kvserve.kv.manager import KVCacheManager
+
+    kv = KVCacheManager(16, 4, watermark=0.0, enable_caching=True)
+    tier, cache = MemoryTier(), BytesCache(16)
+    traffic = TierTraffic(tier, kv, cache)
+    tokens = list(range(1, 22))
+    chain = block_hashes(tokens, 4)
+    assert kv.allocate_slots("a", 12)
+    kv.cache_full_blocks("a", tokens, chain, 12)
+    traffic.write_through()
+    assert [key.block_hash for key in tier.stored] == chain.hashes[:3]
+    kv.free("a")
+    kv.pool.reset_cache()  # the pool forgets; the tier still holds blocks 0-2
+    tier.stored.clear()
+    request = SimpleNamespace(request_id="b", all_token_ids=tokens, block_hashes=chain, num_tokens=len(tokens),
+                              num_preemptions=0, sampling_params=SamplingParams())
+    traffic.load_for([request])
+    assert kv.find_cached_prefix(tokens, chain).num_tier_tokens == 12
+    traffic.write_through()
+    assert tier.stored == []  # what it loaded is in the tier already
+    traffic.close()
+    kv.check_integrity()

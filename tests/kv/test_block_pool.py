@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.errors import KVIntegrityError
-from kvserve.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.free_queue import FreeBlockQueue, KVBlock
 from kvserve.kv.manager import KVCacheManager
 
 

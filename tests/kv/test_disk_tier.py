@@ -7,6 +7,7 @@ import pytest
 
 from kvserve.errors import KVIntegrityError
 from kvserve.kv import block_file
+from kvserve.kv.disk_files import block_path
 from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.hashing import block_hashes
 from kvserve.kv.tier import BlockKey
@@ -108,7 +109,7 @@ def test_lru_order_survives_a_restart(tmp_path):
     tier = stored(make_tier(tmp_path), keys)
     tier.close()
     for age, key in zip((40, 30, 10, 20), keys):  # block 2 the oldest by its file's time
-        path = tier._path(key.block_hash)
+        path = block_path(tier.directory, key.block_hash)
         os.utime(path, (path.stat().st_atime, path.stat().st_mtime - age))
     tier = make_tier(tmp_path, capacity=3 * file_len)
     assert [tier.contains(k.block_hash) for k in keys] == [False, True, True, True]
@@ -118,7 +119,7 @@ def test_corrupted_truncated_and_foreign_files_are_skipped_and_removed(tmp_path)
     keys = keys_for(list(range(16)))
     tier = stored(make_tier(tmp_path), keys)
     tier.close()
-    paths = [tier._path(k.block_hash) for k in keys]
+    paths = [block_path(tier.directory, k.block_hash) for k in keys]
     data = paths[1].read_bytes()
     paths[1].write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # corrupted: caught when read
     paths[2].write_bytes(paths[2].read_bytes()[:-10])  # truncated: caught when indexed

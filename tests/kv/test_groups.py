@@ -5,7 +5,8 @@ import pytest
 from kvserve.errors import KVIntegrityError
 from kvserve.kv.groups import blocks_held, first_needed_block, kv_group_layout, max_blocks_held
 from kvserve.kv.hashing import block_hashes
-from kvserve.kv.manager import NULL_BLOCK_ID, KVCacheManager
+from kvserve.kv.block_updates import NULL_BLOCK_ID
+from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import KVSpec
 
 BS = 4
@@ -128,7 +129,7 @@ def test_tables_that_lost_a_block_their_next_query_reads_fail_the_check():
     kv = manager()
     tokens = list(range(100, 120))
     advance(kv, "a", tokens, 20)
-    kv._tables["a"][1][-1] = None  # corrupt: the windowed group's newest block is gone
+    kv.groups[1].tables["a"][-1] = None  # corrupt: the windowed group's newest block is gone
     with pytest.raises(KVIntegrityError, match="lost a block"):
         kv.check_tables("a", 20)
 

@@ -1,16 +1,34 @@
-"""The KV manager's side of a lower tier: blocks to write through, and loaded blocks adopted into the pool."""
+"""The KV side of a lower tier: blocks to write through (the pool's stored events), and loaded blocks
+adopted into the pool (kv/tier_bridge.py)."""
 
 import pytest
 
 from kvserve.errors import KVIntegrityError
+from kvserve.kv.events import BlockStored
 from kvserve.kv.hashing import block_hashes
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.tier import BlockKey
+from kvserve.kv.tier_bridge import adopt_loaded, keys_after, room_for_loads
 
 BS = 4
 
 
 def manager(num_blocks=16):
-    return KVCacheManager(num_blocks, BS, watermark=0.0, enable_caching=True, record_cached_blocks=True)
+    return KVCacheManager(num_blocks, BS, watermark=0.0, enable_caching=True)
+
+
+class StoredBlocks:
+    """What a tier's write-through hears from the pool: (block id, key) of each block stored."""
+
+    def __init__(self, kv):
+        self.stored = []
+        kv.pool.subscribe(self.stored.append)
+
+    def take(self):
+        taken = [(event.block_id, BlockKey(event.block_hash, event.parent_hash, event.token_ids))
+                 for event in self.stored if isinstance(event, BlockStored)]
+        self.stored.clear()
+        return taken
 
 
 def compute(kv, request_id, tokens):
@@ -22,15 +40,16 @@ def compute(kv, request_id, tokens):
 
 def test_each_newly_cached_block_is_handed_out_once_for_write_through():
     kv = manager()
+    written = StoredBlocks(kv)
     tokens = list(range(1, 15))  # 3 full blocks
     compute(kv, "a", tokens)
-    taken = kv.take_cached_blocks()
+    taken = written.take()
     assert [key.token_ids for _, key in taken] == [tuple(tokens[i : i + 4]) for i in (0, 4, 8)]
     chain = block_hashes(tokens, BS)
     assert [key.block_hash for _, key in taken] == chain.hashes
     assert [key.parent_hash for _, key in taken] == [chain.root] + chain.hashes[:2]
     compute(kv, "b", tokens)  # all hits: nothing new to write
-    assert kv.take_cached_blocks() == []
+    assert written.take() == []
 
 
 def test_adopted_blocks_continue_the_match_and_count_as_the_tiers_once():
@@ -39,10 +58,10 @@ def test_adopted_blocks_continue_the_match_and_count_as_the_tiers_once():
     compute(kv, "a", tokens[:9])  # blocks 0-1 in the pool
     chain = block_hashes(tokens, BS)
     match = kv.find_cached_prefix(tokens, chain)
-    keys = kv.keys_after(tokens, chain, match)
+    keys = keys_after(kv, tokens, chain, match)
     assert match.num_tokens == 8 and len(keys) == 3
     filled = []
-    assert kv.adopt_loaded(match, keys, filled.extend) == 3
+    assert adopt_loaded(kv, match, keys, filled.extend) == 3
     assert len(filled) == 3 and kv.num_free_blocks == kv.num_blocks  # cached, but free
     kv.check_integrity()
     match = kv.find_cached_prefix(tokens, chain)
@@ -60,11 +79,11 @@ def test_adopting_never_evicts_the_match_it_continues():
     compute(kv, "a", tokens[:9])  # blocks 0-1 cached and free, at the LRU head
     chain = block_hashes(tokens, BS)
     match = kv.find_cached_prefix(tokens, chain)
-    keys = kv.keys_after(tokens, chain, match)
-    assert kv.room_for_loads(match) == 3
-    assert kv.adopt_loaded(match, keys, lambda ids: None) == 3
+    keys = keys_after(kv, tokens, chain, match)
+    assert room_for_loads(kv, match) == 3
+    assert adopt_loaded(kv, match, keys, lambda ids: None) == 3
     assert kv.find_cached_prefix(tokens, chain).num_tokens == 20
-    assert kv.adopt_loaded(match, keys + keys, lambda ids: None) == 0  # no room: nothing changes
+    assert adopt_loaded(kv, match, keys + keys, lambda ids: None) == 0  # no room: nothing changes
     kv.check_integrity()
 
 
@@ -78,7 +97,7 @@ def test_a_failed_fill_leaves_no_hashed_block_behind():
         raise OSError("disk went away")
 
     with pytest.raises(OSError):
-        kv.adopt_loaded(match, kv.keys_after(tokens, chain, match), broken)
+        adopt_loaded(kv, match, keys_after(kv, tokens, chain, match), broken)
     assert kv.find_cached_prefix(tokens, chain).num_tokens == 0
     assert kv.num_cached_blocks == 0 and kv.num_free_blocks == kv.num_blocks
     kv.check_integrity()
@@ -92,9 +111,9 @@ def test_a_key_already_cached_past_a_gap_keeps_its_pool_copy():
     kv.pool._evict(kv.pool.cached_block(chain.hashes[1]))  # a gap at block 1 (as if handed out and reused)
     kv.pool.num_cached_free_blocks -= 1
     match = kv.find_cached_prefix(tokens, chain)
-    keys = kv.keys_after(tokens, chain, match)
+    keys = keys_after(kv, tokens, chain, match)
     assert match.num_tokens == 4 and len(keys) == 3
-    assert kv.adopt_loaded(match, keys, lambda ids: None) == 3
+    assert adopt_loaded(kv, match, keys, lambda ids: None) == 3
     kv.check_integrity()  # the duplicate of block 2 is a plain free block, not a mislabelled one
     assert kv.find_cached_prefix(tokens, chain).num_tier_tokens == 4
 
