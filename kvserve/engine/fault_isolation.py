@@ -12,12 +12,19 @@ log = logging.getLogger(__name__)
 
 
 def execute_isolating_failures(runner: ModelRunner, scheduled: SchedulerOutput) -> StepResult:
-    """Run the step; if the batch raises, run each request alone and fail only those that fail alone.
+    """Prepare and run the step; if the batch raises, run each request alone and fail only those that fail
+    alone.
 
     Re-running is safe: a failed step advanced no request, and its K/V writes
     land in the same slots again. If every request fails alone (a broken
     model), every one fails.
     """
+    try:
+        runner.begin_step(scheduled)
+    except Exception as exc:  # the step's K/V moves or tables are in an unknown state: none of it runs
+        log.error("preparing a step of %d requests failed (%s: %s); all of them fail",
+                  len(scheduled.scheduled), type(exc).__name__, exc)
+        return StepResult(failures={item.request_id: exc for item in scheduled.scheduled})
     try:
         return runner.execute(scheduled)
     except Exception as batch_error:

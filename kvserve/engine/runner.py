@@ -46,20 +46,37 @@ class ModelRunner:
             raise ValueError(f"the KV cache was laid out for layer windows {cache_windows}, "
                              f"the model has {tuple(model.layer_windows)}")
         self.acceptor = TokenAcceptor(model.config.vocab_size, self.device)
+        # Per request, per KV group: its block table, kept across steps and changed by each step's updates.
+        self._block_tables: dict[str, list[list[int]]] = {}
 
     def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int]) -> None:
         self.acceptor.add_request(request_id, params, prompt_token_ids)
 
     def remove_request(self, request_id: str) -> None:
         self.acceptor.remove_request(request_id)
+        self._block_tables.pop(request_id, None)
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one step: the accepted tokens of every request that reached its last token."""
+    def begin_step(self, out: SchedulerOutput) -> None:
+        """Apply the step's block table updates and context shifts: once per step, before `execute` (which
+        may run again request by request when the batch fails)."""
+        newest = -1
+        for item in out.scheduled:
+            update = item.block_update
+            if update.replace:
+                self._block_tables[item.request_id] = [list(ids) for ids in update.block_ids]
+            else:
+                for table, ids in zip(self._block_tables[item.request_id], update.block_ids):
+                    table.extend(ids)
+            newest = max([newest, *(max(ids, default=-1) for ids in update.block_ids)])
+        # Blocks used for the first time are zeroed before the forward reads them (only new ids can be).
+        self.kv_cache.initialize_blocks_through(newest)
         for _, plan in out.shifts:  # before the forward writes into any block a shift freed
             self.apply_shift(plan)
-        out.shifts = []  # applied once, even if the step is run again request by request
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step (after `begin_step`): the accepted tokens of every request that reached its last token."""
         inputs = self._prepare_inputs(out)
-        logits = self._forward(inputs, out)
+        logits = self._forward(inputs)
         result = StepResult()
         self.acceptor.accept(result, inputs.accept_rows, logits[: len(inputs.sample_rows)])
         self.acceptor.prompt_logprobs(result, inputs.prompt_rows, logits[len(inputs.sample_rows):])
@@ -96,7 +113,7 @@ class ModelRunner:
             inputs.input_ids.extend(item.token_ids)
             inputs.positions.append(torch.arange(item.num_computed_tokens, item.num_computed_tokens + count,
                                                  device=self.device))
-            inputs.slices.append(SequenceSlice(item.block_tables, item.num_computed_tokens, count))
+            inputs.slices.append(SequenceSlice(self._block_tables[item.request_id], item.num_computed_tokens, count))
             if item.sample:
                 # From the row of the last forced token (or the request's last token): one per draft more.
                 num_rows = len(item.draft_token_ids) + 1
@@ -113,11 +130,9 @@ class ModelRunner:
                                                end - item.num_computed_tokens))
         return inputs
 
-    def _forward(self, inputs: _StepInputs, out: SchedulerOutput) -> torch.Tensor:
+    def _forward(self, inputs: _StepInputs) -> torch.Tensor:
         """One model forward; logits of the sampled rows, then of the prompt-logprob rows."""
         context = self.attention.build_context(self.kv_cache, inputs.slices)
-        self.kv_cache.initialize_blocks_through(max(max(table) for item in out.scheduled
-                                                    for table in item.block_tables))
         logits_rows = torch.cat([self._tensor(inputs.sample_rows)]
                                 + [torch.arange(row, row + count, device=self.device)
                                    for _, _, row, count in inputs.prompt_rows])

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.kv.context_shift import ShiftPlan
+from kvserve.kv.block_updates import BlockTableUpdate
+from kvserve.kv.context_shift import ShiftPlan, shift_amount
 from kvserve.kv.hashing import BlockHash
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix_cache import PrefixMatch
@@ -43,7 +44,9 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens computed this step, forced and draft tokens last
     num_computed_tokens: int  # tokens already cached before this step
-    block_tables: list[list[int]]  # per KV group: opaque ids from the KV manager, for the runner
+    # Per KV group, how its block table changed since the runner last saw it (opaque ids from the KV
+    # manager): the entries appended this step, or the whole table when it changed otherwise.
+    block_update: BlockTableUpdate
     sample: bool  # whether this step reaches the end of the request's tokens (new tokens are accepted)
     forced_token_ids: tuple[int, ...] = ()
     draft_token_ids: tuple[int, ...] = ()
@@ -139,15 +142,10 @@ class Scheduler:
                 budget -= count
         return budget
 
-    def _shift_amount(self, request: Request) -> tuple[int, int]:
-        """(keep, drop): keep the first keep_tokens, drop half of the rest (llama.cpp's n_discard)."""
-        keep = min(self.config.keep_tokens, request.num_tokens - 2)
-        return keep, max((request.num_tokens - 1 - keep) // 2, 1)
-
     def _shift_running(self, request: Request, out: SchedulerOutput, counts: dict[str, int]) -> int:
         """Shift a running request's context, preempting the most recently admitted requests while the
         blocks it must copy do not fit. Returns the token budget the preemptions gave back."""
-        keep, drop = self._shift_amount(request)
+        keep, drop = shift_amount(self.config.keep_tokens, request.num_tokens)
         returned = 0
         while (plan := self.kv.shift(request.request_id, keep, drop, request.num_computed_tokens)) is None:
             victim = self.running[-1]
@@ -180,7 +178,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if self.shift_at is not None and request.num_tokens > self.shift_at:
-                request.shift_context(*self._shift_amount(request))  # preempted at the limit: no K/V to move
+                request.shift_context(*shift_amount(self.config.keep_tokens, request.num_tokens))  # preempted at the limit: no K/V to move
             # Preempted requests look up the cache too: their recompute is mostly hits.
             match = None
             if not request.sampling_params.skip_reading_prefix_cache:
@@ -224,7 +222,7 @@ class Scheduler:
             request.request_id,
             request.all_token_ids[start:end] + list(drafts),
             start,
-            self.kv.block_ids(request.request_id),
+            self.kv.take_block_updates(request.request_id),
             sample=end == request.num_tokens,
             draft_token_ids=drafts,
         )
@@ -256,7 +254,8 @@ class Scheduler:
         request.num_computed_tokens += item.num_new_tokens - num_rejected
         request.draft_token_ids = []
         if num_rejected:
-            self.kv.truncate(request.request_id, request.num_computed_tokens)
+            # The tables may keep less than asked (a cut inside a block others share): recompute from there.
+            request.num_computed_tokens = self.kv.truncate(request.request_id, request.num_computed_tokens)
         self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.block_hashes,
                                   request.num_computed_tokens)
         # Cached first, then freed: a block behind a window stays hittable while the pool keeps it.
