@@ -261,7 +261,7 @@ def _serve(args: argparse.Namespace) -> int:
     import socket
 
     from kvserve.engine.engine import Engine
-    from kvserve.runtime import run_on_compute_thread
+    from kvserve.platform import run_on_compute_thread
     from kvserve.server.app import create_app
     from kvserve.server.serving import ServerSettings
     from kvserve.server.shutdown import serve

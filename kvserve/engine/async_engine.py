@@ -24,7 +24,7 @@ from kvserve.engine.output import RequestDelta
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import KVServeError, RequestFailedError
 from kvserve.kv.pins import PinRequest
-from kvserve.runtime import compute_executor
+from kvserve.platform import compute_executor
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pins import PinRequest, cache_write_tokens
 from kvserve.kv.spec import kv_spec
 from kvserve.model.loader import LoadedModel, load_model
-from kvserve.runtime import keep_freed_memory
+from kvserve.platform import keep_freed_memory
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,17 @@
-"""The per-layer ops the model families call: the C++ kernel where it is built, torch where it is not.
+"""The one door to kvserve's C++ extension: every call into it goes through a function here.
 
-Both give the same math in fp32 (the tests hold them to each other); the
-kernel does each in one pass over its rows instead of a chain of dispatched
-torch ops, which is most of a batch-1 decode step's overhead.
+Each function checks what the kernel needs (CPU tensors of the dtypes it reads) before calling it: a
+tensor elsewhere (a CUDA tensor would be read as host memory) or of another dtype either takes the torch
+path, where there is one (the per-layer ops: both give the same math in fp32 and the tests hold them to
+each other), or raises `KernelInputError` naming the argument, where there is none (the quantized matmul,
+paged decode). The checks are attribute reads: the kernels stay on the hot path at their own cost. The
+kernel does each op in one pass over its rows instead of a chain of dispatched torch ops, which is most
+of a batch-1 decode step's overhead.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -13,25 +19,67 @@ import torch.nn.functional as F
 from kvserve.kernels.build import cpu_kernels as kernels  # the compiled kernels, or None
 
 SILU, GELU_TANH = 0, 1  # gated_activation's activations (the C++ enum)
+# Cache dtypes the paged decode and the K/V store read and write (16-bit ones widened / narrowed per row).
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class KernelInputError(ValueError):
+    """A tensor the C++ kernel cannot take (wrong device or dtype): raised before the call, never a crash."""
+
+
+def available() -> bool:
+    """Whether the C++ kernels are built here (built or loaded on the first call)."""
+    return kernels() is not None
+
+
+def quant_matmul_isa() -> str | None:
+    """The instruction set the quantized matmul runs on here ("avx512_vnni", "avx2", "portable"), or None
+    where the C++ kernels are not built."""
+    ext = kernels()
+    return None if ext is None else ext.quant_matmul_isa()
 
 
 def _rows(x: torch.Tensor) -> bool:
-    """Whether the kernel takes x as it is: fp32 rows with a contiguous last dimension."""
-    return x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    """Whether the kernel takes x as it is: CPU fp32 rows with a contiguous last dimension."""
+    return x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+
+
+def _fused(rows: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...] = ()) -> ModuleType | None:
+    """The extension where it is built and takes these tensors as they are (`rows`: CPU fp32 rows; `params`:
+    CPU fp32, any layout); None: the caller's torch path. The one place the per-layer ops choose."""
+    ext = kernels()
+    if ext is None or not all(_rows(x) for x in rows) or not all(p.is_cpu and p.dtype == torch.float32
+                                                                 for p in params):
+        return None
+    return ext
+
+
+def _require(ext: ModuleType | None, op: str) -> ModuleType:
+    if ext is None:
+        raise KernelInputError(f"{op} needs kvserve's C++ kernels, which are not built here")
+    return ext
+
+
+def _check(op: str, name: str, tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    if not tensor.is_cpu:
+        raise KernelInputError(f"{op}: {name} is on {tensor.device}; the C++ kernel reads CPU tensors only")
+    if tensor.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise KernelInputError(f"{op}: {name} is {str(tensor.dtype).removeprefix('torch.')}, expected {names}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x `[T, H]` / rms(x) * weight."""
-    ext = kernels()
-    if ext is not None and _rows(x):
+    ext = _fused((x,), (weight,))
+    if ext is not None:
         return ext.rms_norm(x, weight, eps)
     return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
 def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += delta (in place); returns rms_norm(residual)."""
-    ext = kernels()
-    if ext is not None and _rows(residual) and _rows(delta):
+    ext = _fused((residual, delta), (weight,))
+    if ext is not None:
         return ext.add_rms_norm_(residual, delta, weight, eps)
     residual.add_(delta)
     return F.rms_norm(residual, residual.shape[-1:], weight, eps)
@@ -40,8 +88,8 @@ def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Ten
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
     """Rotate-half RoPE in place on the first `heads` heads of each row of x `[T, >= heads * head_dim]`
     (a fused QKV output's Q and K lie side by side); cos, sin `[T, head_dim]`."""
-    ext = kernels()
-    if ext is not None and _rows(x):
+    ext = _fused((x,), (cos, sin))
+    if ext is not None:
         ext.rope_(x, cos, sin, heads, head_dim)
         return
     rotated = x[:, : heads * head_dim].view(x.shape[0], heads, head_dim)
@@ -55,21 +103,49 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated_half * sin[:, None, :]
 
 
+def gated_activation(x: torch.Tensor, activation: int) -> torch.Tensor:
+    """x `[T, 2I]` (gate, then up) -> act(gate) * up `[T, I]`; SILU or GELU_TANH."""
+    ext = _fused((x,))
+    if ext is not None:
+        return ext.gated_activation(x, activation)
+    gate, up = x.chunk(2, dim=-1)
+    return (F.silu(gate) if activation == SILU else F.gelu(gate, approximate="tanh")) * up
+
+
 def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> bool:
     """New tokens' K, V `[T, KVH, D]` (fp32) into float cache rows `[rows, D]` at `slots` (`[T * KVH]`), cast
-    to the cache's dtype, in one pass; False (nothing written) where the kernel is not built."""
+    to the cache's dtype, in one pass; False (nothing written: the caller's torch path) where the kernel is
+    not built or does not take these tensors (off the CPU, another dtype, strided rows)."""
     ext = kernels()
-    if ext is None or k.dtype != torch.float32 or k.stride(-1) != 1 or v.stride(-1) != 1:
+    if (ext is None or not (k.is_cpu and v.is_cpu and slots.is_cpu and k_cache.is_cpu and v_cache.is_cpu)
+            or k.dtype != torch.float32 or v.dtype != torch.float32 or slots.dtype != torch.long
+            or k_cache.dtype not in CACHE_DTYPES or k.stride(-1) != 1 or v.stride(-1) != 1):
         return False
     ext.store_kv_(k_cache, v_cache, slots, k, v)
     return True
 
 
-def gated_activation(x: torch.Tensor, activation: int) -> torch.Tensor:
-    """x `[T, 2I]` (gate, then up) -> act(gate) * up `[T, I]`; SILU or GELU_TANH."""
-    ext = kernels()
-    if ext is not None and _rows(x):
-        return ext.gated_activation(x, activation)
-    gate, up = x.chunk(2, dim=-1)
-    return (F.silu(gate) if activation == SILU else F.gelu(gate, approximate="tanh")) * up
+def quant_matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features: int, isa: int = -1) -> torch.Tensor:
+    """x `[M, K]` fp32 @ W^T -> `[M, out_features]` for W packed as `bits`-bit groups (kernels/packing.py).
+    `isa`: -1 the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). No torch path:
+    a layer holds these weights only where the kernel is built."""
+    ext = _require(kernels(), "quant_matmul")
+    _check("quant_matmul", "x", x, (torch.float32,))
+    _check("quant_matmul", "packed", packed, (torch.uint8,))
+    return ext.quant_matmul(x, packed, bits, out_features, isa)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                 seq_offsets: torch.Tensor, key_valid: torch.Tensor, scale: float, num_splits: int) -> torch.Tensor:
+    """Decode attention (csrc/paged_decode.cpp) over the paged float blocks, read in place: q `[B, H, D]`
+    fp32, caches `[num_blocks, KVH, block_size, D]` -> `[B, H * D]`. No torch path here: the attention
+    backend gathers the blocks and runs its torch kernels instead (kv/attention/cpu_decode.py)."""
+    ext = _require(kernels(), "paged_decode")
+    _check("paged_decode", "q", q, (torch.float32,))
+    _check("paged_decode", "k_cache", k_cache, CACHE_DTYPES)
+    _check("paged_decode", "v_cache", v_cache, CACHE_DTYPES)
+    _check("paged_decode", "block_ids", block_ids, (torch.long,))
+    _check("paged_decode", "seq_offsets", seq_offsets, (torch.long,))
+    _check("paged_decode", "key_valid", key_valid, (torch.bool,))
+    return ext.paged_decode(q, k_cache, v_cache, block_ids, seq_offsets, key_valid, scale, num_splits)

@@ -20,7 +20,7 @@ from kvserve.engine.async_engine import AsyncEngine, EngineFailedError
 from kvserve.engine.engine import Engine
 from kvserve.errors import (InvalidRequestError, KVIntegrityError, KVServeError, RequestFailedError,
                             TokenizerUnavailableError, UnsupportedModelError)
-from kvserve.runtime import freeze_startup_heap, unfreeze_heap
+from kvserve.platform import freeze_startup_heap, unfreeze_heap
 from kvserve.server.body_limit import BodyLimitMiddleware
 from kvserve.server.chat import ChatServing
 from kvserve.server.completions import CompletionServing
