@@ -5,6 +5,7 @@ kvserve.model.gemma3) builds its modules and says where it differs through the h
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -54,9 +55,14 @@ class CausalLM(nn.Module):
         """The residual stream's first value for `input_ids`."""
         return self.embed_tokens(input_ids)
 
-    def rotary_for_layer(self, index: int, layer: nn.Module) -> RotaryEmbedding:
+    def rotary_for_layer(self, index: int) -> RotaryEmbedding:
         """The rotary embedding layer `index` rotates its queries and keys with."""
         return self.rotary_emb
+
+    def rope_tables(self, positions: torch.Tensor) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin at `positions` for each layer in turn (as `rotary_for_layer` says), each table computed
+        once per step. One RoPE for every layer here: the same tables, without a per-layer lookup."""
+        return itertools.repeat(self.rotary_emb(positions))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and output projection of the rows logits are wanted for."""
@@ -79,14 +85,9 @@ class CausalLM(nn.Module):
         """input_ids/positions `[N]` -> logits `[N, vocab]` (or only the rows in `logits_indices`)."""
         if kv is None:
             kv = ContiguousContext(positions, self.layer_windows)
-        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # each RoPE table once per step
         x = self.embed(input_ids)
-        for index, layer in enumerate(self.layers):
-            rotary = self.rotary_for_layer(index, layer)
-            cos_sin = tables.get(id(rotary))
-            if cos_sin is None:
-                cos_sin = tables[id(rotary)] = rotary(positions)
-            x = layer(x, *cos_sin, kv, index)
+        for index, (layer, (cos, sin)) in enumerate(zip(self.layers, self.rope_tables(positions))):
+            x = layer(x, cos, sin, kv, index)
         if logits_indices is not None:
             x = x[logits_indices]
         return self.compute_logits(x)
@@ -95,8 +96,7 @@ class CausalLM(nn.Module):
         """Cached keys `[T, KVH, D]` of `layer` (RoPE applied) as if computed `delta` positions later: RoPE is
         a rotation by position, so rotating by `delta` with the layer's own rotary embedding moves them (a
         context shift's re-rotation, as llama.cpp does)."""
-        rotary = self.rotary_for_layer(layer, self.layers[layer])
-        cos, sin = rotary(torch.tensor([delta], device=keys.device))
+        cos, sin = self.rotary_for_layer(layer)(torch.tensor([delta], device=keys.device))
         return ops.apply_rope(keys, cos, sin)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

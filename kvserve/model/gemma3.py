@@ -111,8 +111,13 @@ class Gemma3ForCausalLM(CausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale
 
-    def rotary_for_layer(self, index: int, layer: nn.Module) -> RotaryEmbedding:
-        return self.local_rotary_emb if layer.self_attn.local_rope else self.rotary_emb
+    def rotary_for_layer(self, index: int) -> RotaryEmbedding:
+        return self.local_rotary_emb if self.layers[index].self_attn.local_rope else self.rotary_emb
+
+    def rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        tables = {id(rotary): rotary(positions) for rotary in (self.rotary_emb, self.local_rotary_emb)
+                  if rotary is not None}
+        return [tables[id(self.rotary_for_layer(index))] for index in range(len(self.layers))]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.norm(hidden))
