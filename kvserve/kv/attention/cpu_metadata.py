@@ -136,6 +136,8 @@ def build_attention_metadata(
             slot_blocks.append(table[position // block_size])
             slot_rows.append(position % block_size)
         if is_decode(s.num_new_tokens) and not prefills:
+            if s.num_new_tokens != 1:  # a multi-token decode needs kernels that take k + 1 queries per request
+                raise ValueError(f"the cpu decode kernels take one query token per request, not {s.num_new_tokens}")
             decodes.append((table, start))
         else:
             first = first_needed_block(sliding_window, start, block_size)
