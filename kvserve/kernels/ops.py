@@ -39,47 +39,45 @@ def quant_matmul_isa() -> str | None:
     return None if ext is None else ext.quant_matmul_isa()
 
 
+_F32, _LONG, _BOOL, _U8 = torch.float32, torch.long, torch.bool, torch.uint8
+
+
+# The one rule by which the per-layer ops choose the kernel over torch: the extension is built and takes
+# every tensor as it is. Plain attribute reads, no containers: these run ~150 times per decode step.
 def _rows(x: torch.Tensor) -> bool:
     """Whether the kernel takes x as it is: CPU fp32 rows with a contiguous last dimension."""
-    return x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    return x.is_cpu and x.dtype is _F32 and x.dim() == 2 and x.stride(1) == 1
 
 
-def _fused(rows: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...] = ()) -> ModuleType | None:
-    """The extension where it is built and takes these tensors as they are (`rows`: CPU fp32 rows; `params`:
-    CPU fp32, any layout); None: the caller's torch path. The one place the per-layer ops choose."""
-    ext = kernels()
-    if ext is None or not all(_rows(x) for x in rows) or not all(p.is_cpu and p.dtype == torch.float32
-                                                                 for p in params):
-        return None
-    return ext
+def _cpu_fp32(x: torch.Tensor) -> bool:
+    """Whether the kernel reads x (a weight, a RoPE table) as it is: CPU fp32, any layout."""
+    return x.is_cpu and x.dtype is _F32
 
 
-def _require(ext: ModuleType | None, op: str) -> ModuleType:
+def _refuse(op: str, ext: ModuleType | None, **tensors: tuple[torch.Tensor, tuple[torch.dtype, ...]]) -> None:
+    """Raise KernelInputError naming the first tensor `op`'s kernel cannot take (called once a check failed)."""
     if ext is None:
         raise KernelInputError(f"{op} needs kvserve's C++ kernels, which are not built here")
-    return ext
-
-
-def _check(op: str, name: str, tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
-    if not tensor.is_cpu:
-        raise KernelInputError(f"{op}: {name} is on {tensor.device}; the C++ kernel reads CPU tensors only")
-    if tensor.dtype not in dtypes:
-        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise KernelInputError(f"{op}: {name} is {str(tensor.dtype).removeprefix('torch.')}, expected {names}")
+    for name, (tensor, dtypes) in tensors.items():
+        if not tensor.is_cpu:
+            raise KernelInputError(f"{op}: {name} is on {tensor.device}; the C++ kernel reads CPU tensors only")
+        if tensor.dtype not in dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise KernelInputError(f"{op}: {name} is {str(tensor.dtype).removeprefix('torch.')}, expected {names}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x `[T, H]` / rms(x) * weight."""
-    ext = _fused((x,), (weight,))
-    if ext is not None:
+    ext = kernels()
+    if ext is not None and _rows(x) and _cpu_fp32(weight):
         return ext.rms_norm(x, weight, eps)
     return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
 def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += delta (in place); returns rms_norm(residual)."""
-    ext = _fused((residual, delta), (weight,))
-    if ext is not None:
+    ext = kernels()
+    if ext is not None and _rows(residual) and _rows(delta) and _cpu_fp32(weight):
         return ext.add_rms_norm_(residual, delta, weight, eps)
     residual.add_(delta)
     return F.rms_norm(residual, residual.shape[-1:], weight, eps)
@@ -88,8 +86,8 @@ def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Ten
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
     """Rotate-half RoPE in place on the first `heads` heads of each row of x `[T, >= heads * head_dim]`
     (a fused QKV output's Q and K lie side by side); cos, sin `[T, head_dim]`."""
-    ext = _fused((x,), (cos, sin))
-    if ext is not None:
+    ext = kernels()
+    if ext is not None and _rows(x) and _cpu_fp32(cos) and _cpu_fp32(sin):
         ext.rope_(x, cos, sin, heads, head_dim)
         return
     rotated = x[:, : heads * head_dim].view(x.shape[0], heads, head_dim)
@@ -105,8 +103,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def gated_activation(x: torch.Tensor, activation: int) -> torch.Tensor:
     """x `[T, 2I]` (gate, then up) -> act(gate) * up `[T, I]`; SILU or GELU_TANH."""
-    ext = _fused((x,))
-    if ext is not None:
+    ext = kernels()
+    if ext is not None and _rows(x):
         return ext.gated_activation(x, activation)
     gate, up = x.chunk(2, dim=-1)
     return (F.silu(gate) if activation == SILU else F.gelu(gate, approximate="tanh")) * up
@@ -119,7 +117,7 @@ def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     not built or does not take these tensors (off the CPU, another dtype, strided rows)."""
     ext = kernels()
     if (ext is None or not (k.is_cpu and v.is_cpu and slots.is_cpu and k_cache.is_cpu and v_cache.is_cpu)
-            or k.dtype != torch.float32 or v.dtype != torch.float32 or slots.dtype != torch.long
+            or k.dtype is not _F32 or v.dtype is not _F32 or slots.dtype is not _LONG
             or k_cache.dtype not in CACHE_DTYPES or k.stride(-1) != 1 or v.stride(-1) != 1):
         return False
     ext.store_kv_(k_cache, v_cache, slots, k, v)
@@ -130,9 +128,9 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features:
     """x `[M, K]` fp32 @ W^T -> `[M, out_features]` for W packed as `bits`-bit groups (kernels/packing.py).
     `isa`: -1 the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). No torch path:
     a layer holds these weights only where the kernel is built."""
-    ext = _require(kernels(), "quant_matmul")
-    _check("quant_matmul", "x", x, (torch.float32,))
-    _check("quant_matmul", "packed", packed, (torch.uint8,))
+    ext = kernels()
+    if ext is None or not (x.is_cpu and packed.is_cpu and x.dtype is _F32 and packed.dtype is _U8):
+        _refuse("quant_matmul", ext, x=(x, (_F32,)), packed=(packed, (_U8,)))
     return ext.quant_matmul(x, packed, bits, out_features, isa)
 
 
@@ -141,11 +139,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """Decode attention (csrc/paged_decode.cpp) over the paged float blocks, read in place: q `[B, H, D]`
     fp32, caches `[num_blocks, KVH, block_size, D]` -> `[B, H * D]`. No torch path here: the attention
     backend gathers the blocks and runs its torch kernels instead (kv/attention/cpu_decode.py)."""
-    ext = _require(kernels(), "paged_decode")
-    _check("paged_decode", "q", q, (torch.float32,))
-    _check("paged_decode", "k_cache", k_cache, CACHE_DTYPES)
-    _check("paged_decode", "v_cache", v_cache, CACHE_DTYPES)
-    _check("paged_decode", "block_ids", block_ids, (torch.long,))
-    _check("paged_decode", "seq_offsets", seq_offsets, (torch.long,))
-    _check("paged_decode", "key_valid", key_valid, (torch.bool,))
+    ext = kernels()
+    if (ext is None or not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and block_ids.is_cpu
+                            and seq_offsets.is_cpu and key_valid.is_cpu)
+            or q.dtype is not _F32 or k_cache.dtype not in CACHE_DTYPES or v_cache.dtype not in CACHE_DTYPES
+            or block_ids.dtype is not _LONG or seq_offsets.dtype is not _LONG or key_valid.dtype is not _BOOL):
+        _refuse("paged_decode", ext, q=(q, (_F32,)), k_cache=(k_cache, CACHE_DTYPES), v_cache=(v_cache, CACHE_DTYPES),
+                block_ids=(block_ids, (_LONG,)), seq_offsets=(seq_offsets, (_LONG,)), key_valid=(key_valid, (_BOOL,)))
     return ext.paged_decode(q, k_cache, v_cache, block_ids, seq_offsets, key_valid, scale, num_splits)
