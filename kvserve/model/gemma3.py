@@ -198,6 +198,11 @@ GGUF_LOCAL_ROPE_THETA = 10_000.0
 _27B_LAYERS = 62  # the one size whose query_pre_attn_scalar is hidden / heads rather than head_dim
 
 
+def gguf_layer_windows(window: int | None, num_layers: int) -> tuple[int | None, ...]:
+    """Which layers use the window, as llama.cpp decides for a Gemma 3 file: five of every six (None: none)."""
+    return tuple(window if window and (i + 1) % GGUF_WINDOW_PATTERN else None for i in range(num_layers))
+
+
 def read_gguf_config(meta: dict[str, Any], arch: str, vocab_rows: int) -> ModelConfig:
     """Gemma 3's shape from llama.cpp's `gemma3.*` metadata and its rules for what the file leaves out."""
     config = gguf_config(meta, arch, vocab_rows)
@@ -207,7 +212,7 @@ def read_gguf_config(meta: dict[str, Any], arch: str, vocab_rows: int) -> ModelC
     return replace(
         config,
         sliding_window=window or None,
-        layer_windows=tuple(window if window and (i + 1) % GGUF_WINDOW_PATTERN else None for i in range(num_layers)),
+        layer_windows=gguf_layer_windows(window or None, num_layers),
         rope_local_theta=GGUF_LOCAL_ROPE_THETA,
         query_pre_attn_scalar=(config.hidden_size // config.num_heads if num_layers == _27B_LAYERS
                                else config.head_dim),
