@@ -4,16 +4,14 @@ import pytest
 import torch
 
 from kvserve.kernels import ops
-from kvserve.kernels.build import cpu_kernels
 from kvserve.kernels.packing import GROUP_SIZE, pack, quantize_groups
 from tests.helpers import int8_activation_matmul
 
-KERNEL = cpu_kernels()
-pytestmark = pytest.mark.skipif(KERNEL is None, reason="the C++ kernels could not be built here (no compiler or "
+pytestmark = pytest.mark.skipif(not ops.available(), reason="the C++ kernels could not be built here (no compiler or "
                                                       "ninja): int8/int4 weights are refused without them")
 ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
 # Each path this CPU can run: asking for a better one than it has runs its best instead.
-RUNNABLE = list(ISAS)[: ISAS[KERNEL.quant_matmul_isa()] + 1] if KERNEL is not None else []
+RUNNABLE = list(ISAS)[: ISAS[ops.quant_matmul_isa()] + 1] if ops.available() else []
 
 
 def reference(x: torch.Tensor, weight) -> torch.Tensor:
