@@ -50,3 +50,23 @@ def test_pool_blocks_and_step_contexts_build_nothing_off_the_device(backend, cac
         payloads = cache.read_blocks([1, 2])
         cache.write_blocks([30, 31], payloads)
     assert not guard.violations, guard.report()
+
+
+def test_the_pool_and_step_metadata_follow_the_device_they_are_given():
+    # The meta device stands in for a GPU: a tensor built without the device would land on the CPU.
+    from kvserve.kv.attention import build_attention_metadata
+    from kvserve.kv.attention.cpu import CpuAttentionBackend, slot_indices
+
+    with DeviceGuard("meta") as guard:
+        cache = CpuAttentionBackend().allocate_kv_cache(KVSpec(1, KV_HEADS, HEAD_DIM, "int8"), 16, BLOCK,
+                                                        device="meta")
+        cache.initialize_blocks_through(15)
+        slices = [SequenceSlice(([0, 1],), 5, 1), SequenceSlice(([2, 3, 4],), 0, 10)]
+        meta = build_attention_metadata(slices, BLOCK, union_factor=None, device=cache.device)
+        slots = slot_indices(meta.slot_blocks, meta.slot_rows, KV_HEADS, BLOCK)
+    assert not guard.violations, guard.report()
+    assert cache.device.type == "meta" and all(t.is_meta for t in cache.k + cache.v + cache.k_params)
+    decode, prefill = meta.decode, meta.prefills[0]
+    step_tensors = [meta.slot_blocks, meta.slot_rows, slots, decode.block_ids, decode.seq_index, decode.key_valid,
+                    decode.seq_offsets, prefill.block_ids, prefill.positions]
+    assert all(t.is_meta for t in step_tensors)

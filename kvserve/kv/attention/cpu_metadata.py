@@ -99,7 +99,9 @@ def _decode_metadata(
         q_positions.append(q_pos)
         offsets.append(len(dec_blocks))
     offsets_t = torch.tensor(offsets, device=device)
-    seq_index = torch.repeat_interleave(torch.arange(len(decodes), device=device), offsets_t[1:] - offsets_t[:-1])
+    # output_size given: no read of the counts back from the device to size the result.
+    seq_index = torch.repeat_interleave(torch.arange(len(decodes), device=device), offsets_t[1:] - offsets_t[:-1],
+                                        output_size=len(dec_blocks))
     block_index = (torch.arange(len(dec_blocks), device=device) - offsets_t[seq_index]
                    + torch.tensor(first_index, device=device)[seq_index])
     key_pos = (block_index * block_size)[:, None] + torch.arange(block_size, device=device)[None, :]
