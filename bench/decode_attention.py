@@ -13,7 +13,7 @@ import torch
 
 from kvserve.cpu_features import describe_cpu
 from kvserve.kv.attention import CpuAttentionBackend, PagedKVContext, SequenceSlice, build_attention_metadata
-from kvserve.kernels import cpu_kernels
+from kvserve.kernels import ops
 from kvserve.kv.spec import KVSpec
 from workloads import save
 
@@ -32,8 +32,8 @@ def time_ms(context: PagedKVContext, q: torch.Tensor, k: torch.Tensor, calls: in
 
 
 def main() -> None:
-    kernel = cpu_kernels()
-    if kernel is None:
+    kernel = ops.paged_decode
+    if not ops.available():
         raise SystemExit("the C++ kernel could not be built here (see the log above); nothing to compare")
     print(f"CPU: {describe_cpu()}, {torch.get_num_threads()} threads")
     rows = []

@@ -79,7 +79,6 @@ def profile_steps(engine: Engine, steps: int) -> dict:
     step_s = (time.perf_counter() - started) / steps
     timed = _TimedKernels(ops.kernels())
     build._state["module"] = timed
-    engine.attention_backend.decode_kernel = timed
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             started = time.perf_counter()
@@ -88,7 +87,6 @@ def profile_steps(engine: Engine, steps: int) -> dict:
             profiled_s = (time.perf_counter() - started) / steps
     finally:
         build._state["module"] = timed.inner
-        engine.attention_backend.decode_kernel = timed.inner
     torch_ops = {event.key: event.self_cpu_time_total / 1e6 for event in prof.key_averages()}
     kernel = dict(timed.seconds)
     weights = sum(kernel.pop(name, 0.0) for name in list(kernel) if name in WEIGHT_OPS)

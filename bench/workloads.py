@@ -12,7 +12,7 @@ import numpy as np
 from kvserve.engine.engine import Engine
 from kvserve.engine.output import RequestOutput, RequestOutputAssembler
 from kvserve.engine.sampling import SamplingParams
-from kvserve.runtime import freeze_startup_heap
+from kvserve.platform import freeze_startup_heap
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -47,7 +47,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams)
 
 
 def freeze_setup() -> None:
-    """What a running server does once it has started (kvserve.runtime.freeze_startup_heap): the loaded
+    """What a running server does once it has started (kvserve.platform.freeze_startup_heap): the loaded
     engines stay out of full garbage collections, whose 80-160 ms pauses would otherwise land in whichever
     engine's timing they hit."""
     freeze_startup_heap()

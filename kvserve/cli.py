@@ -206,7 +206,7 @@ def _serve(args: argparse.Namespace) -> int:
     import socket
 
     from kvserve.engine.engine import Engine
-    from kvserve.runtime import run_on_compute_thread
+    from kvserve.platform import run_on_compute_thread
     from kvserve.server.app import create_app
     from kvserve.server.core.serving import ServerSettings
     from kvserve.server.core.shutdown import serve

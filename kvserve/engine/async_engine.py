@@ -4,7 +4,7 @@ One task owns the Engine. Between steps it applies what handlers asked for
 (add, abort, inspect) in arrival order; each step itself runs on the compute
 thread (torch releases the GIL while it computes), so the event loop
 keeps accepting connections and streaming tokens while the model runs. (Build
-the Engine on that same thread, `runtime.run_on_compute_thread`: see there why.)
+the Engine on that same thread, `platform.run_on_compute_thread`: see there why.)
 Because every engine call happens either in that task between steps or in the
 step itself, the Engine never sees two callers at once.
 """
@@ -24,7 +24,7 @@ from kvserve.engine.output import RequestDelta
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import KVServeError, RequestFailedError
 from kvserve.kv.pins import PinRequest
-from kvserve.runtime import compute_executor
+from kvserve.platform import compute_executor
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, observers: list[Callable[[RequestDelta], None]] | None = None,
                  step_executor: Executor | None = None) -> None:
         self.engine = engine
-        self._step_executor = step_executor  # None: runtime.compute_executor()
+        self._step_executor = step_executor  # None: platform.compute_executor()
         self.observers = list(observers or [])
         self._calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._streams: dict[str, asyncio.Queue] = {}

@@ -23,7 +23,7 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import KVSpec, kv_spec
 from kvserve.kv.storage import PagedKVCache
 from kvserve.model.loader import LoadedModel, load_model
-from kvserve.runtime import keep_freed_memory
+from kvserve.platform import Platform
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +48,25 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None,
                        clock: Callable[[], float] | None = None) -> EngineParts:
     """Check, load and allocate; raises ConfigError (before anything heavy where it can)."""
     check_kv_budget(config)  # before the load: an impossible budget fails in a second
-    keep_freed_memory()
+    platform = Platform(config.device)
+    if not platform.is_cpu:  # the model and its kernels would run somewhere else than the pool: refuse
+        raise ConfigError(f"device {config.device!r}: kvserve has attention kernels for the CPU only so far; "
+                          f"use device='cpu'")
+    platform.tune_process()
     backend = get_attention_backend(config.attention_backend)  # fails before the model loads
     loaded = loaded or load_model(config.model, config.kv_cache_dtype, config.weights_dtype)
     max_model_len = checked_max_model_len(config, loaded.config)
     spec = kv_spec(loaded.config, config.kv_cache_dtype, loaded.linear_dtype)
     check_layout(config, spec, max_model_len)
     num_blocks = pool_blocks(config, spec)
-    kv_cache = backend.allocate_kv_cache(spec, num_blocks, config.block_size)
+    kv_cache = backend.allocate_kv_cache(spec, num_blocks, config.block_size, config.device)
     prefix_caching = config.enable_prefix_caching and config.enable_kv_cache
     tier = open_disk_tier(config, loaded, kv_cache, spec.dtype) if config.kv_disk_path is not None else None
     kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=prefix_caching,
                                 max_pinned_fraction=config.max_pinned_fraction, clock=clock,
                                 group_windows=spec.layout.windows)
     tiering = TierTraffic(tier, kv_manager, kv_cache) if tier is not None else None
-    parts = EngineParts(config, torch.device(config.device), loaded, max_model_len, spec, backend, kv_cache,
+    parts = EngineParts(config, platform.device, loaded, max_model_len, spec, backend, kv_cache,
                         kv_manager, tiering, prefix_caching)
     log_startup(parts)
     return parts

@@ -1,11 +1,17 @@
-"""The per-layer ops the model families call: the C++ kernel where it is built, torch where it is not.
+"""The one door to kvserve's C++ extension: every call into it goes through a function here.
 
-Both give the same math in fp32 (the tests hold them to each other); the
-kernel does each in one pass over its rows instead of a chain of dispatched
-torch ops, which is most of a batch-1 decode step's overhead.
+Each function checks what the kernel needs (CPU tensors of the dtypes it reads) before calling it: a
+tensor elsewhere (a CUDA tensor would be read as host memory) or of another dtype either takes the torch
+path, where there is one (the per-layer ops: both give the same math in fp32 and the tests hold them to
+each other), or raises `KernelInputError` naming the argument, where there is none (the quantized matmul,
+paged decode). The checks are attribute reads: the kernels stay on the hot path at their own cost. The
+kernel does each op in one pass over its rows instead of a chain of dispatched torch ops, which is most
+of a batch-1 decode step's overhead.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -13,17 +19,57 @@ import torch.nn.functional as F
 from kvserve.kernels.build import cpu_kernels as kernels  # the compiled kernels, or None
 
 SILU, GELU_TANH = 0, 1  # gated_activation's activations (the C++ enum)
+# Cache dtypes the paged decode and the K/V store read and write (16-bit ones widened / narrowed per row).
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+class KernelInputError(ValueError):
+    """A tensor the C++ kernel cannot take (wrong device or dtype): raised before the call, never a crash."""
+
+
+def available() -> bool:
+    """Whether the C++ kernels are built here (built or loaded on the first call)."""
+    return kernels() is not None
+
+
+def quant_matmul_isa() -> str | None:
+    """The instruction set the quantized matmul runs on here ("avx512_vnni", "avx2", "portable"), or None
+    where the C++ kernels are not built."""
+    ext = kernels()
+    return None if ext is None else ext.quant_matmul_isa()
+
+
+_F32, _LONG, _BOOL, _U8 = torch.float32, torch.long, torch.bool, torch.uint8
+
+
+# The one rule by which the per-layer ops choose the kernel over torch: the extension is built and takes
+# every tensor as it is. Plain attribute reads, no containers: these run ~150 times per decode step.
 def _rows(x: torch.Tensor) -> bool:
-    """Whether the kernel takes x as it is: fp32 rows with a contiguous last dimension."""
-    return x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    """Whether the kernel takes x as it is: CPU fp32 rows with a contiguous last dimension."""
+    return x.is_cpu and x.dtype is _F32 and x.dim() == 2 and x.stride(1) == 1
+
+
+def _cpu_fp32(x: torch.Tensor) -> bool:
+    """Whether the kernel reads x (a weight, a RoPE table) as it is: CPU fp32, any layout."""
+    return x.is_cpu and x.dtype is _F32
+
+
+def _refuse(op: str, ext: ModuleType | None, **tensors: tuple[torch.Tensor, tuple[torch.dtype, ...]]) -> None:
+    """Raise KernelInputError naming the first tensor `op`'s kernel cannot take (called once a check failed)."""
+    if ext is None:
+        raise KernelInputError(f"{op} needs kvserve's C++ kernels, which are not built here")
+    for name, (tensor, dtypes) in tensors.items():
+        if not tensor.is_cpu:
+            raise KernelInputError(f"{op}: {name} is on {tensor.device}; the C++ kernel reads CPU tensors only")
+        if tensor.dtype not in dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise KernelInputError(f"{op}: {name} is {str(tensor.dtype).removeprefix('torch.')}, expected {names}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x `[T, H]` / rms(x) * weight."""
     ext = kernels()
-    if ext is not None and _rows(x):
+    if ext is not None and _rows(x) and _cpu_fp32(weight):
         return ext.rms_norm(x, weight, eps)
     return F.rms_norm(x, x.shape[-1:], weight, eps)
 
@@ -31,7 +77,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += delta (in place); returns rms_norm(residual)."""
     ext = kernels()
-    if ext is not None and _rows(residual) and _rows(delta):
+    if ext is not None and _rows(residual) and _rows(delta) and _cpu_fp32(weight):
         return ext.add_rms_norm_(residual, delta, weight, eps)
     residual.add_(delta)
     return F.rms_norm(residual, residual.shape[-1:], weight, eps)
@@ -41,7 +87,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
     """Rotate-half RoPE in place on the first `heads` heads of each row of x `[T, >= heads * head_dim]`
     (a fused QKV output's Q and K lie side by side); cos, sin `[T, head_dim]`."""
     ext = kernels()
-    if ext is not None and _rows(x):
+    if ext is not None and _rows(x) and _cpu_fp32(cos) and _cpu_fp32(sin):
         ext.rope_(x, cos, sin, heads, head_dim)
         return
     rotated = x[:, : heads * head_dim].view(x.shape[0], heads, head_dim)
@@ -55,17 +101,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated_half * sin[:, None, :]
 
 
-def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> bool:
-    """New tokens' K, V `[T, KVH, D]` (fp32) into float cache rows `[rows, D]` at `slots` (`[T * KVH]`), cast
-    to the cache's dtype, in one pass; False (nothing written) where the kernel is not built."""
-    ext = kernels()
-    if ext is None or k.dtype != torch.float32 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        return False
-    ext.store_kv_(k_cache, v_cache, slots, k, v)
-    return True
-
-
 def gated_activation(x: torch.Tensor, activation: int) -> torch.Tensor:
     """x `[T, 2I]` (gate, then up) -> act(gate) * up `[T, I]`; SILU or GELU_TANH."""
     ext = kernels()
@@ -73,3 +108,42 @@ def gated_activation(x: torch.Tensor, activation: int) -> torch.Tensor:
         return ext.gated_activation(x, activation)
     gate, up = x.chunk(2, dim=-1)
     return (F.silu(gate) if activation == SILU else F.gelu(gate, approximate="tanh")) * up
+
+
+def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> bool:
+    """New tokens' K, V `[T, KVH, D]` (fp32) into float cache rows `[rows, D]` at `slots` (`[T * KVH]`), cast
+    to the cache's dtype, in one pass; False (nothing written: the caller's torch path) where the kernel is
+    not built or does not take these tensors (off the CPU, another dtype, strided rows)."""
+    ext = kernels()
+    if (ext is None or not (k.is_cpu and v.is_cpu and slots.is_cpu and k_cache.is_cpu and v_cache.is_cpu)
+            or k.dtype is not _F32 or v.dtype is not _F32 or slots.dtype is not _LONG
+            or k_cache.dtype not in CACHE_DTYPES or k.stride(-1) != 1 or v.stride(-1) != 1):
+        return False
+    ext.store_kv_(k_cache, v_cache, slots, k, v)
+    return True
+
+
+def quant_matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features: int, isa: int = -1) -> torch.Tensor:
+    """x `[M, K]` fp32 @ W^T -> `[M, out_features]` for W packed as `bits`-bit groups (kernels/packing.py).
+    `isa`: -1 the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). No torch path:
+    a layer holds these weights only where the kernel is built."""
+    ext = kernels()
+    if ext is None or not (x.is_cpu and packed.is_cpu and x.dtype is _F32 and packed.dtype is _U8):
+        _refuse("quant_matmul", ext, x=(x, (_F32,)), packed=(packed, (_U8,)))
+    return ext.quant_matmul(x, packed, bits, out_features, isa)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                 seq_offsets: torch.Tensor, key_valid: torch.Tensor, scale: float, num_splits: int) -> torch.Tensor:
+    """Decode attention (csrc/paged_decode.cpp) over the paged float blocks, read in place: q `[B, H, D]`
+    fp32, caches `[num_blocks, KVH, block_size, D]` -> `[B, H * D]`. No torch path here: the attention
+    backend gathers the blocks and runs its torch kernels instead (kv/attention/cpu_decode.py)."""
+    ext = kernels()
+    if (ext is None or not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and block_ids.is_cpu
+                            and seq_offsets.is_cpu and key_valid.is_cpu)
+            or q.dtype is not _F32 or k_cache.dtype not in CACHE_DTYPES or v_cache.dtype not in CACHE_DTYPES
+            or block_ids.dtype is not _LONG or seq_offsets.dtype is not _LONG or key_valid.dtype is not _BOOL):
+        _refuse("paged_decode", ext, q=(q, (_F32,)), k_cache=(k_cache, CACHE_DTYPES), v_cache=(v_cache, CACHE_DTYPES),
+                block_ids=(block_ids, (_LONG,)), seq_offsets=(seq_offsets, (_LONG,)), key_valid=(key_valid, (_BOOL,)))
+    return ext.paged_decode(q, k_cache, v_cache, block_ids, seq_offsets, key_valid, scale, num_splits)

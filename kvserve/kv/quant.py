@@ -85,7 +85,7 @@ class KVCodec:
         """Stored elements as `dtype`, before any scale."""
         if self.storage_dtype == torch.float8_e4m3fn:
             # torch's own e4m3 -> float32 cast runs ~5x slower on this CPU than a 256-entry table.
-            table = _E4M3_TABLE.to(dtype)
+            table = _E4M3_TABLE.to(data.device, dtype)
             return table.index_select(0, data.view(torch.uint8).reshape(-1).int()).view(data.shape)
         return data.to(dtype)
 
@@ -119,14 +119,15 @@ def _decode_int4(data: torch.Tensor, params: torch.Tensor, dtype: torch.dtype) -
     head_dim = data.shape[-1] * 2
     group = int4_group(head_dim)
     # One table lookup per byte gives both nibbles (~25% faster than masking, shifting and stacking).
-    q = _NIBBLE_TABLE.to(dtype).index_select(0, data.reshape(-1).int())
+    q = _NIBBLE_TABLE.to(data.device, dtype).index_select(0, data.reshape(-1).int())
     q = q.view(*data.shape[:-1], head_dim // group, group)
     scale_low = params.to(dtype).view(*data.shape[:-1], head_dim // group, 2)
     return torch.addcmul(scale_low[..., 1:], q, scale_low[..., :1]).view(*data.shape[:-1], head_dim)
 
 
-_NIBBLE_TABLE = torch.stack([torch.arange(256) & 0x0F, torch.arange(256) >> 4], dim=-1).float()  # byte -> (lo, hi)
-_E4M3_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every byte's value
+# Lookup tables, built once on the CPU; `elements` and `_decode_int4` take them to the data's device.
+_NIBBLE_TABLE = torch.stack([torch.arange(256, device="cpu") & 0x0F, torch.arange(256, device="cpu") >> 4], dim=-1).float()  # byte -> (lo, hi)
+_E4M3_TABLE = torch.arange(256, dtype=torch.uint8, device="cpu").view(torch.float8_e4m3fn).float()  # every byte's value
 
 
 def _float(name: str, dtype: torch.dtype) -> KVCodec:

@@ -13,8 +13,8 @@ last dimension is the number of parameters, indexed by the same block ids.
 K/V are encoded on write and decoded only when attention gathers the blocks
 it reads (`gather`).
 
-Allocated once with torch.empty, so pages are committed only as they are
-used. Never-written memory may hold NaN/inf, and attention multiplies masked
+Allocated once with torch.empty on the pool's device (EngineConfig.device), so
+pages are committed only as they are used; every tensor built here is built there. Never-written memory may hold NaN/inf, and attention multiplies masked
 rows of a partly filled block by a zero probability (0 x NaN = NaN), so every
 block is zeroed before a step first uses it (`initialize_blocks_through`).
 A token at position p of a request lives in block `table[p // block_size]`,
@@ -34,7 +34,6 @@ from kvserve.kernels import ops
 from kvserve.kv.quant import PARAM_DTYPE, KVCodec
 from kvserve.kv.spec import KVSpec
 
-_STORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the C++ store casts to
 # (num_blocks, num_kv_heads, block_size, row_width) -> the shape of one layer's tensor.
 LayerShape = Callable[[int, int, int, int], tuple[int, ...]]
 
@@ -59,7 +58,8 @@ class _PagedSide:
     """One side of the pool (K or V): per layer, elements (row width: the codec's data width) and
     parameters (row width: the codec's parameter count; absent for float codecs)."""
 
-    def __init__(self, codec: KVCodec, spec: KVSpec, num_blocks: int, block_size: int, layer_shape: LayerShape) -> None:
+    def __init__(self, codec: KVCodec, spec: KVSpec, num_blocks: int, block_size: int, layer_shape: LayerShape,
+                 device: torch.device) -> None:
         self.codec = codec
         # fp8 is held as raw bytes: CPU torch has no index_copy_/index_select for
         # float8 types, and the bits are the same either way.
@@ -69,11 +69,11 @@ class _PagedSide:
         # One tensor per slot of a page (kv/groups.py); layer i addresses its slot's tensor with the page
         # ids of its own group. A model of one kind has one slot per layer.
         layout = spec.layout
-        self.slot_data = [torch.empty(shape, dtype=container) for _ in range(layout.page_layers)]
+        self.slot_data = [torch.empty(shape, dtype=container, device=device) for _ in range(layout.page_layers)]
         num_params = codec.num_params(spec.head_dim)
         params_shape = layer_shape(num_blocks, spec.num_kv_heads, block_size, num_params)
-        self.slot_params = [torch.empty(params_shape, dtype=PARAM_DTYPE) for _ in range(layout.page_layers)] \
-            if num_params else []
+        self.slot_params = [torch.empty(params_shape, dtype=PARAM_DTYPE, device=device)
+                            for _ in range(layout.page_layers)] if num_params else []
         self.data = [self.slot_data[slot] for slot in layout.layer_slot]
         self.params = [self.slot_params[slot] for slot in layout.layer_slot] if num_params else []
 
@@ -110,21 +110,24 @@ class _PagedSide:
 
 
 class PagedKVCache:
-    """The pool; `layer_shape` is the attention backend's layout (`AttentionBackend.allocate_kv_cache`)."""
+    """The pool on `device`; `layer_shape` is the attention backend's layout (`AttentionBackend.allocate_kv_cache`).
+    `use_cpp_kernels=False` keeps every write in torch (the `cpu-torch` backend runs no C++)."""
 
     ZERO_CHUNK_BLOCKS = 64
 
-    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, layer_shape: LayerShape) -> None:
+    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, layer_shape: LayerShape,
+                 device: str | torch.device = "cpu", use_cpp_kernels: bool = True) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.keys = _PagedSide(spec.k_codec, spec, num_blocks, block_size, layer_shape)
-        self.values = _PagedSide(spec.v_codec, spec, num_blocks, block_size, layer_shape)
+        self.device = torch.device(device)
+        self.keys = _PagedSide(spec.k_codec, spec, num_blocks, block_size, layer_shape, self.device)
+        self.values = _PagedSide(spec.v_codec, spec, num_blocks, block_size, layer_shape, self.device)
         self.k, self.v = self.keys.data, self.values.data
         self.k_params, self.v_params = self.keys.params, self.values.params
         # Plain float rows on both sides (no parameters, no fp8 bytes, one dtype): the one-pass C++ store.
-        self._float_rows = (spec.k_codec.kind == "float" and spec.v_codec.kind == "float"
-                            and self.k[0].dtype == self.v[0].dtype and self.k[0].dtype in _STORE_DTYPES)
+        self._one_pass_store = (use_cpp_kernels and spec.k_codec.kind == "float" and spec.v_codec.kind == "float"
+                                and self.k[0].dtype == self.v[0].dtype and self.k[0].dtype in ops.CACHE_DTYPES)
         # Blocks [0, _zeroed_upto) have been zeroed. A fresh pool hands blocks
         # out in id order, so zeroing up to a high-water mark in contiguous
         # chunks costs one memset per chunk instead of per-block scatters.
@@ -156,9 +159,9 @@ class PagedKVCache:
     def read_blocks(self, block_ids: list[int]) -> list[memoryview]:
         """Each block's bytes in every tensor of the pool: views of one copy (the blocks may be reused
         after), in `block_layout` order."""
-        ids = torch.tensor(block_ids, dtype=torch.long)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         parts = [t.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8) for t in self._tensors()]
-        rows = torch.cat(parts, dim=1).numpy()
+        rows = torch.cat(parts, dim=1).cpu().numpy()  # host bytes (`.cpu()` is the tensor itself on the CPU)
         return [memoryview(row) for row in rows]
 
     def write_blocks(self, block_ids: list[int], payloads: Sequence[bytes | memoryview]) -> None:
@@ -169,11 +172,11 @@ class PagedKVCache:
             raise ValueError(f"expected {len(block_ids)} payloads of {self.block_nbytes} bytes")
         # Zero-initialisation must never run over these blocks later and wipe what is loaded here.
         self.initialize_blocks_through(max(block_ids))
-        ids = torch.tensor(block_ids, dtype=torch.long)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         rows = np.empty((len(block_ids), self.block_nbytes), dtype=np.uint8)
         for row, payload in zip(rows, payloads):
             row[:] = np.frombuffer(payload, dtype=np.uint8)
-        rows = torch.from_numpy(rows)
+        rows = torch.from_numpy(rows).to(self.device)  # the host bytes, moved where the pool is
         offset = 0
         for tensor in self._tensors():
             width = tensor[0].numel() * tensor.element_size()
@@ -193,7 +196,7 @@ class PagedKVCache:
         """Store (encode) new tokens' K/V `[T, num_kv_heads, head_dim]` at flat rows `slot_indices`
         (`[T * num_kv_heads]`, token-major, in the backend's layout)."""
         head_dim = self.spec.head_dim
-        if self._float_rows and ops.store_kv_(self.k[layer].view(-1, head_dim), self.v[layer].view(-1, head_dim),
+        if self._one_pass_store and ops.store_kv_(self.k[layer].view(-1, head_dim), self.v[layer].view(-1, head_dim),
                                               slot_indices, k, v):
             return
         self.keys.write(layer, slot_indices, k.reshape(-1, head_dim))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvserve.config import ModelConfig
+from kvserve.model import gemma3
 
 
 def _shape(layers: int, heads: int, kv_heads: int, head_dim: int, hidden: int, intermediate: int, vocab: int,
@@ -31,12 +32,12 @@ KNOWN_MODELS: dict[str, ModelConfig] = {
     "Qwen2.5-7B": _shape(28, 28, 4, 128, 3584, 18944, 152064, 131072),
     "Qwen2.5-0.5B": _shape(24, 14, 2, 64, 896, 4864, 151936, 32768, tied=True),
     "SmolLM2-135M": _shape(30, 9, 3, 64, 576, 1536, 49152, 8192, tied=True),
-    # From the packaged GGUF (kvserve.model.loader.gemma3_270m_path): a 512-token window on five of every
-    # six layers (llama.cpp's pattern), the sixth global.
+    # From the packaged GGUF (kvserve.model.loader.gemma3_270m_path): a 512-token window on the layers
+    # llama.cpp gives one (five of every six), and its local RoPE base.
     "Gemma-3-270M": replace(
         _shape(18, 4, 1, 256, 640, 2048, 262144, 32768, tied=True), architecture="gemma3", rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0, rope_local_theta=10_000.0, query_pre_attn_scalar=256, sliding_window=512,
-        layer_windows=tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))),
+        rope_theta=1_000_000.0, rope_local_theta=gemma3.GGUF_LOCAL_ROPE_THETA, query_pre_attn_scalar=256,
+        sliding_window=512, layer_windows=gemma3.gguf_layer_windows(512, 18)),
 }
 
 

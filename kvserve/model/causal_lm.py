@@ -1,23 +1,35 @@
-"""What every decoder family shares: checkpoint loading into fused projections, per-layer windows, the
-parameter count. A family (kvserve.model.llama, kvserve.model.gemma3) builds its modules and its forward."""
+"""What every decoder family shares: the forward's scaffolding (embedding, the layer loop with each layer's
+RoPE tables, the final norm, the logits rows), the context shift's key re-rotation, checkpoint loading
+into fused projections, per-layer windows, the parameter count. A family (kvserve.model.llama,
+kvserve.model.gemma3) builds its modules and says where it differs through the hooks below."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from kvserve.config import ModelConfig
+from kvserve.kernels import ops
+from kvserve.kv.attention import AttentionContext, ContiguousContext
+from kvserve.model.layers import Linear, RotaryEmbedding, VocabEmbedding
 from kvserve.model.weights import checkpoint_targets, parameter_count, stream_weights
 
 
 class CausalLM(nn.Module):
-    """Base of the model classes. Subclasses set `config`, `embed_tokens`, `layers` (each with
-    `self_attn.sliding_window`), `norm` and `lm_head`, and define
-    `forward(input_ids, positions, kv=None, logits_indices=None)`."""
+    """Decoder-only transformer.
 
-    config: ModelConfig
+    `forward(input_ids, positions, kv)` runs a step's N new tokens (of one or many requests) at
+    `positions`; `kv`, the step's attention context (from the engine's attention backend), stores their
+    K/V and attends over what each request has cached, each layer within its own window. With `kv=None`
+    the tokens must be one whole sequence, attended over by the contiguous context (nothing stored).
+
+    A family's `__init__` calls this one (config, embedding), then builds `layers` (each a module called
+    as `layer(x, cos, sin, kv, layer_index)`, with `self_attn.sliding_window`), `norm`, `build_head()`
+    and `rotary_emb`.
+    """
 
     # Hugging Face's separate projections -> the shards of our fused ones.
     stacked_params = (
@@ -25,9 +37,67 @@ class CausalLM(nn.Module):
         ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
     )
 
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+
+    def build_head(self) -> None:
+        """The output projection; with tied embeddings it is the embedding's tensor (one checkpoint target,
+        not two; a quantized head converts a copy)."""
+        self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    # --- where families differ -----------------------------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream's first value for `input_ids`."""
+        return self.embed_tokens(input_ids)
+
+    def rotary_for_layer(self, index: int) -> RotaryEmbedding:
+        """The rotary embedding layer `index` rotates its queries and keys with."""
+        return self.rotary_emb
+
+    def rope_tables(self, positions: torch.Tensor) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin at `positions` for each layer in turn (as `rotary_for_layer` says), each table computed
+        once per step. One RoPE for every layer here: the same tables, without a per-layer lookup."""
+        return itertools.repeat(self.rotary_emb(positions))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and output projection of the rows logits are wanted for."""
+        return self.lm_head(self.norm(hidden))
+
     def extra_checkpoint_tensors(self) -> dict[str, Callable[[torch.Tensor], None]]:
         """Checkpoint tensors that are not parameters, by name -> what takes them (e.g. GGUF `rope_freqs`)."""
         return {}
+
+    # --- shared ---------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: AttentionContext | None = None,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids/positions `[N]` -> logits `[N, vocab]` (or only the rows in `logits_indices`)."""
+        if kv is None:
+            kv = ContiguousContext(positions, self.layer_windows)
+        x = self.embed(input_ids)
+        for index, (layer, (cos, sin)) in enumerate(zip(self.layers, self.rope_tables(positions))):
+            x = layer(x, cos, sin, kv, index)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        return self.compute_logits(x)
+
+    def shift_key_positions(self, layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
+        """Cached keys `[T, KVH, D]` of `layer` (RoPE applied) as if computed `delta` positions later: RoPE is
+        a rotation by position, so rotating by `delta` with the layer's own rotary embedding moves them (a
+        context shift's re-rotation, as llama.cpp does)."""
+        cos, sin = self.rotary_for_layer(layer)(torch.tensor([delta], device=keys.device))
+        return ops.apply_rope(keys, cos, sin)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream Hugging Face-named tensors into the parameters, each exactly once (see kvserve.model.weights)."""

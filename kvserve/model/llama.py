@@ -1,6 +1,9 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in PyTorch.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in PyTorch, and how its sources describe it.
 
-Built from the shared layers (kvserve.model.layers). Weights arrive with
+Built from the shared layers (kvserve.model.layers), driven by CausalLM's
+forward. Its config.json reading (Qwen2's biases and opt-in window,
+Mistral's window) and llama.cpp's tensor names live here too, registered
+through kvserve.model.registry. Weights arrive with
 Hugging Face names and are streamed into the parameters by `load_weights`;
 Q/K/V and gate/up are fused into one matmul each (fewer, larger GEMMs: the
 decode step is dominated by per-call overhead at small batch), each
@@ -12,15 +15,19 @@ reaches the KV cache only through the forward's `AttentionContext.attend`
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from kvserve.config import ModelConfig
+from kvserve.errors import UnsupportedModelError
 from kvserve.kernels import ops
-from kvserve.kv.attention import AttentionContext, ContiguousContext
-from kvserve.model.layers import GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding
+from kvserve.kv.attention import AttentionContext
 from kvserve.model.causal_lm import CausalLM
+from kvserve.model.family import (GGUF, GGUF_PROJECTION_TENSORS, HF, Architecture, ModelFamily, gguf_config,
+                                  hf_rope)
+from kvserve.model.layers import GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -35,15 +42,8 @@ class Attention(nn.Module):
                                   bias=config.attention_bias)
         self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv: AttentionContext,
-        layer: int,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: AttentionContext,
+                layer: int) -> torch.Tensor:
         num_tokens = x.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -63,59 +63,79 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_index)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, positions, cos, sin, kv, layer) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: AttentionContext,
+                layer: int) -> torch.Tensor:
         """x, the residual stream, is updated in place (the model's own activations, nothing else's)."""
         normed = self.input_layernorm(x)
-        normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn(normed, positions, cos, sin, kv, layer))
+        normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn(normed, cos, sin, kv, layer))
         return x.add_(self.mlp(normed))
 
 
 class LlamaForCausalLM(CausalLM):
-    """Decoder-only transformer.
-
-    `forward(input_ids, positions, kv)` runs a step's N new tokens (of one or
-    many requests) at `positions`; `kv`, the step's attention context (from the
-    engine's attention backend), stores their K/V and attends over what each
-    request has cached. With `kv=None` the tokens must be one whole sequence,
-    attended over by the contiguous context (nothing stored).
-    """
+    """The Llama family's decoder: pre-norm layers, one RoPE for every layer, SiLU gated MLP."""
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        super().__init__(config)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        if config.tie_word_embeddings:  # one tensor (not a checkpoint target twice); a quantized head converts a copy
-            self.lm_head.weight = self.embed_tokens.weight
+        self.build_head()
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
     def extra_checkpoint_tensors(self) -> dict[str, Callable[[torch.Tensor], None]]:
         return {"rope_freqs": self.rotary_emb.load_freq_divisors}  # GGUF: Llama 3.1-style scaling as divisors
 
-    def shift_key_positions(self, layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
-        """Cached keys `[T, KVH, D]` (RoPE applied) as if computed `delta` positions later: RoPE is a rotation
-        by position, so rotating by `delta` moves them (a context shift's re-rotation, as llama.cpp does)."""
-        cos, sin = self.rotary_emb(torch.tensor([delta]))
-        return ops.apply_rope(keys, cos, sin)
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv: AttentionContext | None = None,
-        logits_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids/positions `[N]` -> logits `[N, vocab]` (or only the rows in `logits_indices`)."""
-        if kv is None:
-            kv = ContiguousContext(positions, self.layer_windows)
-        cos, sin = self.rotary_emb(positions)
-        x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, cos, sin, kv, i)
-        if logits_indices is not None:
-            x = x[logits_indices]
-        x = self.norm(x)
-        return self.lm_head(x)
+def read_hf_config(cfg: dict[str, Any], arch: str) -> ModelConfig:
+    """A Llama / Mistral / Qwen2 config.json."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"activation {cfg['hidden_act']!r} is not supported (only silu)")
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    # transformers >= 5 writes `rope_parameters` (theta included); older
+    # checkpoints write `rope_theta` + `rope_scaling`. Accept both.
+    theta, scaling = hf_rope(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}, cfg.get("rope_theta", 10000.0))
+    if arch == "Qwen2ForCausalLM":
+        attention_bias = True
+        # Qwen2 declares a window but applies it only when use_sliding_window is set.
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    else:
+        attention_bias = bool(cfg.get("attention_bias", False))
+        window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias=True is not supported")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        attention_bias=attention_bias,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        sliding_window=int(window) if window else None,
+    )
+
+
+GGUF_LAYER_TENSORS: dict[str, str] = {
+    **GGUF_PROJECTION_TENSORS,
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+}
+
+FAMILY = ModelFamily(LlamaForCausalLM, read_hf_config, gguf_config, GGUF_LAYER_TENSORS)
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture("LlamaForCausalLM", HF, FAMILY),
+    Architecture("MistralForCausalLM", HF, FAMILY),
+    Architecture("Qwen2ForCausalLM", HF, FAMILY),
+    Architecture("llama", GGUF, FAMILY, gguf_permuted_qk=True),
+    Architecture("qwen2", GGUF, FAMILY),  # NEOX RoPE: stored unpermuted
+)

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError, TokenizerUnavailableError
 from kvserve.kv.spec import kv_spec
+from kvserve.model.causal_lm import CausalLM
 from kvserve.model.checkpoint import load_checkpoint
 from kvserve.model.gguf import load_gguf
 from kvserve.model.quantized_linear import EXACT_INT4_SOURCES, convert_linear_weights
@@ -85,7 +85,7 @@ def gemma3_270m_path() -> Path:
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    model: nn.Module  # the registry's class for config.architecture
+    model: CausalLM  # the registry's class for config.architecture
     tokenizer: Tokenizer | None
     source: str  # what was loaded, for logs
     weight_format: str  # e.g. "GGUF Q4_1 x210, F32 x61, Q8_0 x1" or "safetensors"
@@ -160,7 +160,7 @@ def load_model(path: str | Path | None = None, cache_dtype: str = "auto",
     return loaded
 
 
-def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]) -> nn.Module:
+def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]) -> CausalLM:
     """The registry's model for `config`, built on the meta device, its weights streamed in one tensor at a time.
 
     Parameters get uninitialized CPU storage and each checkpoint tensor is

@@ -56,8 +56,7 @@ CodeSource = Callable[[str], "GroupCodes | None"]
 def packed_kernel_isa() -> str | None:
     """The instruction set the quantized matmul runs on here ("avx512_vnni", "avx2", "portable"), or None
     where the C++ kernels are not built."""
-    ext = ops.kernels()
-    return None if ext is None else ext.quant_matmul_isa()
+    return ops.quant_matmul_isa()
 
 
 def resolve_weights_dtype(weights_dtype: str, input_sizes: Iterable[int] = (), exact_int4: bool = True) -> str:
@@ -112,7 +111,7 @@ class GroupQuantizedLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        y = ops.kernels().quant_matmul(rows, layer.packed, self.bits, layer.output_size, -1)
+        y = ops.quant_matmul(rows, layer.packed, self.bits, layer.output_size)
         if layer.bias is not None:
             y += layer.bias
         return y if x.dim() == 2 else y.view(*x.shape[:-1], layer.output_size)

@@ -1,47 +1,24 @@
-"""Architecture name -> model class: the one list of what kvserve runs.
+"""Architecture name -> model family: the one list of what kvserve runs.
 
-Names are spelt as their source spells them: a Hugging Face config.json's
-`architectures[0]`, or a GGUF file's `general.architecture`. The checkpoint
-and GGUF readers check support here, and the loader builds
-`model_class(config.architecture)`.
+Each family file declares its architectures (kvserve.model.family: the names its sources use, its model
+class, its config readers and GGUF tensor names); this module collects them. Adding a family is its
+file plus its line in FAMILIES. Names are spelt as their source spells them: a Hugging Face
+config.json's `architectures[0]`, or a GGUF file's `general.architecture`. The checkpoint and GGUF
+readers look their architecture up here, and the loader builds `model_class(config.architecture)`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from torch import nn
-
 from kvserve.errors import UnsupportedModelError
-from kvserve.model.gemma3 import Gemma3ForCausalLM
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model import gemma3, llama
+from kvserve.model.causal_lm import CausalLM
+from kvserve.model.family import GGUF, HF, Architecture, ModelFamily
 
-HF = "hf"
-GGUF = "gguf"
+__all__ = ["ARCHITECTURES", "GGUF", "HF", "Architecture", "find_architecture", "model_class",
+           "supported_architectures"]
 
-
-@dataclass(frozen=True, slots=True)
-class Architecture:
-    name: str
-    source: str  # HF or GGUF
-    model_class: type[nn.Module]
-    # llama.cpp's converter permutes the rows of Q and K for architectures
-    # whose ggml RoPE is the interleaved kind ("llama"); the loader undoes it.
-    gguf_permuted_qk: bool = False
-    # llama.cpp's converter adds this to every norm weight (Gemma's (1 + w) norms are stored as
-    # 1 + w); the GGUF reader subtracts it so the model loads Hugging Face's w either way.
-    gguf_norm_shift: float = 0.0
-
-
-ARCHITECTURES: tuple[Architecture, ...] = (
-    Architecture("LlamaForCausalLM", HF, LlamaForCausalLM),
-    Architecture("MistralForCausalLM", HF, LlamaForCausalLM),
-    Architecture("Qwen2ForCausalLM", HF, LlamaForCausalLM),
-    Architecture("Gemma3ForCausalLM", HF, Gemma3ForCausalLM),
-    Architecture("llama", GGUF, LlamaForCausalLM, gguf_permuted_qk=True),
-    Architecture("qwen2", GGUF, LlamaForCausalLM),  # NEOX RoPE: stored unpermuted
-    Architecture("gemma3", GGUF, Gemma3ForCausalLM, gguf_norm_shift=1.0),  # NEOX RoPE too
-)
+FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, gemma3.FAMILY)
+ARCHITECTURES: tuple[Architecture, ...] = (*llama.ARCHITECTURES, *gemma3.ARCHITECTURES)
 
 
 def supported_architectures(source: str) -> list[str]:
@@ -49,17 +26,21 @@ def supported_architectures(source: str) -> list[str]:
 
 
 def find_architecture(name: str | None, source: str) -> Architecture:
-    """The entry for `name` from `source`; UnsupportedModelError listing what is supported otherwise."""
+    """The entry for `name` from `source`; UnsupportedModelError listing what is supported otherwise (or
+    saying why, for a name a family recognizes but does not run)."""
     for arch in ARCHITECTURES:
         if arch.name == name and arch.source == source:
             return arch
+    for family in FAMILIES:
+        if name in family.refused:
+            raise UnsupportedModelError(family.refused[name])
     what = "GGUF architecture" if source == GGUF else "architecture"
     raise UnsupportedModelError(
         f"{what} {name!r} is not supported; supported: {', '.join(supported_architectures(source))}"
     )
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+def model_class(architecture: str) -> type[CausalLM]:
     """The class that runs a loaded config's `architecture` (names are unique across sources)."""
     for arch in ARCHITECTURES:
         if arch.name == architecture:

@@ -11,7 +11,7 @@ from prometheus_client import disable_created_metrics
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
-from kvserve.runtime import freeze_startup_heap, unfreeze_heap
+from kvserve.platform import freeze_startup_heap, unfreeze_heap
 from kvserve.server.anthropic import messages_router
 from kvserve.server.core.auth import api_key_dependency
 from kvserve.server.core.body_limit import BodyLimitMiddleware

@@ -16,7 +16,7 @@ PROMPT = [5, 17, 33, 2, 90, 41, 7]
 
 class InlineExecutor(Executor):
     """Steps on the calling thread. torch work on a second thread would give the test process a
-    second OpenMP team and slow every later test (see runtime.compute_executor); the real
+    second OpenMP team and slow every later test (see platform.compute_executor); the real
     threaded path is exercised by the server tests, in their own process."""
 
     def submit(self, fn, *args, **kwargs):

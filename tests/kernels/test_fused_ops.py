@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import cpu_kernels, ops
+from kvserve.kernels import ops
+from kvserve.kernels.build import cpu_kernels
 from kvserve.kernels.ops import apply_rope
 
 KERNEL = cpu_kernels()

@@ -3,16 +3,15 @@
 import pytest
 import torch
 
-from kvserve.kernels import cpu_kernels
+from kvserve.kernels import ops
 from kvserve.kernels.packing import GROUP_SIZE, pack, quantize_groups
 from tests.helpers import int8_activation_matmul
 
-KERNEL = cpu_kernels()
-pytestmark = pytest.mark.skipif(KERNEL is None, reason="the C++ kernels could not be built here (no compiler or "
+pytestmark = pytest.mark.skipif(not ops.available(), reason="the C++ kernels could not be built here (no compiler or "
                                                       "ninja): int8/int4 weights are refused without them")
 ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
 # Each path this CPU can run: asking for a better one than it has runs its best instead.
-RUNNABLE = list(ISAS)[: ISAS[KERNEL.quant_matmul_isa()] + 1] if KERNEL is not None else []
+RUNNABLE = list(ISAS)[: ISAS[ops.quant_matmul_isa()] + 1] if ops.available() else []
 
 
 def reference(x: torch.Tensor, weight) -> torch.Tensor:
@@ -28,13 +27,13 @@ def test_each_path_computes_the_quantized_product(isa, bits, rows, cols, outputs
     weights = quantize_groups(torch.randn(outputs, cols, generator=gen) * 0.05, bits)
     x = torch.randn(rows, cols, generator=gen)
     x[0, :GROUP_SIZE] = 0  # an all-zero group (scale 0) is a zero contribution, not a NaN
-    y = KERNEL.quant_matmul(x, pack(weights), bits, outputs, ISAS[isa])
+    y = ops.quant_matmul(x, pack(weights), bits, outputs, ISAS[isa])
     expected = reference(x, weights)
     assert y.shape == (rows, outputs) and y.dtype == torch.float32
     # The integer dot products are exact; what differs is fp32 rounding of the per-group sums.
     assert (y.double() - expected).abs().max() <= 1e-5 * max(float(expected.abs().max()), 1.0)
     # A row's result does not depend on the rows beside it (batch invariance).
-    alone = KERNEL.quant_matmul(x[-1:], pack(weights), bits, outputs, ISAS[isa])
+    alone = ops.quant_matmul(x[-1:], pack(weights), bits, outputs, ISAS[isa])
     assert torch.equal(alone[0], y[-1])
 
 
@@ -45,13 +44,13 @@ def test_eight_bit_codes_use_their_whole_range():
     assert int(weights.codes.min()) == 0 and int(weights.codes.max()) == 255
     x = torch.tensor([[1.0, -1.0] * 16, [-3.0] * 32])
     for isa in RUNNABLE:
-        y = KERNEL.quant_matmul(x, pack(weights), 8, 16, ISAS[isa])
+        y = ops.quant_matmul(x, pack(weights), 8, 16, ISAS[isa])
         torch.testing.assert_close(y, reference(x, weights).float(), rtol=1e-5, atol=1e-5)
 
 
 def test_mismatched_shapes_are_refused():
     packed = pack(quantize_groups(torch.randn(16, 64), 4))
     with pytest.raises(RuntimeError, match="do not match"):
-        KERNEL.quant_matmul(torch.randn(2, 96), packed, 4, 16, -1)
+        ops.quant_matmul(torch.randn(2, 96), packed, 4, 16, -1)
     with pytest.raises(RuntimeError, match="4 or 8 bits"):
-        KERNEL.quant_matmul(torch.randn(2, 64), packed, 5, 16, -1)
+        ops.quant_matmul(torch.randn(2, 64), packed, 5, 16, -1)

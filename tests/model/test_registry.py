@@ -33,3 +33,39 @@ def test_unsupported_architectures_list_what_is_supported():
         find_architecture("llama", HF)  # names are per source
     with pytest.raises(UnsupportedModelError, match="'gemma2' is not supported"):
         model_class("gemma2")
+
+
+def test_each_architecture_belongs_to_a_listed_family():
+    from kvserve.model.registry import FAMILIES
+
+    assert {arch.family for arch in ARCHITECTURES} == set(FAMILIES)
+    assert find_architecture("Qwen2ForCausalLM", HF).family is find_architecture("llama", GGUF).family
+    with pytest.raises(UnsupportedModelError, match="multimodal Gemma 3 checkpoints"):
+        find_architecture("Gemma3ForConditionalGeneration", HF)  # recognized by its family, refused with a reason
+
+
+def test_a_new_family_plugs_in_through_the_registry_alone(monkeypatch, tmp_path):
+    # What adding a family takes: its ModelFamily and architectures in the registry's list; the readers and
+    # the loader find it there (here a Llama-shaped family whose config.json says "TinyForCausalLM").
+    import json
+
+    from kvserve.model import registry
+    from kvserve.model.checkpoint import read_config
+    from kvserve.model.family import Architecture, ModelFamily, gguf_config
+    from kvserve.model.llama import FAMILY as LLAMA, read_hf_config
+
+    seen = []
+
+    def read_tiny(cfg, arch):
+        seen.append(arch)
+        return read_hf_config(cfg, arch)
+
+    tiny = ModelFamily(LlamaForCausalLM, read_tiny, gguf_config, LLAMA.gguf_layer_tensors)
+    monkeypatch.setattr(registry, "ARCHITECTURES", (*ARCHITECTURES, Architecture("TinyForCausalLM", HF, tiny)))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["TinyForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    config = read_config(tmp_path)
+    assert seen == ["TinyForCausalLM"] and config.architecture == "TinyForCausalLM" and config.num_layers == 2
+    assert model_class("TinyForCausalLM") is LlamaForCausalLM
+    assert "TinyForCausalLM" in supported_architectures(HF)

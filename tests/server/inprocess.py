@@ -14,7 +14,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import LoadedModel
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.runtime import run_on_compute_thread
+from kvserve.platform import run_on_compute_thread
 from kvserve.server.app import create_app
 from kvserve.server.core.serving import ServerSettings
 

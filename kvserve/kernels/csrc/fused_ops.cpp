@@ -1,6 +1,8 @@
 // The small per-layer operations of a decoder, each one pass over its rows instead of a chain of torch
 // ops: at batch 1 a decode step ran ~1,700 dispatched ops, and torch's rms_norm alone was ten of them
 // (27 us a call against a few here). All fp32, rows of the last dimension contiguous.
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

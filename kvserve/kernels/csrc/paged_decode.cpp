@@ -7,6 +7,8 @@
 // sum (online softmax, rescaled once per block); the splits of a request are
 // merged at the end. Nothing is gathered or copied: each K/V row is read once
 // per (request, KV head). Threads: at::parallel_for (OpenMP; kernels/build.py).
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

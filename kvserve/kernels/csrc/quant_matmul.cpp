@@ -20,6 +20,8 @@
 //
 // Instruction sets are chosen at run time (one binary: AVX512-VNNI, AVX2, portable C++), so a test can
 // run each path on a machine that has them all.
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

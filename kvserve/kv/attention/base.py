@@ -26,6 +26,11 @@ from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import PagedKVCache
 
 
+def single_token_decode(num_new_tokens: int) -> bool:
+    """The default decode rule (`AttentionBackend.is_decode`): one query token per request."""
+    return num_new_tokens == 1
+
+
 @dataclass(frozen=True, slots=True)
 class SequenceSlice:
     """One request's part of a step: its block table in each KV group, tokens already cached, tokens
@@ -66,6 +71,13 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
 
+    def is_decode(self, num_new_tokens: int) -> bool:
+        """Whether a request's part of a step with `num_new_tokens` query tokens runs as a decode (batched
+        with the other decodes, its queries attending in place) rather than as a prefill chunk. The one
+        rule `batch_order` and the step metadata follow: a multi-token decode (k + 1 tokens per request,
+        speculative decoding) changes it here."""
+        return single_token_decode(num_new_tokens)
+
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, block_size: int, row_width: int) -> tuple[int, ...]:
         """Shape of one layer's K (or V, or quantization-parameter) tensor in the pool.
@@ -75,9 +87,14 @@ class AttentionBackend(ABC):
         last one the row width (storage writes flat rows and reads whole blocks).
         """
 
-    def allocate_kv_cache(self, spec: KVSpec, num_blocks: int, block_size: int) -> PagedKVCache:
-        """The paged pool, laid out as this backend wants it."""
-        return PagedKVCache(spec, num_blocks, block_size, self.kv_cache_shape)
+    # Whether this backend may run kvserve's C++ kernels (kernels/ops.py), in its pool's writes too.
+    use_cpp_kernels: bool = False
+
+    def allocate_kv_cache(self, spec: KVSpec, num_blocks: int, block_size: int,
+                          device: str | torch.device = "cpu") -> PagedKVCache:
+        """The paged pool on `device`, laid out as this backend wants it."""
+        return PagedKVCache(spec, num_blocks, block_size, self.kv_cache_shape, device=device,
+                            use_cpp_kernels=self.use_cpp_kernels)
 
     @abstractmethod
     def token_slots(self, cache: PagedKVCache, block_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -87,8 +104,8 @@ class AttentionBackend(ABC):
         """A permutation of the scheduled requests (given by their new-token counts): the batch order.
 
         The default keeps the scheduler's order. Correctness never depends on
-        it; a backend that batches some requests together (decodes) asks for
-        them to be adjacent.
+        it; a backend that batches some requests together (decodes, by
+        `is_decode`) asks for them to be adjacent.
         """
         return list(range(len(num_new_tokens)))
 

@@ -17,13 +17,12 @@ prefix) attend over the union of their blocks instead of split-KV
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from kvserve.arith import cdiv
-from kvserve.kernels import cpu_kernels
+from kvserve.kernels import ops
 from kvserve.kv.attention.base import AttentionBackend, AttentionContext, SequenceSlice
 from kvserve.kv.attention.cpu_decode import split_kv_decode, union_decode
 from kvserve.kv.attention.cpu_metadata import (UNION_SHARING_FACTOR, AttentionMetadata, DecodeMetadata,
@@ -38,7 +37,7 @@ def slot_indices(slot_blocks: torch.Tensor, slot_rows: torch.Tensor, num_kv_head
     `[T * num_kv_heads]`, token-major (as `k.reshape(-1, head_dim)`), computed
     once per step for all layers.
     """
-    heads = torch.arange(num_kv_heads)
+    heads = torch.arange(num_kv_heads, device=slot_blocks.device)
     return ((slot_blocks[:, None] * num_kv_heads + heads[None, :]) * block_size + slot_rows[:, None]).reshape(-1)
 
 
@@ -46,11 +45,12 @@ class PagedKVContext(AttentionContext):
     """The paged cache plus this step's metadata, one `AttentionMetadata` per KV group."""
 
     def __init__(self, cache: PagedKVCache, group_metadata: Sequence[AttentionMetadata],
-                 decode_kernel: ModuleType | None = None) -> None:
+                 decode_kernel: Callable[..., torch.Tensor] | None = None) -> None:
         self.cache = cache
         self.group_metadata = group_metadata
         self.layer_group = cache.spec.layout.layer_group
-        self.decode_kernel = decode_kernel  # reads float blocks in place; None: gather, then torch kernels
+        # `ops.paged_decode`: reads float blocks in place; None: gather, then the torch kernels.
+        self.decode_kernel = decode_kernel
         heads, block_size = cache.spec.num_kv_heads, cache.block_size
         # Per group: the kernel's work split, and the flat rows its new tokens are written to.
         self._splits = [_num_splits(m.decode) if decode_kernel is not None and m.decode is not None else 0
@@ -69,7 +69,7 @@ class PagedKVContext(AttentionContext):
                 kv = cache.gather(layer, meta.decode.union_block_ids, q.dtype, fold_scales=True)
                 outputs.append(union_decode(queries, kv, meta.decode, scale))
             elif self.decode_kernel is not None:
-                outputs.append(self.decode_kernel.paged_decode(
+                outputs.append(self.decode_kernel(
                     queries, cache.k[layer], cache.v[layer], meta.decode.block_ids, meta.decode.seq_offsets,
                     meta.decode.key_valid, scale, self._splits[group]))
             else:
@@ -87,10 +87,6 @@ class PagedKVContext(AttentionContext):
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-# Cache dtypes the C++ kernel reads (16-bit ones are widened block by block); quantized ones use the torch path.
-_KERNEL_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def _num_splits(decode: DecodeMetadata) -> int:
     """Runs of blocks per request for the C++ kernel (each run covers every KV head): enough work items to
     keep every thread busy (4 per thread) when few requests decode, never under 4 blocks a run."""
@@ -104,7 +100,8 @@ class CpuAttentionBackend(AttentionBackend):
 
     def __init__(self, use_cpp_kernels: bool = True) -> None:
         # Built (or loaded from the per-machine cache) now, at engine start, not on the first request.
-        self.decode_kernel = cpu_kernels() if use_cpp_kernels else None
+        self.use_cpp_kernels = use_cpp_kernels and ops.available()
+        self.decode_kernel = ops.paged_decode if self.use_cpp_kernels else None
 
     def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, block_size: int, row_width: int) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, block_size, row_width)
@@ -113,23 +110,25 @@ class CpuAttentionBackend(AttentionBackend):
         return slot_indices(block_ids, rows, cache.spec.num_kv_heads, cache.block_size)
 
     def batch_order(self, num_new_tokens: Sequence[int]) -> list[int]:
-        """Decodes (one new token) first, the rest after; stable within each group."""
-        return sorted(range(len(num_new_tokens)), key=lambda i: num_new_tokens[i] > 1)
+        """Decodes (`is_decode`) first, the rest after; stable within each group."""
+        return sorted(range(len(num_new_tokens)), key=lambda i: not self.is_decode(num_new_tokens[i]))
 
     def build_context(self, cache: PagedKVCache, slices: Sequence[SequenceSlice]) -> PagedKVContext:
         plain = not cache.k_params and not cache.v_params and cache.k[0].dtype == cache.v[0].dtype \
-            and cache.k[0].dtype in _KERNEL_CACHE_DTYPES
+            and cache.k[0].dtype in ops.CACHE_DTYPES
         kernel = self.decode_kernel if plain else None
         # The union is the torch path's (also its faster kernel for a single decode); the C++ kernel beats it.
         factor = UNION_SHARING_FACTOR if kernel is None else None
         groups = cache.spec.layout.groups
         return PagedKVContext(cache, [build_attention_metadata(slices, cache.block_size, group.window, index,
-                                                               union_factor=factor)
+                                                               union_factor=factor, is_decode=self.is_decode,
+                                                               device=cache.device)
                                       for index, group in enumerate(groups)], kernel)
 
 
 class TorchCpuAttentionBackend(CpuAttentionBackend):
-    """The cpu backend with torch kernels only (what runs where the C++ kernel cannot be built)."""
+    """The cpu backend with torch kernels only (what runs where the C++ kernel cannot be built): no C++ runs,
+    neither its decode kernel nor its pool's one-pass K/V store."""
 
     name = "cpu-torch"
 

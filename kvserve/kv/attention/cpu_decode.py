@@ -41,12 +41,14 @@ def split_kv_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale
         probs.mul_(kv.v_scale[:, :, None, :])
     block_out = torch.matmul(probs, kv.v)  # [NB, KVH, G, D]
     # Merge the blocks of each request: rescale to the request's global max.
-    seq_max = torch.full((num_seqs, num_kv_heads, group, 1), float("-inf"))
+    seq_max = torch.full((num_seqs, num_kv_heads, group, 1), float("-inf"), device=q.device)
     index = meta.seq_index.view(-1, 1, 1, 1).expand_as(block_max)
     seq_max.scatter_reduce_(0, index, block_max, reduce="amax")
     weight = torch.exp(block_max - seq_max[meta.seq_index])
-    out = torch.zeros(num_seqs, num_kv_heads, group, head_dim).index_add_(0, meta.seq_index, block_out * weight)
-    norm = torch.zeros(num_seqs, num_kv_heads, group, 1).index_add_(0, meta.seq_index, block_sum * weight)
+    out = torch.zeros(num_seqs, num_kv_heads, group, head_dim, device=q.device).index_add_(
+        0, meta.seq_index, block_out * weight)
+    norm = torch.zeros(num_seqs, num_kv_heads, group, 1, device=q.device).index_add_(0, meta.seq_index,
+                                                                                     block_sum * weight)
     return (out / norm).view(num_seqs, num_heads * head_dim)
 
 

@@ -1,7 +1,8 @@
 """The `cpu` backend's step metadata: where new K/V go and which blocks each request reads.
 
 A step's batch is a flat list of tokens from several requests, decode tokens
-first (one per request), then prefill chunks. Metadata is built once per KV
+first (one per request: the backend's `is_decode` says which), then prefill
+chunks. Every tensor is built on the cache's device. Metadata is built once per KV
 group (kv/groups.py), from each request's table in that group, and read by
 every layer of the group. Only blocks inside a windowed group's window are
 read; the positions before it may hold the null block (freed), and reading
@@ -11,13 +12,13 @@ one there would be a bug, so building the metadata refuses it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from kvserve.arith import cdiv
 from kvserve.errors import KVIntegrityError
-from kvserve.kv.attention.base import SequenceSlice
+from kvserve.kv.attention.base import SequenceSlice, single_token_decode
 from kvserve.kv.groups import first_needed_block
 
 
@@ -45,7 +46,7 @@ def _with_union(meta: DecodeMetadata, block_size: int, factor: float) -> DecodeM
     union, inverse = torch.unique(meta.block_ids, return_inverse=True)
     if union.numel() * meta.num_seqs > factor * meta.block_ids.numel():
         return meta  # little sharing: reading each request's blocks costs less
-    mask = torch.zeros(meta.num_seqs, union.numel(), block_size, dtype=torch.bool)
+    mask = torch.zeros(meta.num_seqs, union.numel(), block_size, dtype=torch.bool, device=union.device)
     mask[meta.seq_index, inverse] = meta.key_valid
     meta.union_block_ids, meta.union_mask = union, mask.view(meta.num_seqs, -1)
     return meta
@@ -75,7 +76,7 @@ class AttentionMetadata:
 
 def _decode_metadata(
     decodes: Sequence[tuple[Sequence[int], int]], block_size: int, sliding_window: int | None,
-    union_factor: float | None
+    union_factor: float | None, device: torch.device
 ) -> DecodeMetadata | None:
     """Decode metadata for (block table, query position) pairs, reading only blocks inside the window."""
     if not decodes:
@@ -97,26 +98,32 @@ def _decode_metadata(
         lows.append(lo)
         q_positions.append(q_pos)
         offsets.append(len(dec_blocks))
-    offsets_t = torch.tensor(offsets)
-    seq_index = torch.repeat_interleave(torch.arange(len(decodes)), offsets_t[1:] - offsets_t[:-1])
-    block_index = torch.arange(len(dec_blocks)) - offsets_t[seq_index] + torch.tensor(first_index)[seq_index]
-    key_pos = (block_index * block_size)[:, None] + torch.arange(block_size)[None, :]
-    key_valid = (key_pos <= torch.tensor(q_positions)[seq_index, None]) & (key_pos >= torch.tensor(lows)[seq_index, None])
-    meta = DecodeMetadata(len(decodes), torch.tensor(dec_blocks), seq_index, key_valid, offsets_t)
+    offsets_t = torch.tensor(offsets, device=device)
+    # output_size given: no read of the counts back from the device to size the result.
+    seq_index = torch.repeat_interleave(torch.arange(len(decodes), device=device), offsets_t[1:] - offsets_t[:-1],
+                                        output_size=len(dec_blocks))
+    block_index = (torch.arange(len(dec_blocks), device=device) - offsets_t[seq_index]
+                   + torch.tensor(first_index, device=device)[seq_index])
+    key_pos = (block_index * block_size)[:, None] + torch.arange(block_size, device=device)[None, :]
+    key_valid = ((key_pos <= torch.tensor(q_positions, device=device)[seq_index, None])
+                 & (key_pos >= torch.tensor(lows, device=device)[seq_index, None]))
+    meta = DecodeMetadata(len(decodes), torch.tensor(dec_blocks, device=device), seq_index, key_valid, offsets_t)
     return _with_union(meta, block_size, union_factor) if union_factor is not None else meta
 
 
 def build_attention_metadata(
     slices: Sequence[SequenceSlice], block_size: int, sliding_window: int | None = None, group: int = 0,
-    union_factor: float | None = UNION_SHARING_FACTOR,
+    union_factor: float | None = UNION_SHARING_FACTOR, is_decode: Callable[[int], bool] = single_token_decode,
+    device: str | torch.device = "cpu",
 ) -> AttentionMetadata:
     """Metadata of KV group `group` (window `sliding_window`, None = full) for a step whose token batch
-    is `slices` in order. `union_factor` decides when decodes sharing blocks attend over their union
-    (see UNION_SHARING_FACTOR); None never builds it.
+    is `slices` in order, its tensors on `device` (the cache's). `union_factor` decides when decodes
+    sharing blocks attend over their union (see UNION_SHARING_FACTOR); None never builds it.
 
-    Single-token slices before the first longer one are decodes (the batch
-    order puts them there); any later one is attended as a one-token prefill.
+    Slices that `is_decode` (the backend's rule) before the first other one are decodes (the batch
+    order puts them there); any later one is attended as a prefill chunk.
     """
+    device = torch.device(device)
     slot_blocks: list[int] = []
     slot_rows: list[int] = []
     decodes: list[tuple[Sequence[int], int]] = []  # (block table, query position)
@@ -130,18 +137,22 @@ def build_attention_metadata(
         for position in range(start, end):
             slot_blocks.append(table[position // block_size])
             slot_rows.append(position % block_size)
-        if s.num_new_tokens == 1 and not prefills:
+        if is_decode(s.num_new_tokens) and not prefills:
+            if s.num_new_tokens != 1:  # a multi-token decode needs kernels that take k + 1 queries per request
+                raise ValueError(f"the cpu decode kernels take one query token per request, not {s.num_new_tokens}")
             decodes.append((table, start))
         else:
             first = first_needed_block(sliding_window, start, block_size)
             read = list(table[first : cdiv(end, block_size)])
             if read and min(read) < 0:
                 raise KVIntegrityError(f"a prefill chunk at positions {start}..{end - 1} would read a freed block")
-            prefills.append(PrefillMetadata(row, row + s.num_new_tokens, torch.tensor(read, dtype=torch.long),
-                                            end, torch.arange(start, end), first * block_size))
+            prefills.append(PrefillMetadata(row, row + s.num_new_tokens,
+                                            torch.tensor(read, dtype=torch.long, device=device), end,
+                                            torch.arange(start, end, device=device), first * block_size))
         row += s.num_new_tokens
     if slot_blocks and min(slot_blocks) < 0:
         raise KVIntegrityError("a new token's block is the null block")
-    return AttentionMetadata(torch.tensor(slot_blocks, dtype=torch.long), torch.tensor(slot_rows, dtype=torch.long),
-                             len(decodes), _decode_metadata(decodes, block_size, sliding_window, union_factor),
+    return AttentionMetadata(torch.tensor(slot_blocks, dtype=torch.long, device=device),
+                             torch.tensor(slot_rows, dtype=torch.long, device=device), len(decodes),
+                             _decode_metadata(decodes, block_size, sliding_window, union_factor, device),
                              prefills, sliding_window)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+
 def window_applies(last_position: int, sliding_window: int | None, key_start: int = 0) -> bool:
     """Whether a query at `last_position` sees fewer keys than those from `key_start` on (its window cuts them)."""
     return sliding_window is not None and last_position - key_start >= sliding_window
@@ -27,7 +28,7 @@ def attention_mask(q_positions: torch.Tensor, num_keys: int, sliding_window: int
     windowed = window_applies(last, sliding_window, key_start)
     if q_positions.numel() == 1 and last == key_start + num_keys - 1 and not windowed:
         return None
-    k_positions = torch.arange(key_start, key_start + num_keys)
+    k_positions = torch.arange(key_start, key_start + num_keys, device=q_positions.device)
     mask = k_positions[None, :] <= q_positions[:, None]
     if windowed:
         mask &= (q_positions[:, None] - k_positions[None, :]) < sliding_window

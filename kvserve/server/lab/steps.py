@@ -27,7 +27,7 @@ from kvserve.arith import cdiv
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
-from kvserve.runtime import compute_executor
+from kvserve.platform import compute_executor
 
 MODES = ("cached", "recompute")  # with the KV cache, and with enable_kv_cache=False
 

@@ -120,3 +120,22 @@ def test_decodes_sharing_a_prefix_use_the_union_and_match(window, cache_dtype):
         expected = attend(q[i : i + 1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                           torch.tensor([k.shape[0] - 1]), HEAD_DIM**-0.5, window)
         torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_what_counts_as_a_decode_is_the_backends_rule():
+    # batch_order and the step metadata follow AttentionBackend.is_decode (one query token by default).
+    assert [CPU.is_decode(n) for n in (1, 2, 5)] == [True, False, False]
+    assert CPU.batch_order([3, 1, 2, 1]) == [1, 3, 0, 2]
+
+    class TwoTokenDecodes(CpuAttentionBackend):
+        def is_decode(self, num_new_tokens: int) -> bool:
+            return num_new_tokens <= 2
+
+    backend = TwoTokenDecodes()
+    assert backend.batch_order([3, 1, 2, 1]) == [1, 2, 3, 0]
+    cache = backend.allocate_kv_cache(KVSpec(1, KV_HEADS, HEAD_DIM, "float32"), num_blocks=8, block_size=BLOCK)
+    # The metadata asks the backend, and its kernels refuse what they cannot take rather than misread it.
+    with pytest.raises(ValueError, match="one query token per request, not 2"):
+        backend.build_context(cache, [SequenceSlice(([0, 1],), 3, 2)])
+    meta = build_attention_metadata([SequenceSlice(([0, 1],), 3, 2)], BLOCK, is_decode=lambda n: False)
+    assert meta.num_decode_tokens == 0 and len(meta.prefills) == 1

@@ -1,4 +1,11 @@
-"""Process-level tuning that the hot loop depends on."""
+"""The platform: the device kvserve runs on, what it can do there, and the process tuning it depends on.
+
+`Platform(EngineConfig.device)` is the one place that knows the device: weights, the KV pool and every
+step's tensors are created on `platform.device`. What the hardware can do (the C++ kernels, fast bf16
+GEMMs) is read here, from kvserve/cpu_features.py and kvserve/kernels/ops.py, so a caller asks the
+platform instead of the CPU. The process tuning below (malloc, the heap freeze, the one compute thread)
+is measured on the CPU, and `Platform.tune_process` applies what the device calls for.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +16,72 @@ import logging
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
+
+from kvserve.cpu_features import describe_cpu, has_fast_bf16_matmul
+from kvserve.errors import ConfigError
+from kvserve.kernels import ops
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Device types kvserve can place tensors on (a backend for each is the attention registry's business).
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Platform:
+    """The device named by `device_name` ("cpu", "cuda", "cuda:1") and what runs fast there."""
+
+    device_name: str = "cpu"
+    device: torch.device = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            device = torch.device(self.device_name)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"device {self.device_name!r} is not a device name (e.g. cpu, cuda, cuda:0)") from exc
+        if device.type not in DEVICE_TYPES:
+            raise ConfigError(f"device {self.device_name!r} is not supported; supported: {', '.join(DEVICE_TYPES)}")
+        object.__setattr__(self, "device", device)
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    @property
+    def has_cpp_kernels(self) -> bool:
+        """kvserve's C++ kernels run here: a CPU where they could be built (kvserve/kernels)."""
+        return self.is_cpu and ops.available()
+
+    @property
+    def has_fast_bf16(self) -> bool:
+        """bf16 GEMMs run natively: AVX512-BF16 / AMX on a CPU, a GPU that has bf16 units."""
+        if self.is_cpu:
+            return has_fast_bf16_matmul()
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+    def describe(self) -> str:
+        """One line for logs: the device and its matmul-relevant features."""
+        if self.is_cpu:
+            kernels = "C++ kernels" if self.has_cpp_kernels else "torch kernels only"
+            return f"cpu: {describe_cpu()}, {torch.get_num_threads()} threads, {kernels}"
+        name = torch.cuda.get_device_name(self.device) if torch.cuda.is_available() else "not available"
+        return f"{self.device}: {name}"
+
+    def tune_process(self) -> None:
+        """The process-level tuning this device's hot loop depends on (the CPU's malloc thresholds)."""
+        if self.is_cpu:
+            keep_freed_memory()
+
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _KEEP_BYTES = 1 << 30
 _tuned = False
-T = TypeVar("T")
 
 
 def keep_freed_memory() -> None:

@@ -1,0 +1,25 @@
+// The functions of kvserve's CPU kernels extension: declared once here, defined in paged_decode.cpp,
+// quant_matmul.cpp and fused_ops.cpp, bound to Python in bindings.cpp. Python reaches them only through
+// kvserve/kernels/ops.py, which checks devices and dtypes before a call (a CUDA tensor here would be read
+// as host memory).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <string>
+
+// paged_decode.cpp: decode attention over paged fp32 / fp16 / bf16 K/V blocks, read in place.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_ids,
+                           torch::Tensor seq_offsets, torch::Tensor key_valid, double scale, int64_t num_splits);
+
+// quant_matmul.cpp: x @ W^T for 4- or 8-bit group-quantized W, and the instruction set it runs on.
+torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t N, int64_t isa);
+std::string quant_matmul_isa();
+
+// fused_ops.cpp: the per-layer ops of a decoder, one pass over their rows each.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight, double eps);
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
+torch::Tensor gated_activation(torch::Tensor x, int64_t activation);
+void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
