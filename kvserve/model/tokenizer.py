@@ -12,6 +12,8 @@ from typing import Any, Sequence
 from tokenizers import Tokenizer as HFTokenizer
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
+from kvserve.model.gguf_vocab import (SPACE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, byte_level_bpe,
+                                      sentencepiece_bpe)
 
 log = logging.getLogger(__name__)
 
@@ -21,47 +23,6 @@ log = logging.getLogger(__name__)
 _END_OF_GENERATION_TEXTS = (
     "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>", "</s>",
 )
-
-# GGUF `tokenizer.ggml.pre` -> tokenizers pre-tokenizer, mirroring llama.cpp's table.
-_GPT2_REGEX_PRE = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-
-
-def _split_then_bytes(regex: str) -> dict[str, Any]:
-    return {
-        "type": "Sequence",
-        "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
-        ],
-    }
-
-
-_DIGITS_THEN_GPT2 = {
-    "type": "Sequence",
-    "pretokenizers": [{"type": "Digits", "individual_digits": True}, _GPT2_REGEX_PRE],
-}
-_PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
-    # SmolLM and StarCoder split every digit on its own, then GPT-2's regex.
-    "smollm": _DIGITS_THEN_GPT2,
-    "starcoder": _DIGITS_THEN_GPT2,
-    "refact": _DIGITS_THEN_GPT2,
-    "gpt-2": _GPT2_REGEX_PRE,
-    "default": _GPT2_REGEX_PRE,
-    "llama-bpe": _split_then_bytes(_LLAMA3_REGEX),
-    "llama3": _split_then_bytes(_LLAMA3_REGEX),
-    "qwen2": _split_then_bytes(_QWEN2_REGEX),
-}
-
-# GGUF token types (llama.cpp's llama_token_type)
-_TOKEN_TYPE_NORMAL = 1
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-
-_SPACE = "\u2581"  # SentencePiece writes a space as "▁"
 
 
 @functools.lru_cache(maxsize=8)
@@ -148,13 +109,13 @@ class Tokenizer:
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
         if kind == "gpt2":
-            spec = _byte_level_bpe(meta, tokens)
+            spec = byte_level_bpe(meta, tokens)
         elif kind == "llama":
             # llama.cpp's converter writes SentencePiece's user-defined "▁▁" (Gemma's runs of spaces) as "  ":
             # spell them back, to be matched after spaces become "▁", as SentencePiece matches them.
-            tokens = [token.replace(" ", _SPACE) if kind == _TOKEN_TYPE_USER_DEFINED else token
+            tokens = [token.replace(" ", SPACE) if kind == TOKEN_TYPE_USER_DEFINED else token
                       for token, kind in zip(tokens, types)]
-            spec = _sentencepiece_bpe(meta, tokens, types)
+            spec = sentencepiece_bpe(meta, tokens, types)
         else:
             raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported "
                                         "(supported: byte-level BPE 'gpt2', SentencePiece 'llama')")
@@ -163,8 +124,8 @@ class Tokenizer:
         # SentencePiece and llama.cpp do; those spelt with "▁" are matched in the text once spaces are "▁".
         spec["added_tokens"] = [
             {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": _SPACE in tokens[i], "special": types[i] == _TOKEN_TYPE_CONTROL}
-            for i in range(len(tokens)) if types[i] in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+             "normalized": SPACE in tokens[i], "special": types[i] == TOKEN_TYPE_CONTROL}
+            for i in range(len(tokens)) if types[i] in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
         ]
         bos_id = meta.get("tokenizer.ggml.bos_token_id")
         eos_id = meta.get("tokenizer.ggml.eos_token_id")
@@ -225,78 +186,6 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The template writes any BOS itself, so no special tokens are added again.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
-
-
-def _byte_level_bpe(meta: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
-    """tokenizers' spec (less added tokens and post-processing) of a GGUF byte-level BPE vocabulary."""
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
-        log.warning("GGUF pre-tokenizer %r is unknown; using GPT-2 splitting (tokens may differ)", pre)
-    return {
-        "normalizer": None,
-        "pre_tokenizer": _PRE_TOKENIZERS.get(pre, _GPT2_REGEX_PRE),
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {
-            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-            "vocab": {tok: i for i, tok in enumerate(tokens)},
-            "merges": list(meta.get("tokenizer.ggml.merges", [])),
-        },
-    }
-
-
-def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]) -> dict[str, Any]:
-    """tokenizers' spec of a GGUF SentencePiece ("llama") vocabulary, encoding as SentencePiece's BPE does.
-
-    Spaces become "▁" (with one prepended when `add_space_prefix`, llama.cpp's default; Gemma sets it
-    false), characters outside the vocabulary fall back to their UTF-8 bytes (<0xNN>), and
-    adjacent pieces merge best-first while their concatenation is a normal vocabulary entry. The file
-    has no merge list: `_sentencepiece_merges` makes one.
-    """
-    add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    scores = list(meta.get("tokenizer.ggml.scores", [0.0] * len(tokens)))
-    # The prefix goes before each stretch of text between added tokens (as llama.cpp puts it after each
-    # special token, and transformers' legacy Llama tokenizer does), and comes off the decoded text.
-    normalizers = [{"type": "Prepend", "prepend": _SPACE}] if add_prefix else []
-    normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": _SPACE})
-    decoders: list[dict[str, Any]] = [
-        {"type": "Replace", "pattern": {"String": _SPACE}, "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"},
-    ]
-    if add_prefix:
-        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
-    return {
-        "normalizer": {"type": "Sequence", "normalizers": normalizers},
-        "pre_tokenizer": None,
-        "decoder": {"type": "Sequence", "decoders": decoders},
-        "model": {
-            "type": "BPE", "dropout": None, "unk_token": tokens[unk_id] if unk_id is not None else None,
-            "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
-            "ignore_merges": False, "vocab": {tok: i for i, tok in enumerate(tokens)},
-            "merges": _sentencepiece_merges(tokens, scores, types),
-        },
-    }
-
-
-def _sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[list[str]]:
-    """BPE merges that make tokenizers encode like SentencePiece: best first, (left, right) for every
-    normal vocabulary entry that splits into two entries.
-
-    SentencePiece (and llama.cpp) repeatedly merge the adjacent pair whose concatenation is a normal
-    piece with the highest score, so a piece's score is its merges' rank (a SentencePiece BPE file
-    lists pieces in that order anyway: Gemma's score -0, -1, -2, ... by id). Within one piece the
-    longer left part comes first (the order transformers gives Gemma's merges).
-    """
-    ids = {token: i for i, token in enumerate(tokens)}
-    normal = [i for i, kind in enumerate(types) if kind == _TOKEN_TYPE_NORMAL]
-    merges = []
-    for i in sorted(normal, key=lambda i: -scores[i]):  # stable: file order among equal scores
-        token = tokens[i]
-        for cut in range(len(token) - 1, 0, -1):
-            left, right = token[:cut], token[cut:]
-            if left in ids and right in ids:
-                merges.append([left, right])
-    return merges
 
 
 def _read_json(path: Path) -> dict[str, Any]:
