@@ -1,12 +1,17 @@
-"""Request field types every API's body shares: strict numbers, valid Unicode text, documented bounds."""
+"""Request field types every API's body shares: strict numbers, valid Unicode text, documented bounds,
+`null` as the default, and sampling errors that name the request's own field."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field, StrictFloat, StrictInt
+from pydantic import AfterValidator, BaseModel, Field, StrictFloat, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
+
+from kvserve.engine.sampling import SamplingParams
+from kvserve.errors import InvalidRequestError
 
 # Strict numbers: "0.7" (a string) is a type error, as in OpenAI's API; ints are accepted as floats.
 Number = StrictFloat | StrictInt
@@ -31,3 +36,35 @@ def bounded(default: Any = None, **bounds: Any) -> Any:
     """A field whose range is documented in the OpenAPI schema (JSON Schema keywords) and enforced
     by SamplingParams or the API's own checks, which word the errors the same way for the offline API."""
     return Field(default, json_schema_extra=bounds)
+
+
+# Text that must not be empty: the schema says so (minLength), and pydantic refuses "" with that message.
+NonEmptyText = Annotated[Text, Field(min_length=1)]
+
+
+class NullMeansDefault(BaseModel):
+    """A request body where an explicit `null` is the field's default, as OpenAI's spec makes these
+    fields nullable and wrappers (langchain, litellm, ...) pass `None` through. A field takes part
+    when its type allows None and its default is not None; the schema then says `nullable`."""
+
+    @model_validator(mode="after")
+    def _null_means_default(self):
+        for name, info in type(self).model_fields.items():
+            if info.default is not None and getattr(self, name) is None:
+                setattr(self, name, info.get_default(call_default_factory=True))
+        return self
+
+
+def sampling_params(values: Mapping[str, Any], renamed: Mapping[str, str]) -> SamplingParams:
+    """SamplingParams(**values), its errors naming the request's own field: `renamed` maps a
+    SamplingParams name to the field the request spelled it as (max_tokens -> max_output_tokens)."""
+    try:
+        return SamplingParams(**values)
+    except InvalidRequestError as exc:
+        field = renamed.get(exc.param or "")
+        if field is None:
+            raise
+        message = str(exc)
+        if message.startswith(exc.param):
+            message = field + message[len(exc.param):]
+        raise InvalidRequestError(message, param=field) from None

@@ -10,7 +10,7 @@ non-text content parts), which are refused by name rather than silently dropped.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
@@ -19,7 +19,7 @@ from kvserve.engine.sampling import (
     MAX_LOGPROBS, MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams,
 )
 from kvserve.errors import InvalidRequestError
-from kvserve.server.core.fields import Number, Text, bounded
+from kvserve.server.core.fields import NonEmptyText, NullMeansDefault, Number, Text, bounded, sampling_params
 
 # Most choices one request may ask for (OpenAI's bound for n).
 MAX_CHOICES = 128
@@ -29,7 +29,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(NullMeansDefault):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -38,13 +38,13 @@ class _SamplingRequest(BaseModel):
     max_tokens: StrictInt | None = bounded(minimum=1)
     temperature: Number | None = bounded(minimum=0, maximum=MAX_TEMPERATURE)
     top_p: Number | None = bounded(exclusiveMinimum=0, maximum=1)
-    n: StrictInt = bounded(1, minimum=1, maximum=MAX_CHOICES)
-    stream: StrictBool = False
+    n: StrictInt | None = bounded(1, minimum=1, maximum=MAX_CHOICES)
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
     seed: StrictInt | None = bounded(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
-    presence_penalty: Number = bounded(0.0, minimum=-2, maximum=2)
-    frequency_penalty: Number = bounded(0.0, minimum=-2, maximum=2)
+    presence_penalty: Number | None = bounded(0.0, minimum=-2, maximum=2)
+    frequency_penalty: Number | None = bounded(0.0, minimum=-2, maximum=2)
     logit_bias: dict[str, Number] | None = None
     user: Text | None = None
     # vLLM extras
@@ -74,10 +74,15 @@ class _SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
 
-    def _sampling_params(self, max_tokens: int | None, default_max_tokens: int, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The output cap the request gave (None: the server's default, `Serving.default_max_tokens`)."""
+        return self.max_tokens
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                         renamed: dict[str, str] | None = None) -> SamplingParams:
         values = dict(
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            max_tokens=max_tokens,
             stop=self.stop or [], seed=self.seed, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids or [], skip_special_tokens=self.skip_special_tokens,
@@ -86,7 +91,7 @@ class _SamplingRequest(BaseModel):
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
-        return SamplingParams(**values)
+        return sampling_params(values, renamed or {})
 
     @property
     def include_usage(self) -> bool:
@@ -94,8 +99,10 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
-    echo: StrictBool = False
+    prompt: (NonEmptyText | Annotated[list[StrictInt], Field(min_length=1)]
+             | Annotated[list[NonEmptyText], Field(min_length=1)]
+             | Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1)])
+    echo: StrictBool | None = False
     logprobs: StrictInt | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
     suffix: Text | None = None
     best_of: StrictInt | None = None
@@ -107,32 +114,31 @@ class CompletionRequest(_SamplingRequest):
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of other than n is not supported", param="best_of")
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        # OpenAI's default for completions is 16 tokens.
+    # OpenAI's default max_tokens for completions (chat's runs to the end of the context).
+    API_DEFAULT_MAX_TOKENS: ClassVar[int] = 16
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo and self.logprobs is not None:
             prompt_logprobs = self.logprobs  # echo with logprobs scores the prompt too
-        return self._sampling_params(self.max_tokens, min(16, default_max_tokens), self.logprobs, prompt_logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string, token ids, or a list of either."""
-        prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompts = [prompt]
-        else:
-            prompts = list(prompt)
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        return prompts
+        prompt = self.prompt  # never empty, nor any prompt in it (the schema's minLength / minItems)
+        return [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
 
 
 _IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 
 
 class ContentPart(BaseModel):
-    """A part of a message's content. Only text is served; other kinds are refused by name."""
+    """A part of a message's content. Only text is served; other kinds are refused by name.
 
-    model_config = ConfigDict(extra="allow")
+    The schema requires `text` (a text part has one); the check below says why a part without it
+    is refused (an image, an audio part) rather than only that `text` is missing."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["type", "text"]})
 
     type: Text = Field(json_schema_extra={"enum": ["text"]})
     text: Text | None = None
@@ -149,12 +155,23 @@ class ContentPart(BaseModel):
         return self
 
 
+# Only an assistant turn may come without content (OpenAI's, where tool calls stand in for it).
+_CONTENT_REQUIRED = {"if": {"properties": {"role": {"enum": ["system", "developer", "user"]}}},
+                     "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_CONTENT_REQUIRED)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("missing_content", "a {role} message needs `content`", {"role": self.role})
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -167,7 +184,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = bounded(minimum=1)
-    logprobs: StrictBool = False
+    logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     tools: list[dict] | None = None
@@ -182,10 +199,17 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", param="top_logprobs")
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, default_max_tokens, logprobs, self.prompt_logprobs)
+        # The errors name the field the request used: top_logprobs is what becomes `logprobs`.
+        renamed = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            renamed["max_tokens"] = "max_completion_tokens"
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, renamed)
 
     def template_messages(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for the system role; templates know "system".

@@ -8,7 +8,7 @@ by name, never ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
@@ -16,16 +16,17 @@ from pydantic_core import PydanticCustomError
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import TTL_SECONDS
-from kvserve.server.core.fields import Number, Text, bounded
+from kvserve.server.core.fields import NonEmptyText, NullMeansDefault, Number, Text, bounded, sampling_params
 
 _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 MAX_METADATA_KEYS = 16  # as OpenAI
 
 
 class InputContent(BaseModel):
-    """A content part of an input message: only text is served."""
+    """A content part of an input message: only text is served (the schema requires `text`; the
+    check says why a part without it is refused)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["type", "text"]})
 
     type: Text = Field(json_schema_extra={"enum": list(_TEXT_PART_TYPES)})
     text: Text | None = None
@@ -62,17 +63,17 @@ class InputMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
 
     model: Text | None = None
-    input: Text | list[InputMessage]
+    input: NonEmptyText | Annotated[list[InputMessage], Field(min_length=1)]
     instructions: Text | None = None
     max_output_tokens: StrictInt | None = bounded(minimum=1)
     temperature: Number | None = bounded(minimum=0, maximum=2)
     top_p: Number | None = bounded(exclusiveMinimum=0, maximum=1)
-    stream: StrictBool = False
-    store: StrictBool = True
+    stream: StrictBool | None = False
+    store: StrictBool | None = True
     previous_response_id: Text | None = None
     truncation: Literal["auto", "disabled"] | None = None
     prompt_cache_key: Text | None = None
@@ -116,8 +117,6 @@ class ResponsesRequest(BaseModel):
         if self.metadata is not None and len(self.metadata) > MAX_METADATA_KEYS:
             raise InvalidRequestError(f"metadata has {len(self.metadata)} keys; at most {MAX_METADATA_KEYS}",
                                       param="metadata")
-        if isinstance(self.input, str) and not self.input or isinstance(self.input, list) and not self.input:
-            raise InvalidRequestError("input must not be empty", param="input")
         if self.prompt_cache_retention is not None and self.prompt_cache_key is None:
             raise InvalidRequestError("prompt_cache_retention needs a prompt_cache_key", param="prompt_cache_retention")
 
@@ -147,4 +146,4 @@ class ResponsesRequest(BaseModel):
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
-        return SamplingParams(**values)
+        return sampling_params(values, {"max_tokens": "max_output_tokens"})
