@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import TTL_SECONDS
-from kvserve.server.core.fields import NullMeansDefault, Number, Text, bounded, sampling_params
+from kvserve.server.core.fields import Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded, required_in_schema, sampling_params
 
 MAX_BREAKPOINTS = 4  # as Anthropic
 
@@ -35,7 +35,7 @@ class CacheControl(BaseModel):
 class TextBlock(BaseModel):
     # The schema requires `text` (a text block has one); the check says why a block without it is
     # refused (an image, a document) rather than only that `text` is missing.
-    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["type", "text"]})
+    model_config = ConfigDict(extra="allow", json_schema_extra=required_in_schema("text"))
 
     type: Text = Field(json_schema_extra={"enum": ["text"]})
     text: Text | None = None
@@ -95,11 +95,11 @@ class MessagesPrompt(NullMeansDefault):
 
 
 class MessagesRequest(MessagesPrompt):
-    max_tokens: StrictInt = bounded(..., minimum=1)  # required, as Anthropic's API
-    stop_sequences: list[Text] | None = None
+    max_tokens: Integer = bounded(..., minimum=1)  # required, as Anthropic's API
+    stop_sequences: list[NonEmptyText] | None = None
     temperature: Number | None = bounded(minimum=0, maximum=1)
     top_p: Number | None = bounded(exclusiveMinimum=0, maximum=1)
-    top_k: StrictInt | None = bounded(minimum=0)
+    top_k: Integer | None = bounded(minimum=0)
     stream: StrictBool | None = False
     metadata: dict[str, Any] | None = None
     ignore_eos: StrictBool = False  # vLLM's extra, as on the other endpoints (benchmarks)
@@ -108,6 +108,11 @@ class MessagesRequest(MessagesPrompt):
         super().check()
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
+        # Anthropic's ranges, narrower than SamplingParams' (temperature up to 1, no top_k of -1).
+        if self.temperature is not None and not 0 <= self.temperature <= 1:
+            raise InvalidRequestError(f"temperature must be in [0, 1], got {self.temperature}", param="temperature")
+        if self.top_k is not None and self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}", param="top_k")
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         values: dict[str, Any] = dict(max_tokens=max_tokens, stop=self.stop_sequences or [], ignore_eos=self.ignore_eos)

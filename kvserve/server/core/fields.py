@@ -7,12 +7,20 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, Field, StrictFloat, StrictInt, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, StrictFloat, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 
+def _integral(value: Any) -> Any:
+    # JSON Schema counts 1.0 as an integer (the schema says "integer"), so the server does too;
+    # 1.5, "1" and true stay type errors.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# Strict integers, but 2.0 is 2 (as JSON Schema has it).
+Integer = Annotated[StrictInt, BeforeValidator(_integral)]
 # Strict numbers: "0.7" (a string) is a type error, as in OpenAI's API; ints are accepted as floats.
 Number = StrictFloat | StrictInt
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -68,3 +76,19 @@ def sampling_params(values: Mapping[str, Any], renamed: Mapping[str, str]) -> Sa
         if message.startswith(exc.param):
             message = field + message[len(exc.param):]
         raise InvalidRequestError(message, param=field) from None
+
+
+def required_in_schema(*names: str):
+    """`json_schema_extra` for a model whose fields `names` the schema requires, non-null, although the
+    model lets them be absent so that its own check can say what is wrong instead (an image part has
+    no `text`: "images are not supported" says more than "`text` is required")."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        schema["required"] = sorted(set(schema.get("required", [])) | set(names))
+        for name in names:
+            prop = schema["properties"][name]
+            if "anyOf" in prop:
+                prop["anyOf"] = [option for option in prop["anyOf"] if option.get("type") != "null"]
+            prop.pop("default", None)
+
+    return extra

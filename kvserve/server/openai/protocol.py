@@ -12,52 +12,69 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvserve.engine.sampling import (
     MAX_LOGPROBS, MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams,
 )
 from kvserve.errors import InvalidRequestError
-from kvserve.server.core.fields import NonEmptyText, NullMeansDefault, Number, Text, bounded, sampling_params
+from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
+                                     required_in_schema, sampling_params)
 
 # Most choices one request may ask for (OpenAI's bound for n).
 MAX_CHOICES = 128
+# A prompt token id; its upper bound is the model's vocabulary, which the engine checks.
+TokenId = Annotated[Integer, Field(json_schema_extra={"minimum": 0})]
 
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+def _needs(field: str, field_type: str, then: dict) -> dict:
+    """A schema rule: when `field` is given (not null), `then` holds (what `check` refuses otherwise)."""
+    return {"if": {"required": [field], "properties": {field: {"type": field_type}}}, "then": then}
+
+
+_TRUE = {"const": True}
+# stream_options only with stream=true; prompt_logprobs only without it.
+_SAMPLING_RULES = [_needs("stream_options", "object", {"required": ["stream"], "properties": {"stream": _TRUE}}),
+                   _needs("prompt_logprobs", "integer", {"properties": {"stream": {"not": _TRUE}}})]
+# top_logprobs needs logprobs=true.
+_CHAT_RULES = [*_SAMPLING_RULES,
+               _needs("top_logprobs", "integer", {"required": ["logprobs"], "properties": {"logprobs": _TRUE}})]
+
+
 class _SamplingRequest(NullMeansDefault):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"allOf": _SAMPLING_RULES})
 
     model: Text | None = None
-    max_tokens: StrictInt | None = bounded(minimum=1)
+    max_tokens: Integer | None = bounded(minimum=1)
     temperature: Number | None = bounded(minimum=0, maximum=MAX_TEMPERATURE)
     top_p: Number | None = bounded(exclusiveMinimum=0, maximum=1)
-    n: StrictInt | None = bounded(1, minimum=1, maximum=MAX_CHOICES)
+    n: Integer | None = bounded(1, minimum=1, maximum=MAX_CHOICES)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    stop: Text | list[Text] | None = None
-    seed: StrictInt | None = bounded(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
+    stop: Text | list[NonEmptyText] | None = None  # "" alone: no stop string
+    seed: Integer | None = bounded(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
     presence_penalty: Number | None = bounded(0.0, minimum=-2, maximum=2)
     frequency_penalty: Number | None = bounded(0.0, minimum=-2, maximum=2)
     logit_bias: dict[str, Number] | None = None
     user: Text | None = None
     # vLLM extras
-    top_k: StrictInt | None = bounded(minimum=-1)
+    top_k: Integer | None = bounded(minimum=-1)
     min_p: Number | None = bounded(minimum=0, maximum=1)
     repetition_penalty: Number | None = bounded(minimum=REPETITION_PENALTY_RANGE[0],
                                                  maximum=REPETITION_PENALTY_RANGE[1])
     ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = bounded(items={"type": "integer", "minimum": 0})
+    stop_token_ids: list[Integer] | None = bounded(items={"type": "integer", "minimum": 0})
     skip_special_tokens: StrictBool = True
     cache_salt: Text | None = Field(default=None, min_length=1)
     # Log-probabilities of each prompt token after the first, in vLLM's shape (not with stream=true).
-    prompt_logprobs: StrictInt | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
+    prompt_logprobs: Integer | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
 
     def check(self) -> None:
         """Checks that need no prompt (call before tokenizing); ranges of sampling values are
@@ -99,13 +116,13 @@ class _SamplingRequest(NullMeansDefault):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: (NonEmptyText | Annotated[list[StrictInt], Field(min_length=1)]
+    prompt: (NonEmptyText | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[NonEmptyText], Field(min_length=1)]
-             | Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1)])
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     echo: StrictBool | None = False
-    logprobs: StrictInt | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
+    logprobs: Integer | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
     suffix: Text | None = None
-    best_of: StrictInt | None = None
+    best_of: Integer | None = None
 
     def check(self) -> None:
         super().check()
@@ -138,7 +155,7 @@ class ContentPart(BaseModel):
     The schema requires `text` (a text part has one); the check below says why a part without it
     is refused (an image, an audio part) rather than only that `text` is missing."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["type", "text"]})
+    model_config = ConfigDict(extra="allow", json_schema_extra=required_in_schema("text"))
 
     type: Text = Field(json_schema_extra={"enum": ["text"]})
     text: Text | None = None
@@ -182,10 +199,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"allOf": _CHAT_RULES})
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = bounded(minimum=1)
+    max_completion_tokens: Integer | None = bounded(minimum=1)
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
+    top_logprobs: Integer | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     tools: list[dict] | None = None
     response_format: dict | None = None
@@ -198,6 +217,9 @@ class ChatCompletionRequest(_SamplingRequest):
             raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", param="top_logprobs")
+        if self.max_completion_tokens is not None and self.max_tokens is not None and self.max_tokens < 1:
+            # max_completion_tokens wins, but a max_tokens out of range is still refused, as the schema says
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens}", param="max_tokens")
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sampling import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import TTL_SECONDS
-from kvserve.server.core.fields import NonEmptyText, NullMeansDefault, Number, Text, bounded, sampling_params
+from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
+                                     required_in_schema, sampling_params)
 
 _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 MAX_METADATA_KEYS = 16  # as OpenAI
@@ -26,7 +27,7 @@ class InputContent(BaseModel):
     """A content part of an input message: only text is served (the schema requires `text`; the
     check says why a part without it is refused)."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["type", "text"]})
+    model_config = ConfigDict(extra="allow", json_schema_extra=required_in_schema("text"))
 
     type: Text = Field(json_schema_extra={"enum": list(_TEXT_PART_TYPES)})
     text: Text | None = None
@@ -44,7 +45,7 @@ class InputContent(BaseModel):
 class InputMessage(BaseModel):
     """An input item. Only messages are served (no function calls, reasoning items, references)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=required_in_schema("role", "content"))
 
     type: Text = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
@@ -63,14 +64,20 @@ class InputMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+# A prompt_cache_retention needs a prompt_cache_key (check() refuses one without).
+_RETENTION_NEEDS_KEY = {
+    "if": {"required": ["prompt_cache_retention"], "properties": {"prompt_cache_retention": {"type": "string"}}},
+    "then": {"required": ["prompt_cache_key"], "properties": {"prompt_cache_key": {"type": "string"}}}}
+
+
 class ResponsesRequest(NullMeansDefault):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_RETENTION_NEEDS_KEY)
 
     model: Text | None = None
     input: NonEmptyText | Annotated[list[InputMessage], Field(min_length=1)]
     instructions: Text | None = None
-    max_output_tokens: StrictInt | None = bounded(minimum=1)
-    temperature: Number | None = bounded(minimum=0, maximum=2)
+    max_output_tokens: Integer | None = bounded(minimum=1)
+    temperature: Number | None = bounded(minimum=0, maximum=MAX_TEMPERATURE)
     top_p: Number | None = bounded(exclusiveMinimum=0, maximum=1)
     stream: StrictBool | None = False
     store: StrictBool | None = True
@@ -81,10 +88,11 @@ class ResponsesRequest(NullMeansDefault):
     metadata: dict[Text, Text] | None = None
     user: Text | None = None
     # vLLM's extras, as on the other endpoints
-    top_k: StrictInt | None = bounded(minimum=-1)
+    top_k: Integer | None = bounded(minimum=-1)
     min_p: Number | None = bounded(minimum=0, maximum=1)
-    repetition_penalty: Number | None = None
-    seed: StrictInt | None = None
+    repetition_penalty: Number | None = bounded(minimum=REPETITION_PENALTY_RANGE[0],
+                                                 maximum=REPETITION_PENALTY_RANGE[1])
+    seed: Integer | None = bounded(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
     ignore_eos: StrictBool = False
     # Refused unless empty / off: the model cannot serve them.
     tools: list[Any] | None = None
@@ -94,7 +102,7 @@ class ResponsesRequest(NullMeansDefault):
     text: dict[str, Any] | None = None
     background: StrictBool | None = None
     conversation: Any = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Integer | None = None
 
     def check(self) -> None:
         """Checks that need no prompt (call before rendering)."""
