@@ -30,7 +30,8 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 # Integer flags outside EngineConfig that must be >= 1, by command (EngineConfig checks the engine flags itself,
 # when engine_config_from_args builds it before the model loads).
-_POSITIVE_INT_FLAGS = {"serve": ("max_waiting_requests", "default_max_tokens"), "memory": ("context", "batch", "block_size")}
+_POSITIVE_INT_FLAGS = {"serve": ("max_waiting_requests", "default_max_tokens"),
+                       "memory": ("context", "batch", "block_size")}
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -159,7 +159,8 @@ def test_schema_and_validation_are_one_truth(edges):
     assert response.status_code == 400 and "a user message needs `content`" in response.text
     assert schemas["ChatMessage"]["if"]["properties"]["role"]["enum"] == ["system", "developer", "user"]
     # An assistant turn may come without content (OpenAI's), and the model may be left out (vLLM's: the one served).
-    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "?"}]
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+             {"role": "user", "content": "?"}]
     assert post(edges, "/v1/chat/completions", {"messages": turns, "max_tokens": 1}).status_code == 200
     assert "model" not in schemas["ChatCompletionRequest"].get("required", [])
 

@@ -16,7 +16,8 @@ from pydantic_core import PydanticCustomError
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import TTL_SECONDS
-from kvserve.server.core.fields import Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded, required_in_schema, sampling_params
+from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
+                                     required_in_schema, sampling_params)
 
 MAX_BREAKPOINTS = 4  # as Anthropic
 

@@ -34,7 +34,7 @@ lab.showKeyBar = (message) => {
 // What a page says where it would show an error while the key bar (above) asks for the key: the
 // bar already says why, and repeating its sentence in the page's subtitle only doubles it.
 class KeyRequired extends Error {
-  constructor() { super("waiting for the admin key (above)"); this.name = "KeyRequired"; }
+  constructor() { super("waiting for the admin key"); this.name = "KeyRequired"; }
 }
 
 lab.refused = (status, body) => {
@@ -102,7 +102,14 @@ lab.tick = (v, unit) => {
   return text + (unit || "");
 };
 
-// A small line chart on a canvas: values over time, y from 0 to max(values, floor); a y axis with
+// The next round number at or above v (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8 x a power of ten): an axis's top.
+lab.roundUp = (v) => {
+  if (!(v > 0)) return 0;
+  const p = 10 ** Math.floor(Math.log10(v));
+  return [1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10].map((m) => m * p).find((x) => x >= v * (1 - 1e-9));
+};
+
+// A small line chart on a canvas: values over time, y from 0 to max(floor, a round number above the values); a y axis with
 // its top, middle and zero in `options.unit`, and `options.xLabel` under the x axis.
 lab.lineChart = (canvas, series, options) => {
   const ratio = window.devicePixelRatio || 1;
@@ -112,7 +119,7 @@ lab.lineChart = (canvas, series, options) => {
   ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
   ctx.clearRect(0, 0, width, height);
   const all = series.flatMap((s) => s.values).filter((v) => v !== null && isFinite(v));
-  const top = Math.max(options.floor || 1, ...all) * 1.1;
+  const top = Math.max(options.floor || 1, lab.roundUp(Math.max(0, ...all) * 1.05)); // headroom only past the floor
   const count = Math.max(options.points || 2, ...series.map((s) => s.values.length));
   ctx.font = "10px system-ui, sans-serif"; ctx.fillStyle = "#667085";
   const labels = [top, top / 2, 0].map((v) => lab.tick(v, options.unit));
