@@ -220,8 +220,10 @@ def test_an_uncapped_request_is_logged(server):
     assert "--default-max-tokens" in server.log()
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/models", "/health", "/v1/messages"])
-def test_trace_is_a_405_with_an_allow_header(edges, path):
+@pytest.mark.parametrize("path, allow", [("/v1/chat/completions", "POST"), ("/v1/models", "GET"), ("/health", "GET"),
+                                         ("/v1/messages", "POST"), ("/v1/kv_cache", "GET"),
+                                         ("/lab/static/lab.css", "GET, HEAD")])
+def test_trace_is_a_405_with_an_allow_header(edges, path, allow):
     response = httpx.request("TRACE", edges.base_url + path, headers=KA)
     assert response.status_code == 405
-    assert response.headers["allow"] in ("GET", "POST"), response.headers
+    assert response.headers["allow"] == allow, response.headers

@@ -46,8 +46,19 @@ def bounded(default: Any = None, **bounds: Any) -> Any:
     return Field(default, json_schema_extra=bounds)
 
 
-# Text that must not be empty: the schema says so (minLength), and pydantic refuses "" with that message.
-NonEmptyText = Annotated[Text, Field(min_length=1)]
+def _non_empty(value: Any) -> Any:
+    if len(value) == 0:
+        raise PydanticCustomError("empty", "must not be empty")
+    return value
+
+
+# Text that must not be empty: the schema says so (minLength), the check says "must not be empty".
+NonEmptyText = Annotated[Text, AfterValidator(_non_empty), Field(json_schema_extra={"minLength": 1})]
+
+
+def non_empty_list(item: Any) -> Any:
+    """A list of `item` that must not be empty (the schema's minItems)."""
+    return Annotated[list[item], AfterValidator(_non_empty), Field(json_schema_extra={"minItems": 1})]
 
 
 class NullMeansDefault(BaseModel):

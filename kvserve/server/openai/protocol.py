@@ -20,7 +20,7 @@ from kvserve.engine.sampling import (
 )
 from kvserve.errors import InvalidRequestError
 from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
-                                     required_in_schema, sampling_params)
+                                     non_empty_list, required_in_schema, sampling_params)
 
 # Most choices one request may ask for (OpenAI's bound for n).
 MAX_CHOICES = 128
@@ -116,9 +116,9 @@ class _SamplingRequest(NullMeansDefault):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: (NonEmptyText | Annotated[list[TokenId], Field(min_length=1)]
-             | Annotated[list[NonEmptyText], Field(min_length=1)]
-             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    prompt: (NonEmptyText | non_empty_list(TokenId)
+             | non_empty_list(NonEmptyText)
+             | non_empty_list(non_empty_list(TokenId)))
     echo: StrictBool | None = False
     logprobs: Integer | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
     suffix: Text | None = None

@@ -8,7 +8,7 @@ by name, never ignored.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
@@ -17,7 +17,7 @@ from kvserve.engine.sampling import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, S
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import TTL_SECONDS
 from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
-                                     required_in_schema, sampling_params)
+                                     non_empty_list, required_in_schema, sampling_params)
 
 _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 MAX_METADATA_KEYS = 16  # as OpenAI
@@ -74,7 +74,7 @@ class ResponsesRequest(NullMeansDefault):
     model_config = ConfigDict(extra="ignore", json_schema_extra=_RETENTION_NEEDS_KEY)
 
     model: Text | None = None
-    input: NonEmptyText | Annotated[list[InputMessage], Field(min_length=1)]
+    input: NonEmptyText | non_empty_list(InputMessage)
     instructions: Text | None = None
     max_output_tokens: Integer | None = bounded(minimum=1)
     temperature: Number | None = bounded(minimum=0, maximum=MAX_TEMPERATURE)
