@@ -11,6 +11,7 @@ from typing import Sequence
 from kvserve.config import parse_memory
 from kvserve.engine_args import add_engine_args, engine_config_from_args
 from kvserve.errors import ConfigError, KVServeError
+from kvserve.serve_args import add_serve_args, server_settings_from_args
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,8 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 # Integer flags outside EngineConfig that must be >= 1, by command (EngineConfig checks the engine flags itself,
 # when engine_config_from_args builds it before the model loads).
-_POSITIVE_INT_FLAGS = {"serve": ("max_waiting_requests",), "memory": ("context", "batch", "block_size")}
+_POSITIVE_INT_FLAGS = {"serve": ("max_waiting_requests", "default_max_tokens"),
+                       "memory": ("context", "batch", "block_size")}
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -69,29 +71,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
-    serve.add_argument("--api-key", action="append", default=[],
-                       help="require this key as 'Authorization: Bearer KEY' (repeatable: one key per tenant; "
-                            "tenants never share prefix-cache blocks). Also read from KVSERVE_API_KEY")
-    serve.add_argument("--admin-key", default=None,
-                       help="key that opens the lab (/lab: live block map, request table, prompt explanations); "
-                            "needed once --api-key is set, since the lab shows every tenant's activity. "
-                            "Also read from KVSERVE_ADMIN_KEY")
-    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: from the file name)")
-    serve.add_argument("--max-waiting-requests", type=int, default=256,
-                       help="requests allowed to wait for a batch slot; beyond that new ones get 429 (default 256)")
-    serve.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="on SIGTERM/SIGINT, seconds the requests in flight may take to finish before they are "
-                            "ended with finish_reason 'abort' (default 30; new requests are refused at once)")
-    serve.add_argument("--max-request-bytes", type=_byte_size, default="4MiB",
-                       help="largest request body accepted, e.g. 8MiB; larger ones get 413 (default 4MiB)")
-    serve.add_argument("--responses-store-path", default=None, metavar="DIR",
-                       help="directory where stored responses (/v1/responses with store=true: each response, its "
-                            "input items and the exact token ids of its conversation) persist as JSON files, so a "
-                            "restart keeps them and previous_response_id goes on; one directory per model (default: "
-                            "in memory only, forgotten at restart)")
+    add_serve_args(serve)
     add_engine_args(serve)
 
     memory = commands.add_parser(
@@ -122,13 +102,6 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="activations and runtime, as a fraction of weights + KV (default 0.1)")
     memory.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return parser
-
-
-def _byte_size(value: str) -> int:
-    try:
-        return parse_memory(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _prompts(args: argparse.Namespace, engine) -> list[str | list[int]]:
@@ -202,20 +175,15 @@ def _stream_one(engine, prompt, params, cache_salt):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import os
     import socket
 
     from kvserve.engine.engine import Engine
     from kvserve.platform import run_on_compute_thread
     from kvserve.server.app import create_app
-    from kvserve.server.core.serving import ServerSettings
     from kvserve.server.core.shutdown import serve
 
     config = engine_config_from_args(args)
-    api_keys = list(args.api_key) + [k for k in os.environ.get("KVSERVE_API_KEY", "").split(",") if k]
-    admin_key = args.admin_key or os.environ.get("KVSERVE_ADMIN_KEY") or None
-    if admin_key is not None and admin_key in api_keys:
-        raise ConfigError("--admin-key must differ from every --api-key: a tenant must not open the lab")
+    settings = server_settings_from_args(args, "")  # refuses conflicting keys before the model loads
     # Bind before the model loads: a taken port fails in a second, not after the load.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -229,12 +197,11 @@ def _serve(args: argparse.Namespace) -> int:
         sock.close()
         raise
     name = args.served_model_name or _model_name(engine.loaded.source)
-    settings = ServerSettings(model_name=name, api_keys=api_keys, max_waiting_requests=args.max_waiting_requests,
-                              log_prompts=args.log_prompts, max_request_bytes=args.max_request_bytes,
-                              admin_key=admin_key, responses_store_path=args.responses_store_path)
+    settings.model_name = name
     app = create_app(engine, settings)
     host, port = sock.getsockname()[:2]
     log = logging.getLogger(__name__)
+    api_keys, admin_key = settings.api_keys, settings.admin_key
     log.info("serving %s on http://%s:%d/v1 (API key %s)", name, host, port, "required" if api_keys else "not required")
     lab_access = "admin key required" if admin_key else "closed: set --admin-key" if api_keys else "open"
     log.info("lab on http://%s:%d/lab (%s)", host, port, lab_access)

@@ -13,9 +13,11 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import Engine
 from kvserve.platform import freeze_startup_heap, unfreeze_heap
 from kvserve.server.anthropic import messages_router
-from kvserve.server.core.auth import api_key_dependency
+from kvserve.server.anthropic.errors import anthropic_error_response
+from kvserve.server.core.auth import metrics_guard, pool_viewer_dependency
 from kvserve.server.core.body_limit import BodyLimitMiddleware
 from kvserve.server.core.error_handlers import install_error_handlers
+from kvserve.server.core.error_shapes import ErrorShapes
 from kvserve.server.core.errors import drop_validation_responses
 from kvserve.server.core.metrics import ServerMetrics, log_request
 from kvserve.server.core.routes import health_router, kv_cache_router
@@ -50,16 +52,20 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.async_engine = async_engine
     app.state.responses_store = store
-    app.add_middleware(RefuseWhileDraining, async_engine=async_engine)
+    shapes = ErrorShapes()
+    shapes.register("/v1/messages", anthropic_error_response)  # Anthropic's SDK reads its own error shape
+    app.add_middleware(RefuseWhileDraining, async_engine=async_engine, shapes=shapes)
 
-    app.include_router(health_router(async_engine, metrics))
+    metrics_keys = [key for key in (settings.metrics_key, settings.admin_key) if key] if settings.metrics_key else []
+    app.include_router(health_router(async_engine, metrics, metrics_guard(metrics_keys)))
     app.include_router(openai_router(serving))
     app.include_router(messages_router(serving))
     app.include_router(responses_router(serving, store))
-    app.include_router(kv_cache_router(async_engine, api_key_dependency(serving.tenancy)))
+    app.include_router(kv_cache_router(async_engine, pool_viewer_dependency(serving.tenancy, settings.admin_key),
+                                       serving.pin_owners))
     mount_lab(app, async_engine, serving)
-    install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    install_error_handlers(app, shapes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes, shapes=shapes)
 
     def openapi() -> dict:
         if app.openapi_schema is None:

@@ -23,7 +23,7 @@ from fastapi import Request as HTTPRequest
 from kvserve.engine.output import RequestDelta, RequestOutput
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.kv.pins import PinRequest, cache_write_tokens
-from kvserve.server.anthropic.protocol import MessagesRequest
+from kvserve.server.anthropic.protocol import MessagesPrompt, MessagesRequest
 from kvserve.server.core.serving import Serving
 from kvserve.server.core.streaming import Job, OutputFormat, sse_event
 
@@ -41,8 +41,22 @@ class MessagesServing:
         job = await serving.off_loop(self._job, body)
         return await serving.respond(MessagesFormat(serving, body, job), [job], http, api_key, None, body.stream)
 
+    async def count_tokens(self, body: MessagesPrompt) -> dict:
+        """/v1/messages/count_tokens: the prompt's tokens, exactly as /v1/messages would send them."""
+        self.serving.check_model(body.model)
+        body.check()
+        token_ids, _ = await self.serving.off_loop(self._render, body)
+        return {"input_tokens": len(token_ids)}
+
     def _job(self, body: MessagesRequest) -> Job:
-        """(worker) Render with breakpoint markers, tokenize, place the breakpoints, validate."""
+        """(worker) Render, tokenize, place the breakpoints, validate."""
+        token_ids, pins = self._render(body)
+        job = self.serving.jobs(0, token_ids, body.sampling_params(body.max_tokens), 1, 0)[0]
+        job.pins = tuple(pins)
+        return job
+
+    def _render(self, body: MessagesPrompt) -> tuple[list[int], list[PinRequest]]:
+        """(worker) Render with breakpoint markers and tokenize: the prompt's ids and its breakpoints."""
         serving = self.serving
         tokenizer = serving.require_tokenizer()
         ttls: list[float] = []
@@ -80,9 +94,7 @@ class MessagesServing:
                 common += 1
             if common:
                 pins.append(PinRequest(common, ttl))
-        job = serving.jobs(0, token_ids, body.sampling_params(body.max_tokens), 1, 0)[0]
-        job.pins = tuple(pins)
-        return job
+        return token_ids, pins
 
 
 class MessagesFormat(OutputFormat):

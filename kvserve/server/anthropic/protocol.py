@@ -3,19 +3,21 @@
 Text blocks only; `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}`
 on system and message blocks marks breakpoints (at most 4, as Anthropic).
 Images, documents, tools and extended thinking are refused by name.
+`MessagesPrompt` is what `POST /v1/messages/count_tokens` takes: the prompt without the sampling.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import TTL_SECONDS
-from kvserve.server.core.fields import Number, Text, bounded
+from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
+                                     required_in_schema, sampling_params)
 
 MAX_BREAKPOINTS = 4  # as Anthropic
 
@@ -32,7 +34,9 @@ class CacheControl(BaseModel):
 
 
 class TextBlock(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # The schema requires `text` (a text block has one); the check says why a block without it is
+    # refused (an image, a document) rather than only that `text` is missing.
+    model_config = ConfigDict(extra="allow", json_schema_extra=required_in_schema("text"))
 
     type: Text = Field(json_schema_extra={"enum": ["text"]})
     text: Text | None = None
@@ -58,20 +62,12 @@ class Message(BaseModel):
         return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
 
 
-class MessagesRequest(BaseModel):
+class MessagesPrompt(NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
 
     model: Text
-    max_tokens: StrictInt = bounded(minimum=1)
     messages: list[Message] = Field(min_length=1)
     system: Text | list[TextBlock] | None = None
-    stop_sequences: list[Text] | None = None
-    temperature: Number | None = bounded(minimum=0, maximum=1)
-    top_p: Number | None = bounded(exclusiveMinimum=0, maximum=1)
-    top_k: StrictInt | None = bounded(minimum=0)
-    stream: StrictBool = False
-    metadata: dict[str, Any] | None = None
-    ignore_eos: StrictBool = False  # vLLM's extra, as on the other endpoints (benchmarks)
     # Refused: the model cannot serve them.
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -87,8 +83,6 @@ class MessagesRequest(BaseModel):
         if self.messages[-1].role == "assistant":
             raise InvalidRequestError("a last assistant message (prefilling the answer) is not supported; end with "
                                       "a user message", param="messages")
-        if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
         breakpoints = sum(block.cache_control is not None for block in self.system_blocks()) + sum(
             block.cache_control is not None for m in self.messages for block in m.blocks())
         if breakpoints > MAX_BREAKPOINTS:
@@ -100,6 +94,27 @@ class MessagesRequest(BaseModel):
             return []
         return [TextBlock(type="text", text=self.system)] if isinstance(self.system, str) else self.system
 
+
+class MessagesRequest(MessagesPrompt):
+    max_tokens: Integer = bounded(..., minimum=1)  # required, as Anthropic's API
+    stop_sequences: list[NonEmptyText] | None = None
+    temperature: Number | None = bounded(minimum=0, maximum=1)
+    top_p: Number | None = bounded(exclusiveMinimum=0, maximum=1)
+    top_k: Integer | None = bounded(minimum=0)
+    stream: StrictBool | None = False
+    metadata: dict[str, Any] | None = None
+    ignore_eos: StrictBool = False  # vLLM's extra, as on the other endpoints (benchmarks)
+
+    def check(self) -> None:
+        super().check()
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
+        # Anthropic's ranges, narrower than SamplingParams' (temperature up to 1, no top_k of -1).
+        if self.temperature is not None and not 0 <= self.temperature <= 1:
+            raise InvalidRequestError(f"temperature must be in [0, 1], got {self.temperature}", param="temperature")
+        if self.top_k is not None and self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}", param="top_k")
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         values: dict[str, Any] = dict(max_tokens=max_tokens, stop=self.stop_sequences or [], ignore_eos=self.ignore_eos)
         if self.temperature is not None:
@@ -108,4 +123,4 @@ class MessagesRequest(BaseModel):
             values["top_p"] = self.top_p
         if self.top_k:  # Anthropic's 0 means "not set"
             values["top_k"] = self.top_k
-        return SamplingParams(**values)
+        return sampling_params(values, {})

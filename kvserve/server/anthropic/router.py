@@ -1,11 +1,11 @@
-"""Anthropic's Messages API: /v1/messages."""
+"""Anthropic's Messages API: /v1/messages and /v1/messages/count_tokens."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
 from kvserve.server.anthropic.messages import MessagesServing
-from kvserve.server.anthropic.protocol import MessagesRequest
+from kvserve.server.anthropic.protocol import MessagesPrompt, MessagesRequest
 from kvserve.server.core.auth import api_key_dependency
 from kvserve.server.core.errors import error_responses
 from kvserve.server.core.serving import Serving
@@ -20,5 +20,9 @@ def messages_router(serving: Serving) -> APIRouter:
     @router.post("/v1/messages", responses=error_responses(400, 401, 404, 413, 429, 500, 503))
     async def create_message(body: MessagesRequest, request: Request, key: str = Depends(api_key)):
         return await messages.create(body, request, key)
+
+    @router.post("/v1/messages/count_tokens", responses=error_responses(400, 401, 404, 413, 503))
+    async def count_message_tokens(body: MessagesPrompt, _: str = Depends(api_key)) -> dict:
+        return await messages.count_tokens(body)
 
     return router

@@ -14,6 +14,7 @@ from __future__ import annotations
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvserve.server.core.error_shapes import ErrorShapes
 from kvserve.server.core.errors import request_too_large
 
 
@@ -33,9 +34,10 @@ async def _discard_body(receive: Receive) -> None:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, shapes: ErrorShapes | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.shapes = shapes or ErrorShapes()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -44,7 +46,8 @@ class BodyLimitMiddleware:
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await _discard_body(receive)
-            await request_too_large(self.max_bytes, int(declared)).response()(scope, receive, send)
+            await self.shapes.response(scope["path"], request_too_large(self.max_bytes, int(declared)))(
+                scope, receive, send)
             return
         # Read the body here (the handler would read all of it before starting anyway), then
         # hand it on; later receive() calls (disconnect checks) go to the server as before.
@@ -58,7 +61,7 @@ class BodyLimitMiddleware:
             if size > self.max_bytes:
                 if message.get("more_body", False):
                     await _discard_body(receive)
-                await request_too_large(self.max_bytes).response()(scope, receive, send)
+                await self.shapes.response(scope["path"], request_too_large(self.max_bytes))(scope, receive, send)
                 return
             messages.append(message)
             if not message.get("more_body", False):

@@ -1,4 +1,4 @@
-"""Every error a route can raise, answered in OpenAI's error shape (core/errors.py)."""
+"""Every error a route can raise, answered in its API's error shape (core/error_shapes.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvserve.engine.async_engine import EngineFailedError
 from kvserve.errors import (InvalidRequestError, KVServeError, RequestFailedError, TokenizerUnavailableError,
                             UnsupportedModelError)
+from kvserve.server.core.error_shapes import ErrorShapes
 from kvserve.server.core.errors import APIError, bad_request, internal
 
 log = logging.getLogger(__name__)
@@ -42,38 +43,54 @@ def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Answer each exception kind with its status and an OpenAI-shaped body."""
+# What kvserve serves, named in the 404 for any other path (e.g. /v1/embeddings).
+SERVED_ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                    "/v1/messages/count_tokens", "/v1/kv_cache")
+
+
+def unsupported_endpoint(method: str, path: str) -> APIError:
+    return APIError(404, f"{method} {path} is not supported by this server (kvserve serves text generation: "
+                         f"{', '.join(SERVED_ENDPOINTS)})", type="not_found_error", code="unsupported_endpoint")
+
+
+def install_error_handlers(app: FastAPI, shapes: ErrorShapes) -> None:
+    """Answer each exception kind with its status and its API's error body."""
+
+    def answer(request: Request, error: APIError):
+        return shapes.response(request.url.path, error)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError):
-        return exc.response()
+    async def api_error(request: Request, exc: APIError):
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError):
+    async def validation_error(request: Request, exc: RequestValidationError):
         message, param = _describe_validation_error(exc)
-        return bad_request(message, param).response()
+        return answer(request, bad_request(message, param))
 
     @app.exception_handler(InvalidRequestError)
-    async def invalid_request(_: Request, exc: InvalidRequestError):
-        return bad_request(str(exc), exc.param).response()
+    async def invalid_request(request: Request, exc: InvalidRequestError):
+        return answer(request, bad_request(str(exc), exc.param))
 
     @app.exception_handler(TokenizerUnavailableError)
     @app.exception_handler(UnsupportedModelError)
-    async def unsupported(_: Request, exc: KVServeError):
-        return bad_request(str(exc)).response()
+    async def unsupported(request: Request, exc: KVServeError):
+        return answer(request, bad_request(str(exc)))
 
     @app.exception_handler(EngineFailedError)
     @app.exception_handler(RequestFailedError)
-    async def engine_failed(_: Request, exc: KVServeError):
-        return internal(str(exc)).response()
+    async def engine_failed(request: Request, exc: KVServeError):
+        return answer(request, internal(str(exc)))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException):
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404 and exc.detail == "Not Found":  # no route matched the path
+            return answer(request, unsupported_endpoint(request.method, request.url.path))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        # exc.headers carries a 405's Allow header (RFC 9110: a 405 must list the methods allowed).
+        return answer(request, APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers))
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception):
+    async def unexpected(request: Request, exc: Exception):
         log.exception("unexpected error while handling a request")
-        return internal(f"internal error: {type(exc).__name__}").response()
+        return answer(request, internal(f"internal error: {type(exc).__name__}"))

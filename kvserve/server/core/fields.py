@@ -1,13 +1,26 @@
-"""Request field types every API's body shares: strict numbers, valid Unicode text, documented bounds."""
+"""Request field types every API's body shares: strict numbers, valid Unicode text, documented bounds,
+`null` as the default, and sampling errors that name the request's own field."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field, StrictFloat, StrictInt
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, StrictFloat, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
+from kvserve.engine.sampling import SamplingParams
+from kvserve.errors import InvalidRequestError
+
+def _integral(value: Any) -> Any:
+    # JSON Schema counts 1.0 as an integer (the schema says "integer"), so the server does too;
+    # 1.5, "1" and true stay type errors.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# Strict integers, but 2.0 is 2 (as JSON Schema has it).
+Integer = Annotated[StrictInt, BeforeValidator(_integral)]
 # Strict numbers: "0.7" (a string) is a type error, as in OpenAI's API; ints are accepted as floats.
 Number = StrictFloat | StrictInt
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -31,3 +44,62 @@ def bounded(default: Any = None, **bounds: Any) -> Any:
     """A field whose range is documented in the OpenAPI schema (JSON Schema keywords) and enforced
     by SamplingParams or the API's own checks, which word the errors the same way for the offline API."""
     return Field(default, json_schema_extra=bounds)
+
+
+def _non_empty(value: Any) -> Any:
+    if len(value) == 0:
+        raise PydanticCustomError("empty", "must not be empty")
+    return value
+
+
+# Text that must not be empty: the schema says so (minLength), the check says "must not be empty".
+NonEmptyText = Annotated[Text, AfterValidator(_non_empty), Field(json_schema_extra={"minLength": 1})]
+
+
+def non_empty_list(item: Any) -> Any:
+    """A list of `item` that must not be empty (the schema's minItems)."""
+    return Annotated[list[item], AfterValidator(_non_empty), Field(json_schema_extra={"minItems": 1})]
+
+
+class NullMeansDefault(BaseModel):
+    """A request body where an explicit `null` is the field's default, as OpenAI's spec makes these
+    fields nullable and wrappers (langchain, litellm, ...) pass `None` through. A field takes part
+    when its type allows None and its default is not None; the schema then says `nullable`."""
+
+    @model_validator(mode="after")
+    def _null_means_default(self):
+        for name, info in type(self).model_fields.items():
+            if info.default is not None and getattr(self, name) is None:
+                setattr(self, name, info.get_default(call_default_factory=True))
+        return self
+
+
+def sampling_params(values: Mapping[str, Any], renamed: Mapping[str, str]) -> SamplingParams:
+    """SamplingParams(**values), its errors naming the request's own field: `renamed` maps a
+    SamplingParams name to the field the request spelled it as (max_tokens -> max_output_tokens)."""
+    try:
+        return SamplingParams(**values)
+    except InvalidRequestError as exc:
+        field = renamed.get(exc.param or "")
+        if field is None:
+            raise
+        message = str(exc)
+        if message.startswith(exc.param):
+            message = field + message[len(exc.param):]
+        raise InvalidRequestError(message, param=field) from None
+
+
+def required_in_schema(*names: str):
+    """`json_schema_extra` for a model whose fields `names` the schema requires, non-null, although the
+    model lets them be absent so that its own check can say what is wrong instead (an image part has
+    no `text`: "images are not supported" says more than "`text` is required")."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        schema["required"] = sorted(set(schema.get("required", [])) | set(names))
+        for name in names:
+            prop = schema["properties"][name]
+            if "anyOf" in prop:
+                prop["anyOf"] = [option for option in prop["anyOf"] if option.get("type") != "null"]
+            prop.pop("default", None)
+
+    return extra

@@ -1,9 +1,8 @@
 """Routes every API shares: /health (for load balancers), /metrics (Prometheus) and /v1/kv_cache
-(the pool right now, with a block-accounting check)."""
+(the pool right now, with a block-accounting check: core/kv_report.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Depends
@@ -11,14 +10,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.engine import Engine
-from kvserve.errors import KVIntegrityError
 from kvserve.server.core.errors import error_responses
+from kvserve.server.core.kv_report import kv_cache_report, tenant_view
 from kvserve.server.core.metrics import ServerMetrics
+from kvserve.server.core.pin_owners import PinOwners
 
 
-def health_router(async_engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
-    """/health and /metrics: open to anyone who can reach the port, as probes and scrapers expect."""
+def health_router(async_engine: AsyncEngine, metrics: ServerMetrics, metrics_guard: Callable[..., Awaitable[None]]
+                  ) -> APIRouter:
+    """/health, open to anyone who can reach the port as probes expect, and /metrics: open as scrapers
+    expect unless --metrics-key is set (`metrics_guard`)."""
     router = APIRouter()
 
     @router.get("/health", responses={
@@ -32,46 +33,25 @@ def health_router(async_engine: AsyncEngine, metrics: ServerMetrics) -> APIRoute
 
     @router.get("/metrics", response_class=PlainTextResponse, responses={200: {
         "description": "Prometheus text exposition format (version 0.0.4).",
-        "content": {"text/plain": {"schema": {"type": "string"}}}}})
-    async def prometheus_metrics() -> Response:
+        "content": {"text/plain": {"schema": {"type": "string"}}}}, **error_responses(401)})
+    async def prometheus_metrics(_: None = Depends(metrics_guard)) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return router
 
 
-def kv_cache_router(async_engine: AsyncEngine, api_key: Callable[..., Awaitable[str]]) -> APIRouter:
+def kv_cache_router(async_engine: AsyncEngine, viewer: Callable[..., Awaitable[str | None]],
+                    owners: PinOwners) -> APIRouter:
     router = APIRouter()
+    engine = async_engine.engine
 
     @router.get("/v1/kv_cache", responses=error_responses(401))
-    async def kv_cache(_: str = Depends(api_key)) -> dict:
-        """The pool right now, and a full block-accounting check (run between steps)."""
-        return await async_engine.call(lambda: kv_cache_report(async_engine.engine))
+    async def kv_cache(tenant: str | None = Depends(viewer)) -> dict:
+        """The pool right now, and a full block-accounting check (run between steps); a tenant sees its
+        own pins and the pool's occupancy, the admin key everything (core/kv_report.py)."""
+        report = await async_engine.call(lambda: kv_cache_report(engine))
+        if tenant is None:
+            return {**report, "visible_to": "admin"}
+        return tenant_view(report, tenant, owners)
 
     return router
-
-
-def kv_cache_report(engine: Engine) -> dict:
-    """Run between steps: the snapshot is then the pool as it is now."""
-    engine.expire_pins()  # an idle engine runs no step that would sweep them
-    stats = engine.stats()
-    layout = engine.kv_spec.layout
-    try:
-        engine.check_integrity()
-        integrity = "ok"
-    except KVIntegrityError as exc:
-        integrity = f"FAILED: {exc}"
-    return {
-        "block_size": stats.block_size, "num_blocks": stats.num_blocks, "num_used_blocks": stats.num_used_blocks,
-        "num_free_blocks": stats.num_free_blocks, "num_cached_blocks": stats.num_cached_blocks,
-        "num_cached_free_blocks": stats.num_cached_free_blocks,
-        # Tokens every KV group can hold at once (a windowed group frees blocks, so long requests hold fewer).
-        "capacity_tokens": stats.num_blocks // layout.num_groups * stats.block_size,
-        "bytes_per_token": engine.kv_spec.bytes_per_token,
-        "kv_groups": [{"window": group.window, "layers": list(group.layers)} for group in layout.groups],
-        "dtype": engine.kv_spec.dtype, "pool_bytes": engine.pool_bytes,
-        "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
-        "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits,
-        "num_preemptions": stats.num_preemptions, "num_steps": stats.num_steps, "integrity": integrity,
-        "tier": dataclasses.asdict(stats.tier) if stats.tier is not None else None,
-        "pins": dataclasses.asdict(stats.pins) if stats.pins is not None else None,
-    }

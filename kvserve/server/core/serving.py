@@ -29,8 +29,9 @@ from kvserve.engine.sampling import SEED_RANGE, SamplingParams
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.server.core.errors import bad_request, model_not_found, overloaded
+from kvserve.server.core.pin_owners import PinOwners
 from kvserve.server.core.streaming import Job, OutputFormat, run_jobs
-from kvserve.server.core.tenancy import Tenancy
+from kvserve.server.core.tenancy import Tenancy, tenant_id
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ class ServerSettings:
     # Where stored responses also persist (JSON files, one per response), so a restart keeps them; None: memory only.
     responses_store_path: str | None = None
     admin_key: str | None = None  # opens the lab (/lab), which shows every tenant's activity
+    # Output cap of a request that gives none (llama.cpp's --n-predict); None: to the end of the context.
+    default_max_tokens: int | None = None
+    metrics_key: str | None = None  # if set, /metrics needs it (or the admin key); otherwise /metrics is open
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ class Serving:
         self.engine = async_engine.engine
         self.settings = settings
         self.tenancy = Tenancy(settings.api_keys)
+        self.pin_owners = PinOwners(self.engine.config.block_size)
         self.tokenizer: Tokenizer | None = self.engine.tokenizer
         self._token_text = lru_cache(maxsize=65536)(self._decode_token)
         self._pool = ThreadPoolExecutor(max_workers=_PREPROCESS_WORKERS, thread_name_prefix="kvserve-preprocess")
@@ -181,9 +186,17 @@ class Serving:
         stats = self.engine.stats()
         return min(self.engine.max_model_len, stats.num_blocks * stats.block_size)
 
-    def default_max_tokens(self, num_prompt_tokens: int) -> int:
-        """Room left in the context (and in the whole KV pool), as vLLM defaults max_tokens."""
-        return max(self.context_limit() - num_prompt_tokens, 1)
+    def default_max_tokens(self, num_prompt_tokens: int, api_default: int | None = None) -> int:
+        """The output cap of a request that gives none: the API's own default (completions: 16) and the
+        server's (--default-max-tokens), within the room left in the context and the whole KV pool.
+        With neither, the room itself, as OpenAI and vLLM do: logged, since a long run looks hung."""
+        room = max(self.context_limit() - num_prompt_tokens, 1)
+        caps = [cap for cap in (api_default, self.settings.default_max_tokens) if cap is not None]
+        if not caps:
+            log.info("a request without max_tokens may generate up to %d tokens (to the end of the context); "
+                     "--default-max-tokens caps such requests", room)
+            return room
+        return min(room, *caps)
 
     # --- answering (event loop) ------------------------------------------------
 
@@ -194,6 +207,12 @@ class Serving:
         if waiting + len(jobs) > limit:
             raise overloaded(waiting, limit)
         salt = self.tenancy.cache_salt(api_key, client_salt)
+        pinned = [job for job in jobs if job.pins]
+        if pinned and self.tenancy.requires_key:  # so /v1/kv_cache can show the tenant its own pins
+            pins = self.engine.stats().pins
+            live = [pin.key for pin in pins.pins] if pins is not None else []
+            for job in pinned:
+                await self.off_loop(self.pin_owners.file, tenant_id(api_key), job.token_ids, salt, job.pins, live)
         if self.settings.log_prompts:
             for job in jobs:
                 log.info("request %s-%d prompt: %r", fmt.request_id, job.index,

@@ -30,6 +30,7 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.server.core.error_shapes import ErrorShapes
 from kvserve.server.core.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -102,14 +103,15 @@ class RefuseWhileDraining:
     """Once shutdown has begun, new generation requests get 503 (the ones in flight finish or end with
     finish_reason "abort"). Plain ASGI, so streaming responses pass through untouched."""
 
-    def __init__(self, app: ASGIApp, async_engine: AsyncEngine) -> None:
+    def __init__(self, app: ASGIApp, async_engine: AsyncEngine, shapes: ErrorShapes | None = None) -> None:
         self.app = app
         self.async_engine = async_engine
+        self.shapes = shapes or ErrorShapes()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and self.async_engine.draining:
             error = APIError(503, "The server is shutting down and accepts no new requests; retry on another "
                                   "instance or after it restarts.", type="server_error", code="shutting_down")
-            await error.response()(scope, receive, send)
+            await self.shapes.response(scope["path"], error)(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -10,9 +10,9 @@ static files with no data in them, which ask for the key and send it with every 
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Sequence
 
+from kvserve.server.core.auth import bearer_matches
 from kvserve.server.core.errors import APIError
 
 
@@ -37,7 +37,6 @@ class LabAccess:
                                 "key: start the server with --admin-key KEY.", code="lab_disabled")
         if self.admin_key is None:
             return
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.admin_key.encode()):
+        if not bearer_matches(authorization, self.admin_key):
             raise APIError(401, "The lab needs the admin key (--admin-key), sent as 'Authorization: Bearer <key>'.",
                            code="invalid_admin_key")

@@ -28,7 +28,10 @@ class ChatServing:
         """(worker) Render, tokenize and validate the conversation."""
         serving = self.serving
         token_ids = serving.encode_chat(body.template_messages(), body.add_generation_prompt)
-        params = body.sampling_params(serving.default_max_tokens(len(token_ids)))
+        max_tokens = body.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = serving.default_max_tokens(len(token_ids))
+        params = body.sampling_params(max_tokens)
         return serving.jobs(0, token_ids, params, body.n, 0)
 
 

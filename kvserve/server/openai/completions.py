@@ -31,7 +31,10 @@ class CompletionServing:
         jobs: list[Job] = []
         for prompt_index, prompt in enumerate(prompts):
             token_ids = serving.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
-            params = body.sampling_params(serving.default_max_tokens(len(token_ids)))
+            max_tokens = body.requested_max_tokens
+            if max_tokens is None:
+                max_tokens = serving.default_max_tokens(len(token_ids), body.API_DEFAULT_MAX_TOKENS)
+            params = body.sampling_params(max_tokens)
             prompt_jobs = serving.jobs(prompt_index, token_ids, params, body.n, len(jobs))
             if body.echo:  # after validation: only prompts that fit are decoded
                 text = prompt if isinstance(prompt, str) else serving.decode_prompt(token_ids)

@@ -10,54 +10,71 @@ non-text content parts), which are refused by name rather than silently dropped.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvserve.engine.sampling import (
     MAX_LOGPROBS, MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams,
 )
 from kvserve.errors import InvalidRequestError
-from kvserve.server.core.fields import Number, Text, bounded
+from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
+                                     non_empty_list, required_in_schema, sampling_params)
 
 # Most choices one request may ask for (OpenAI's bound for n).
 MAX_CHOICES = 128
+# A prompt token id; its upper bound is the model's vocabulary, which the engine checks.
+TokenId = Annotated[Integer, Field(json_schema_extra={"minimum": 0})]
 
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _SamplingRequest(BaseModel):
+def _needs(field: str, field_type: str, then: dict) -> dict:
+    """A schema rule: when `field` is given (not null), `then` holds (what `check` refuses otherwise)."""
+    return {"if": {"required": [field], "properties": {field: {"type": field_type}}}, "then": then}
+
+
+_TRUE = {"const": True}
+# stream_options only with stream=true; prompt_logprobs only without it.
+_SAMPLING_RULES = [_needs("stream_options", "object", {"required": ["stream"], "properties": {"stream": _TRUE}}),
+                   _needs("prompt_logprobs", "integer", {"properties": {"stream": {"not": _TRUE}}})]
+# top_logprobs needs logprobs=true.
+_CHAT_RULES = [*_SAMPLING_RULES,
+               _needs("top_logprobs", "integer", {"required": ["logprobs"], "properties": {"logprobs": _TRUE}})]
+
+
+class _SamplingRequest(NullMeansDefault):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"allOf": _SAMPLING_RULES})
 
     model: Text | None = None
-    max_tokens: StrictInt | None = bounded(minimum=1)
+    max_tokens: Integer | None = bounded(minimum=1)
     temperature: Number | None = bounded(minimum=0, maximum=MAX_TEMPERATURE)
     top_p: Number | None = bounded(exclusiveMinimum=0, maximum=1)
-    n: StrictInt = bounded(1, minimum=1, maximum=MAX_CHOICES)
-    stream: StrictBool = False
+    n: Integer | None = bounded(1, minimum=1, maximum=MAX_CHOICES)
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    stop: Text | list[Text] | None = None
-    seed: StrictInt | None = bounded(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
-    presence_penalty: Number = bounded(0.0, minimum=-2, maximum=2)
-    frequency_penalty: Number = bounded(0.0, minimum=-2, maximum=2)
+    stop: Text | list[NonEmptyText] | None = None  # "" alone: no stop string
+    seed: Integer | None = bounded(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
+    presence_penalty: Number | None = bounded(0.0, minimum=-2, maximum=2)
+    frequency_penalty: Number | None = bounded(0.0, minimum=-2, maximum=2)
     logit_bias: dict[str, Number] | None = None
     user: Text | None = None
     # vLLM extras
-    top_k: StrictInt | None = bounded(minimum=-1)
+    top_k: Integer | None = bounded(minimum=-1)
     min_p: Number | None = bounded(minimum=0, maximum=1)
     repetition_penalty: Number | None = bounded(minimum=REPETITION_PENALTY_RANGE[0],
                                                  maximum=REPETITION_PENALTY_RANGE[1])
     ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = bounded(items={"type": "integer", "minimum": 0})
+    stop_token_ids: list[Integer] | None = bounded(items={"type": "integer", "minimum": 0})
     skip_special_tokens: StrictBool = True
     cache_salt: Text | None = Field(default=None, min_length=1)
     # Log-probabilities of each prompt token after the first, in vLLM's shape (not with stream=true).
-    prompt_logprobs: StrictInt | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
+    prompt_logprobs: Integer | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
 
     def check(self) -> None:
         """Checks that need no prompt (call before tokenizing); ranges of sampling values are
@@ -74,10 +91,15 @@ class _SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
 
-    def _sampling_params(self, max_tokens: int | None, default_max_tokens: int, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The output cap the request gave (None: the server's default, `Serving.default_max_tokens`)."""
+        return self.max_tokens
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                         renamed: dict[str, str] | None = None) -> SamplingParams:
         values = dict(
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            max_tokens=max_tokens,
             stop=self.stop or [], seed=self.seed, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids or [], skip_special_tokens=self.skip_special_tokens,
@@ -86,7 +108,7 @@ class _SamplingRequest(BaseModel):
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
-        return SamplingParams(**values)
+        return sampling_params(values, renamed or {})
 
     @property
     def include_usage(self) -> bool:
@@ -94,11 +116,13 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
-    echo: StrictBool = False
-    logprobs: StrictInt | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
+    prompt: (NonEmptyText | non_empty_list(TokenId)
+             | non_empty_list(NonEmptyText)
+             | non_empty_list(non_empty_list(TokenId)))
+    echo: StrictBool | None = False
+    logprobs: Integer | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
     suffix: Text | None = None
-    best_of: StrictInt | None = None
+    best_of: Integer | None = None
 
     def check(self) -> None:
         super().check()
@@ -107,32 +131,31 @@ class CompletionRequest(_SamplingRequest):
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of other than n is not supported", param="best_of")
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        # OpenAI's default for completions is 16 tokens.
+    # OpenAI's default max_tokens for completions (chat's runs to the end of the context).
+    API_DEFAULT_MAX_TOKENS: ClassVar[int] = 16
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo and self.logprobs is not None:
             prompt_logprobs = self.logprobs  # echo with logprobs scores the prompt too
-        return self._sampling_params(self.max_tokens, min(16, default_max_tokens), self.logprobs, prompt_logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string, token ids, or a list of either."""
-        prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompts = [prompt]
-        else:
-            prompts = list(prompt)
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        return prompts
+        prompt = self.prompt  # never empty, nor any prompt in it (the schema's minLength / minItems)
+        return [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
 
 
 _IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 
 
 class ContentPart(BaseModel):
-    """A part of a message's content. Only text is served; other kinds are refused by name."""
+    """A part of a message's content. Only text is served; other kinds are refused by name.
 
-    model_config = ConfigDict(extra="allow")
+    The schema requires `text` (a text part has one); the check below says why a part without it
+    is refused (an image, an audio part) rather than only that `text` is missing."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=required_in_schema("text"))
 
     type: Text = Field(json_schema_extra={"enum": ["text"]})
     text: Text | None = None
@@ -149,12 +172,23 @@ class ContentPart(BaseModel):
         return self
 
 
+# Only an assistant turn may come without content (OpenAI's, where tool calls stand in for it).
+_CONTENT_REQUIRED = {"if": {"properties": {"role": {"enum": ["system", "developer", "user"]}}},
+                     "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_CONTENT_REQUIRED)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("missing_content", "a {role} message needs `content`", {"role": self.role})
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -165,10 +199,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"allOf": _CHAT_RULES})
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = bounded(minimum=1)
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
+    max_completion_tokens: Integer | None = bounded(minimum=1)
+    logprobs: StrictBool | None = False
+    top_logprobs: Integer | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     tools: list[dict] | None = None
     response_format: dict | None = None
@@ -181,11 +217,21 @@ class ChatCompletionRequest(_SamplingRequest):
             raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", param="top_logprobs")
+        if self.max_completion_tokens is not None and self.max_tokens is not None and self.max_tokens < 1:
+            # max_completion_tokens wins, but a max_tokens out of range is still refused, as the schema says
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens}", param="max_tokens")
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, default_max_tokens, logprobs, self.prompt_logprobs)
+        # The errors name the field the request used: top_logprobs is what becomes `logprobs`.
+        renamed = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            renamed["max_tokens"] = "max_completion_tokens"
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, renamed)
 
     def template_messages(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for the system role; templates know "system".

@@ -1,4 +1,4 @@
-"""OpenAI's chat and text completions: /v1/models, /v1/completions, /v1/chat/completions."""
+"""OpenAI's chat and text completions: /v1/models (and one model), /v1/completions, /v1/chat/completions."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from fastapi import APIRouter, Depends, Request
 
 from kvserve.server.core.auth import api_key_dependency
-from kvserve.server.core.errors import error_responses
+from kvserve.server.core.errors import error_responses, model_not_found
 from kvserve.server.core.serving import Serving
 from kvserve.server.openai.chat import ChatServing
 from kvserve.server.openai.completions import CompletionServing
@@ -21,12 +21,19 @@ def openai_router(serving: Serving) -> APIRouter:
     model_name, max_model_len = serving.settings.model_name, serving.engine.max_model_len
     created = int(time.time())
 
+    model = {"id": model_name, "object": "model", "created": created, "owned_by": "kvserve",
+             "max_model_len": max_model_len}
+
     @router.get("/v1/models", responses=error_responses(401))
     async def models(_: str = Depends(api_key)) -> dict:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "kvserve",
-            "max_model_len": max_model_len,
-        }]}
+        return {"object": "list", "data": [model]}
+
+    @router.get("/v1/models/{model_id:path}", responses=error_responses(401, 404))
+    async def retrieve_model(model_id: str, _: str = Depends(api_key)) -> dict:
+        """One model (openai's `models.retrieve`); ids may contain '/' (org/name)."""
+        if model_id != model_name:
+            raise model_not_found(model_id)
+        return model
 
     generation_errors = error_responses(400, 401, 404, 413, 429, 500, 503)
 

@@ -10,22 +10,24 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sampling import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import TTL_SECONDS
-from kvserve.server.core.fields import Number, Text, bounded
+from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
+                                     non_empty_list, required_in_schema, sampling_params)
 
 _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 MAX_METADATA_KEYS = 16  # as OpenAI
 
 
 class InputContent(BaseModel):
-    """A content part of an input message: only text is served."""
+    """A content part of an input message: only text is served (the schema requires `text`; the
+    check says why a part without it is refused)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=required_in_schema("text"))
 
     type: Text = Field(json_schema_extra={"enum": list(_TEXT_PART_TYPES)})
     text: Text | None = None
@@ -43,7 +45,7 @@ class InputContent(BaseModel):
 class InputMessage(BaseModel):
     """An input item. Only messages are served (no function calls, reasoning items, references)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=required_in_schema("role", "content"))
 
     type: Text = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
@@ -62,17 +64,23 @@ class InputMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# A prompt_cache_retention needs a prompt_cache_key (check() refuses one without).
+_RETENTION_NEEDS_KEY = {
+    "if": {"required": ["prompt_cache_retention"], "properties": {"prompt_cache_retention": {"type": "string"}}},
+    "then": {"required": ["prompt_cache_key"], "properties": {"prompt_cache_key": {"type": "string"}}}}
+
+
+class ResponsesRequest(NullMeansDefault):
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_RETENTION_NEEDS_KEY)
 
     model: Text | None = None
-    input: Text | list[InputMessage]
+    input: NonEmptyText | non_empty_list(InputMessage)
     instructions: Text | None = None
-    max_output_tokens: StrictInt | None = bounded(minimum=1)
-    temperature: Number | None = bounded(minimum=0, maximum=2)
+    max_output_tokens: Integer | None = bounded(minimum=1)
+    temperature: Number | None = bounded(minimum=0, maximum=MAX_TEMPERATURE)
     top_p: Number | None = bounded(exclusiveMinimum=0, maximum=1)
-    stream: StrictBool = False
-    store: StrictBool = True
+    stream: StrictBool | None = False
+    store: StrictBool | None = True
     previous_response_id: Text | None = None
     truncation: Literal["auto", "disabled"] | None = None
     prompt_cache_key: Text | None = None
@@ -80,10 +88,11 @@ class ResponsesRequest(BaseModel):
     metadata: dict[Text, Text] | None = None
     user: Text | None = None
     # vLLM's extras, as on the other endpoints
-    top_k: StrictInt | None = bounded(minimum=-1)
+    top_k: Integer | None = bounded(minimum=-1)
     min_p: Number | None = bounded(minimum=0, maximum=1)
-    repetition_penalty: Number | None = None
-    seed: StrictInt | None = None
+    repetition_penalty: Number | None = bounded(minimum=REPETITION_PENALTY_RANGE[0],
+                                                 maximum=REPETITION_PENALTY_RANGE[1])
+    seed: Integer | None = bounded(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
     ignore_eos: StrictBool = False
     # Refused unless empty / off: the model cannot serve them.
     tools: list[Any] | None = None
@@ -93,7 +102,7 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None
     background: StrictBool | None = None
     conversation: Any = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Integer | None = None
 
     def check(self) -> None:
         """Checks that need no prompt (call before rendering)."""
@@ -116,8 +125,6 @@ class ResponsesRequest(BaseModel):
         if self.metadata is not None and len(self.metadata) > MAX_METADATA_KEYS:
             raise InvalidRequestError(f"metadata has {len(self.metadata)} keys; at most {MAX_METADATA_KEYS}",
                                       param="metadata")
-        if isinstance(self.input, str) and not self.input or isinstance(self.input, list) and not self.input:
-            raise InvalidRequestError("input must not be empty", param="input")
         if self.prompt_cache_retention is not None and self.prompt_cache_key is None:
             raise InvalidRequestError("prompt_cache_retention needs a prompt_cache_key", param="prompt_cache_retention")
 
@@ -147,4 +154,4 @@ class ResponsesRequest(BaseModel):
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
-        return SamplingParams(**values)
+        return sampling_params(values, {"max_tokens": "max_output_tokens"})

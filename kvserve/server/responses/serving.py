@@ -106,7 +106,8 @@ class ResponsesServing:
                 f"{sum(len(t) for t in turns)}, this turn {len(new_turn)}) and max_output_tokens {reserve}: more than "
                 f"the context of {limit} tokens {what}", param="input")
         prompt = [t for segment in (instruction_ids, *turns, new_turn) for t in segment]
-        max_tokens = body.max_output_tokens if body.max_output_tokens is not None else limit - len(prompt)
+        max_tokens = body.max_output_tokens if body.max_output_tokens is not None else \
+            serving.default_max_tokens(len(prompt))
         job = serving.jobs(0, prompt, body.sampling_params(max_tokens), 1, 0)[0]
         if body.pin_ttl_s is not None:
             job.pins = (PinRequest(len(prompt), body.pin_ttl_s),)

@@ -28,7 +28,8 @@ def clock():
 
 @pytest.fixture(scope="module")
 def app(tiny_models, clock):
-    with serve_in_process(with_tiny_tokenizer(tiny_models("llama-gqa")), api_keys=KEYS, clock=clock) as client:
+    with serve_in_process(with_tiny_tokenizer(tiny_models("llama-gqa")), api_keys=KEYS, admin_key="admin-key",
+                          clock=clock) as client:
         yield client
 
 
@@ -37,7 +38,8 @@ def client_for(app, key="alice-key"):
 
 
 def kv_report(app):
-    return app.get("/v1/kv_cache", headers={"Authorization": "Bearer alice-key"}).json()
+    """The whole pool's report (every tenant's pins): the admin's view (a tenant sees only its own)."""
+    return app.get("/v1/kv_cache", headers={"Authorization": "Bearer admin-key"}).json()
 
 
 def ask(client, question, ttl="5m", **kwargs):

@@ -99,8 +99,9 @@ class Browser:
     def mouse_move(self, x: float, y: float) -> None:
         self.call("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
 
-    def screenshot(self, path: Path) -> Path:
-        data = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)["data"]
+    def screenshot(self, path: Path, full_page: bool = True) -> Path:
+        """The whole page, or (full_page=False) only what the window shows, as a person sees it."""
+        data = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=full_page)["data"]
         path.write_bytes(base64.b64decode(data))
         extra = os.environ.get("KVSERVE_LAB_SCREENSHOTS")  # a folder to also copy them to (the README's)
         if extra:

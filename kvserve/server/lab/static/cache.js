@@ -10,6 +10,19 @@ function blockState(view, id) {
   return ref > 1 ? "shared" : ref === 1 ? "used" : view.hashed[id] === "1" ? "cached" : "free";
 }
 
+// A cell of a large pool stands for several blocks; it takes the busiest state among them, so a few
+// blocks in use among thousands free still show at a glance.
+const PRIORITY = ["free", "cached", "used", "shared"];
+
+function cellState(view, cell, group) {
+  let best = 0;
+  for (let id = cell * group, end = Math.min(id + group, view.ref.length); id < end; id++) {
+    best = Math.max(best, PRIORITY.indexOf(blockState(view, id)));
+    if (best === PRIORITY.length - 1) break;
+  }
+  return PRIORITY[best];
+}
+
 function setView(view) {
   state.view = view;
   state.holders = view.ref.map(() => []);
@@ -22,52 +35,79 @@ function setView(view) {
   drawMap();
 }
 
-// Cells as large as fit: the whole pool always on screen.
+// The whole pool always on screen, in cells no smaller than MIN_CELL pixels: one block per cell
+// while they fit, else GROUP blocks per cell (hover or click one to see its blocks).
+const MIN_CELL = 8, MAX_MAP_HEIGHT = 420;
+
 function layout(canvas, count) {
   const width = canvas.clientWidth;
+  const rowsFor = (cell, group) => Math.ceil(Math.ceil(count / group) / Math.max(1, Math.floor(width / cell)));
   let cell = 22;
-  while (cell > 3 && Math.ceil(count / Math.floor(width / cell)) * cell > 420) cell -= 1;
-  const columns = Math.max(1, Math.floor(width / cell));
-  return { cell, columns, rows: Math.ceil(count / columns), width };
+  while (cell > MIN_CELL && rowsFor(cell, 1) * cell > MAX_MAP_HEIGHT) cell -= 1;
+  const capacity = Math.max(1, Math.floor(width / cell)) * Math.floor(MAX_MAP_HEIGHT / cell);
+  const group = Math.max(1, Math.ceil(count / capacity));
+  const columns = Math.max(1, Math.floor(width / cell)), cells = Math.ceil(count / group);
+  return { cell, columns, group, cells, rows: Math.ceil(cells / columns), width };
 }
 
 function drawMap() {
   const canvas = lab.el("blockmap"), view = state.view;
   if (!view) return;
   const l = (state.layout = layout(canvas, view.ref.length));
+  lab.text("map-scale", l.group > 1 ? `Each cell is ${lab.int(l.group)} blocks (the pool has too many to draw one by one) ` +
+    "and shows the busiest block in it; hover or click a cell to see its blocks." : "Each cell is one block.");
   const ratio = window.devicePixelRatio || 1, height = l.rows * l.cell;
   canvas.style.height = height + "px";
   canvas.width = l.width * ratio; canvas.height = height * ratio;
   const ctx = canvas.getContext("2d");
   ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
   const gap = l.cell >= 8 ? 2 : 1;
-  for (let id = 0; id < view.ref.length; id++) {
-    const x = (id % l.columns) * l.cell, y = Math.floor(id / l.columns) * l.cell;
-    const s = blockState(view, id);
-    ctx.fillStyle = COLORS[s];
+  for (let c = 0; c < l.cells; c++) {
+    const x = (c % l.columns) * l.cell, y = Math.floor(c / l.columns) * l.cell;
+    ctx.fillStyle = COLORS[cellState(view, c, l.group)];
     ctx.fillRect(x, y, l.cell - gap, l.cell - gap);
-    if (view.hashed[id] === "1" && view.ref[id] > 0 && l.cell >= 8) { // in use and also cached: a dot
+    if (l.group === 1 && view.hashed[c] === "1" && view.ref[c] > 0) { // in use and also cached: a dot
       ctx.fillStyle = "rgba(255,255,255,.8)";
       ctx.fillRect(x + l.cell / 2 - 2, y + l.cell / 2 - 2, 3, 3);
     }
   }
   const mark = state.selected !== null ? state.selected : state.hover;
-  if (mark !== null && mark < view.ref.length) {
+  if (mark !== null && mark < l.cells) {
     ctx.strokeStyle = "#111"; ctx.lineWidth = 2;
     ctx.strokeRect((mark % l.columns) * l.cell + 1, Math.floor(mark / l.columns) * l.cell + 1, l.cell - gap - 1, l.cell - gap - 1);
   }
-  showBlock(mark);
+  showCell(mark);
 }
 
 const STATE_TEXT = { free: "free", cached: "free, prefix still cached (reusable until handed out)",
                      used: "in use by one request", shared: "shared by several requests" };
 
-function showBlock(id) {
-  const panel = lab.el("block-info"), view = state.view;
-  if (id === null || !view || id >= view.ref.length) {
+function showCell(cell) {
+  const panel = lab.el("block-info"), view = state.view, l = state.layout;
+  if (cell === null || !view || !l || cell >= l.cells) {
     panel.innerHTML = '<h2>Block</h2><p class="muted">Hover over a cell; click to pin it.</p>';
     return;
   }
+  if (l.group === 1) return showBlock(cell);
+  const first = cell * l.group, last = Math.min(first + l.group, view.ref.length) - 1;
+  const counts = { free: 0, cached: 0, used: 0, shared: 0 }, holders = new Set(), busy = [];
+  for (let id = first; id <= last; id++) {
+    const s = blockState(view, id);
+    counts[s] += 1;
+    if (view.ref[id] > 0) busy.push(id);
+    for (const h of state.holders[id]) holders.add(h);
+  }
+  panel.innerHTML = `<h2>Blocks ${first}–${last}${state.selected === cell ? " (pinned)" : ""}</h2><dl>
+    <dt>in use</dt><dd id="info-used"></dd><dt>shared</dt><dd id="info-shared"></dd>
+    <dt>cached, free</dt><dd id="info-cached"></dd><dt>free</dt><dd id="info-free"></dd>
+    <dt>in-use blocks</dt><dd id="info-busy"></dd><dt>held by</dt><dd id="info-holders"></dd></dl>`;
+  for (const key of ["used", "shared", "cached", "free"]) lab.text("info-" + key, lab.int(counts[key]));
+  lab.text("info-busy", busy.length ? busy.slice(0, 24).join(", ") + (busy.length > 24 ? ", …" : "") : "none");
+  lab.text("info-holders", holders.size ? [...holders].join(", ") : "nobody");
+}
+
+function showBlock(id) {
+  const panel = lab.el("block-info"), view = state.view;
   const holders = state.holders[id];
   panel.innerHTML = `<h2>Block ${id}${state.selected === id ? " (pinned)" : ""}</h2><dl>
     <dt>state</dt><dd id="info-state"></dd><dt>ref count</dt><dd id="info-ref"></dd>
@@ -82,15 +122,15 @@ function cellAt(event) {
   const l = state.layout, rect = lab.el("blockmap").getBoundingClientRect();
   if (!l) return null;
   const col = Math.floor((event.clientX - rect.left) / l.cell), row = Math.floor((event.clientY - rect.top) / l.cell);
-  const id = row * l.columns + col;
-  return col < l.columns && id >= 0 && id < state.view.ref.length ? id : null;
+  const cell = row * l.columns + col;
+  return col < l.columns && cell >= 0 && cell < l.cells ? cell : null;
 }
 
 lab.el("blockmap").addEventListener("mousemove", (e) => { state.hover = cellAt(e); drawMap(); });
 lab.el("blockmap").addEventListener("mouseleave", () => { state.hover = null; drawMap(); });
 lab.el("blockmap").addEventListener("click", (e) => {
-  const id = cellAt(e);
-  state.selected = id === state.selected ? null : id;
+  const cell = cellAt(e);
+  state.selected = cell === state.selected ? null : cell;
   drawMap();
 });
 window.addEventListener("resize", drawMap);
@@ -124,8 +164,9 @@ function recordHistory(snapshot) {
   const h = state.history;
   h.push(snapshot);
   if (h.length > HISTORY) h.shift();
-  const c = snapshot.counters, pool = snapshot.pool;
-  const usage = h.map((s) => s.pool.used / s.pool.num_blocks);
+  const c = snapshot.counters;
+  // The pool in use, from the block view the cards show (the same numbers in the same frame).
+  const usage = h.map((s) => s.usedBlocks / s.pool.num_blocks);
   const hits = h.map((s) => (s.counters.prefix_cache_queries ? s.counters.prefix_cache_hits / s.counters.prefix_cache_queries : null));
   const preemptions = h.map((s) => s.counters.preemptions);
   // tokens/s over the last ~2 s, so one step's burst does not dominate; by the time each snapshot
@@ -134,11 +175,12 @@ function recordHistory(snapshot) {
     const j = Math.max(0, i - 8), dt = s.received - h[j].received;
     return dt > 0 ? (s.counters.generated_tokens - h[j].counters.generated_tokens) / dt : null;
   });
-  lab.lineChart(lab.el("chart-usage"), [{ values: usage.map((x) => 100 * x), color: COLORS.used }], { floor: 100, points: HISTORY });
-  lab.lineChart(lab.el("chart-hits"), [{ values: hits.map((x) => (x === null ? null : 100 * x)), color: "#3b82f6" }], { floor: 100, points: HISTORY });
-  lab.lineChart(lab.el("chart-preemptions"), [{ values: preemptions, color: "#dc2626" }], { floor: 1, points: HISTORY });
-  lab.lineChart(lab.el("chart-tps"), [{ values: tps, color: "#7c3aed" }], { floor: 10, points: HISTORY });
-  lab.text("now-usage", `${lab.pct(pool.used / pool.num_blocks)} (${lab.int(pool.used)} blocks)`);
+  const time = { points: HISTORY, xLabel: `last ${HISTORY * 0.25} s` };
+  lab.lineChart(lab.el("chart-usage"), [{ values: usage.map((x) => 100 * x), color: COLORS.used }], { ...time, floor: 100, unit: "%" });
+  lab.lineChart(lab.el("chart-hits"), [{ values: hits.map((x) => (x === null ? null : 100 * x)), color: "#3b82f6" }], { ...time, floor: 100, unit: "%" });
+  lab.lineChart(lab.el("chart-preemptions"), [{ values: preemptions, color: "#dc2626" }], { ...time, floor: 1, unit: "" });
+  lab.lineChart(lab.el("chart-tps"), [{ values: tps, color: "#7c3aed" }], { ...time, floor: 10, unit: " tok/s" });
+  lab.text("now-usage", `${lab.pct(snapshot.usedBlocks / snapshot.pool.num_blocks)} (${lab.int(snapshot.usedBlocks)} blocks)`);
   lab.text("now-hits", c.prefix_cache_queries ? `${lab.pct(c.prefix_cache_hits / c.prefix_cache_queries)} of ${lab.int(c.prefix_cache_queries)}` : "–");
   lab.text("now-preemptions", lab.int(c.preemptions));
   lab.text("now-tps", tps[tps.length - 1] === null ? "–" : tps[tps.length - 1].toFixed(1));
@@ -146,6 +188,10 @@ function recordHistory(snapshot) {
 
 function apply(snapshot) {
   if (snapshot.blocks) setView(snapshot.blocks);
+  // A snapshot without a new block view is of the same blocks as the last one (the feed sends a view
+  // only when it changed): cards and chart both read the view shown, never two different moments.
+  const counts = state.view ? state.view.counts : null;
+  snapshot.usedBlocks = counts ? counts.used + counts.shared : snapshot.pool.used;
   setRequests(snapshot);
   recordHistory(snapshot);
   document.body.dataset.updates = (Number(document.body.dataset.updates || 0) + 1).toString();

@@ -31,13 +31,24 @@ lab.showKeyBar = (message) => {
   document.querySelector("main").prepend(bar);
 };
 
+// What a page says where it would show an error while the key bar (above) asks for the key: the
+// bar already says why, and repeating its sentence in the page's subtitle only doubles it.
+class KeyRequired extends Error {
+  constructor() { super("waiting for the admin key"); this.name = "KeyRequired"; }
+}
+
+lab.refused = (status, body) => {
+  if (status !== 401 && status !== 403) return null;
+  lab.showKeyBar(body.error ? body.error.message : "");
+  return new KeyRequired();
+};
+
 lab.fetchJSON = async (path, options) => {
   const opts = Object.assign({}, options || {});
   opts.headers = lab.headers(opts.headers);
   const response = await fetch(path, opts);
   const body = await response.json().catch(() => ({}));
-  if (response.status === 401 || response.status === 403) lab.showKeyBar(body.error ? body.error.message : "");
-  if (!response.ok) throw new Error(body.error ? body.error.message : "HTTP " + response.status);
+  if (!response.ok) throw lab.refused(response.status, body) || new Error(body.error ? body.error.message : "HTTP " + response.status);
   return body;
 };
 
@@ -48,8 +59,7 @@ lab.stream = async (path, options, onEvent) => {
   const response = await fetch(path, opts);
   if (!response.ok) {
     const body = await response.json().catch(() => ({}));
-    if (response.status === 401 || response.status === 403) lab.showKeyBar(body.error ? body.error.message : "");
-    throw new Error(body.error ? body.error.message : "HTTP " + response.status);
+    throw lab.refused(response.status, body) || new Error(body.error ? body.error.message : "HTTP " + response.status);
   }
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
@@ -84,7 +94,23 @@ lab.el = (id) => document.getElementById(id);
 
 lab.text = (id, value) => { const e = lab.el(id); if (e) e.textContent = value; };
 
-// A small line chart on a canvas: values over time, y from 0 to max(values, floor).
+// Axis numbers: 1,234 / 12.5k / 3.4M, with the unit after them.
+lab.tick = (v, unit) => {
+  const abs = Math.abs(v);
+  const text = abs >= 1e6 ? (v / 1e6).toFixed(1) + "M" : abs >= 1e4 ? (v / 1e3).toFixed(0) + "k" :
+    abs >= 100 || Number.isInteger(v) ? Math.round(v).toLocaleString("en-US") : v.toFixed(1);
+  return text + (unit || "");
+};
+
+// The next round number at or above v (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8 x a power of ten): an axis's top.
+lab.roundUp = (v) => {
+  if (!(v > 0)) return 0;
+  const p = 10 ** Math.floor(Math.log10(v));
+  return [1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10].map((m) => m * p).find((x) => x >= v * (1 - 1e-9));
+};
+
+// A small line chart on a canvas: values over time, y from 0 to max(floor, a round number above the values); a y axis with
+// its top, middle and zero in `options.unit`, and `options.xLabel` under the x axis.
 lab.lineChart = (canvas, series, options) => {
   const ratio = window.devicePixelRatio || 1;
   const width = canvas.clientWidth, height = canvas.clientHeight;
@@ -93,18 +119,32 @@ lab.lineChart = (canvas, series, options) => {
   ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
   ctx.clearRect(0, 0, width, height);
   const all = series.flatMap((s) => s.values).filter((v) => v !== null && isFinite(v));
-  const top = Math.max(options.floor || 1, ...all) * 1.1;
+  const top = Math.max(options.floor || 1, lab.roundUp(Math.max(0, ...all) * 1.05)); // headroom only past the floor
   const count = Math.max(options.points || 2, ...series.map((s) => s.values.length));
-  ctx.strokeStyle = "#e5e7eb"; ctx.lineWidth = 1;
-  ctx.beginPath(); ctx.moveTo(0, height - 0.5); ctx.lineTo(width, height - 0.5); ctx.stroke();
+  ctx.font = "10px system-ui, sans-serif"; ctx.fillStyle = "#667085";
+  const labels = [top, top / 2, 0].map((v) => lab.tick(v, options.unit));
+  const left = Math.ceil(Math.max(...labels.map((t) => ctx.measureText(t).width))) + 6;
+  const bottom = options.xLabel ? 14 : 4, plotH = height - bottom - 6, plotW = width - left - 2;
+  const yOf = (v) => 6 + plotH - (v / top) * plotH;
+  ctx.textAlign = "right"; ctx.textBaseline = "middle";
+  [top, top / 2, 0].forEach((v, i) => {
+    ctx.fillText(labels[i], left - 4, yOf(v));
+    ctx.strokeStyle = i === 2 ? "#cbd2dc" : "#eef0f4"; ctx.lineWidth = 1;
+    ctx.beginPath(); ctx.moveTo(left, Math.round(yOf(v)) + 0.5); ctx.lineTo(width, Math.round(yOf(v)) + 0.5); ctx.stroke();
+  });
+  ctx.strokeStyle = "#cbd2dc";
+  ctx.beginPath(); ctx.moveTo(left + 0.5, 6); ctx.lineTo(left + 0.5, 6 + plotH); ctx.stroke();
+  if (options.xLabel) {
+    ctx.textAlign = "center"; ctx.textBaseline = "bottom";
+    ctx.fillText(options.xLabel, left + plotW / 2, height);
+  }
   for (const s of series) {
     ctx.strokeStyle = s.color; ctx.lineWidth = 1.8; ctx.beginPath();
     let started = false;
     s.values.forEach((v, i) => {
       if (v === null || !isFinite(v)) return;
-      const x = count > 1 ? (i / (count - 1)) * (width - 2) + 1 : 1;
-      const y = height - 2 - (v / top) * (height - 6);
-      if (started) ctx.lineTo(x, y); else { ctx.moveTo(x, y); started = true; }
+      const x = left + 1 + (count > 1 ? (i / (count - 1)) * (plotW - 2) : 0);
+      if (started) ctx.lineTo(x, yOf(v)); else { ctx.moveTo(x, yOf(v)); started = true; }
     });
     ctx.stroke();
   }

@@ -52,6 +52,8 @@ async function explain(body, title) {
   } catch (error) {
     lab.text("explain-reason", error.message);
   }
+  // The answer is below the recent requests: bring it into view, or a click seems to do nothing.
+  lab.el("result-panel").scrollIntoView({ block: "start" });
 }
 
 async function refresh() {

@@ -26,10 +26,11 @@ function cumulative(values) { let sum = 0; return values.map((v) => (sum += v));
 function draw() {
   const c = runs.cached, r = runs.recompute, n = Math.max(run ? run.max_tokens : 2, 2);
   const series = (list, key, color) => ({ values: list.map((s) => s[key]), color });
-  lab.lineChart(lab.el("chart-step-tokens"), [series(c, "tokens", "#2563eb"), series(r, "tokens", "#c2410c")], { floor: 1, points: n });
+  const axes = { floor: 1, points: n, xLabel: `generation step (0 – ${n - 1})` };
+  lab.lineChart(lab.el("chart-step-tokens"), [series(c, "tokens", "#2563eb"), series(r, "tokens", "#c2410c")], { ...axes, unit: " tok" });
   lab.lineChart(lab.el("chart-cumulative"), [{ values: cumulative(c.map((s) => s.tokens)), color: "#2563eb" },
-                                              { values: cumulative(r.map((s) => s.tokens)), color: "#c2410c" }], { floor: 1, points: n });
-  lab.lineChart(lab.el("chart-ms"), [series(c, "ms", "#2563eb"), series(r, "ms", "#c2410c")], { floor: 1, points: n });
+                                              { values: cumulative(r.map((s) => s.tokens)), color: "#c2410c" }], { ...axes, unit: " tok" });
+  lab.lineChart(lab.el("chart-ms"), [series(c, "ms", "#2563eb"), series(r, "ms", "#c2410c")], { ...axes, unit: " ms" });
 }
 
 function summary() {

@@ -1,0 +1,76 @@
+"""schemathesis against the app's own /openapi.json (the three APIs), in process on the tiny model:
+data the schema allows is served, data it forbids is refused with a 4xx, and nothing is a 5xx.
+
+Positive data may still meet a limit of the server's state, which no schema can state: prompt +
+max_tokens over the context or the KV pool, more choices than the waiting queue holds; or ask for a
+feature kvserve refuses by name ("... is not supported"). Those 400s say so in their message and
+pass; any other 400 for schema-valid data is a disagreement between the schema and the checks
+(issue 27), and fails. Generation is short (the tiny model's context is 128
+tokens), so a few hundred cases run in well under a minute.
+"""
+
+import json
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, assume, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import negative_data_rejection
+
+from kvserve.engine.sampling import SEED_RANGE
+from tests.server.inprocess import assert_idle_and_intact
+
+OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
+              ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens")]
+EXAMPLES = 40  # per operation and mode
+# What a schema-valid request may still be refused for: the server's state, not the request's shape
+# (the context, the pool, the queue, the model's vocabulary, a stored response that does not exist);
+# and a feature of the API kvserve does not implement (tools, logit_bias, images, ...), which the
+# schema lists as the API has it and the server refuses by name, never ignores.
+STATE_LIMITS = ("context", "KV pool", "the server queues at most", "vocabulary", "not found", "not supported")
+
+
+def _past_seed_range(body) -> bool:
+    """The generator works with float bounds past 2**53, so a "positive" seed can land one past
+    [-2**63, 2**64 - 1]: the schema forbids it, and so does the server."""
+    seed = body.get("seed") if isinstance(body, dict) else None
+    return isinstance(seed, int) and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]
+
+
+@pytest.fixture(scope="module")
+def schema(tiny_app):
+    return schemathesis.openapi.from_dict(tiny_app.get("/openapi.json").json())
+
+
+def send(app, case):
+    """The case's request, its body as JSON (a negative case's body may be raw bytes: sent as they are)."""
+    body = case.body if isinstance(case.body, bytes) else json.dumps(case.body).encode()
+    headers = {"Content-Type": "application/json", **(case.headers or {})}
+    return app.request(case.method, case.formatted_path, content=body, headers=headers, params=case.query or None)
+
+
+@pytest.mark.parametrize("method, path", OPERATIONS)
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_the_schema_and_the_server_agree(tiny_app, schema, method, path, mode):
+    strategy = schema[path][method].as_strategy(generation_mode=mode)
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(case=strategy)
+    def check(case):
+        assume(not (mode is GenerationMode.POSITIVE and _past_seed_range(case.body)))
+        response = send(tiny_app, case)
+        case.validate_response(response, checks=[not_a_server_error, negative_data_rejection])
+        if mode is GenerationMode.POSITIVE and response.status_code >= 400:
+            assert response.status_code in (400, 404, 429), response.text
+            if response.status_code == 404:  # the schema cannot know which model this server serves
+                assert "does not exist" in response.text, response.text
+            elif response.status_code == 400:
+                assert any(limit in response.text for limit in STATE_LIMITS), (case.body, response.text)
+
+    check()
+
+
+def test_the_app_is_healthy_after_the_schemathesis_run(tiny_app):
+    assert_idle_and_intact(tiny_app)
