@@ -24,7 +24,7 @@ LAYERS = [
     {"engine"},
     {"llm", "planner"},
     {"server"},
-    {"engine_args"},
+    {"engine_args", "serve_args"},
     {"cli"},
 ]
 LAYER_OF = {unit: level for level, units in enumerate(LAYERS) for unit in units}
