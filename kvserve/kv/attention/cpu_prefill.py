@@ -17,6 +17,7 @@ cached keys, keep the masked path.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.kv.attention.reference import attend, window_applies
 
@@ -44,3 +45,30 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
         total = own_weight + before_weight
         own = own * (own_weight / total)[..., None] + before * (before_weight / total)[..., None]
     return own[0].transpose(0, 1).reshape(num_queries, -1)
+
+
+def open_block_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor,
+                       q_positions: torch.Tensor, scale: float, block_size: int, sliding_window: int | None,
+                       key_start: int, own_start: int) -> torch.Tensor:
+    """A prefill chunk over a pool with open blocks (kv/open_blocks.py): each query sees its own block, up to
+    itself, in float16 (`own_k`/`own_v`: positions own_start.., the chunk's first block on) unless it is that
+    block's last row, and every other key as the pool holds it (`k`/`v`: positions key_start.., read after
+    the chunk was written, so the blocks it filled are encoded). That is what a decode at the same position
+    reads (its block is open until its last row is written), so a prompt gives the same tokens however it
+    is chunked. q `[H, T, D]`, k/v `[KVH, L, D]`, own_k/own_v `[KVH, O, D]` -> `[T, H * D]`."""
+    device = q.device
+    queries = q_positions[:, None]
+    q_block = torch.div(queries, block_size, rounding_mode="floor")
+    in_own = (queries % block_size) != block_size - 1  # the last row of a block sees it encoded, as a decode does
+    main_pos = torch.arange(key_start, key_start + k.shape[1], device=device)[None, :]
+    own_pos = torch.arange(own_start, own_start + own_k.shape[1], device=device)[None, :]
+    main = (main_pos <= queries) & ~((torch.div(main_pos, block_size, rounding_mode="floor") == q_block) & in_own)
+    own = (own_pos <= queries) & (torch.div(own_pos, block_size, rounding_mode="floor") == q_block) & in_own
+    if sliding_window is not None:
+        main &= queries - main_pos < sliding_window
+        own &= queries - own_pos < sliding_window
+    mask = torch.cat([main, own], dim=1)
+    keys, values = torch.cat([k, own_k.to(k.dtype)], dim=1), torch.cat([v, own_v.to(v.dtype)], dim=1)
+    out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
+                                         scale=scale, enable_gqa=q.shape[0] != k.shape[0])
+    return out[0].transpose(0, 1).reshape(q.shape[1], -1)
