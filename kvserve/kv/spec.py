@@ -105,9 +105,18 @@ class KVSpec:
         """Open blocks the pool keeps room for: one per request of a full batch and KV group."""
         return max_num_seqs * self.layout.num_groups if self.has_open_blocks else 0
 
-    def open_blocks_bytes(self, max_num_seqs: int, block_size: int) -> int:
-        """What the open blocks of `max_num_seqs` requests take, beside the pages (0 without them)."""
-        return self.open_slots(max_num_seqs) * self.open_block_bytes(block_size)
+    def open_blocks_bytes(self, max_num_seqs: int, block_size: int, num_pages: int | None = None) -> int:
+        """What the open blocks of `max_num_seqs` requests take beside the pages (0 without them); never more
+        than one per page of a pool of `num_pages`."""
+        slots = self.open_slots(max_num_seqs)
+        return (slots if num_pages is None else min(slots, num_pages)) * self.open_block_bytes(block_size)
+
+    def pool_pages(self, budget: int, block_size: int, max_num_seqs: int) -> int:
+        """The most pages that fit in `budget` bytes beside their open blocks (the pool keeps one per page
+        at most, up to `open_slots(max_num_seqs)`)."""
+        page, slot, slots = self.page_bytes(block_size), self.open_block_bytes(block_size), self.open_slots(max_num_seqs)
+        beside_all = (budget - slots * slot) // page
+        return beside_all if beside_all >= slots else budget // (page + slot)
 
     @property
     def page_layers(self) -> int:
@@ -125,11 +134,11 @@ class KVSpec:
         """KV bytes a request with `num_tokens` computed holds between steps: whole pages, windows freed."""
         return self.request_pages(num_tokens, block_size) * self.page_bytes(block_size)
 
-    def formula(self) -> str:
+    def formula(self, block_size: int = REFERENCE_BLOCK) -> str:
         """The factors, e.g. '2 (K, V) x 30 layers x 3 KV heads x (64 x 1 B + 2 B scale) = 11,880 bytes/token'."""
         def row(codec: KVCodec) -> str:
             element = f"{self.head_dim} x {codec.bits / 8:g} B"
-            params = codec.num_params(self.head_dim, REFERENCE_BLOCK)
+            params = codec.num_params(self.head_dim, block_size)
             if not params:
                 return element
             per = " per channel and block" if codec.blockwise else ""
@@ -138,7 +147,7 @@ class KVSpec:
         k_row, v_row = row(self.k_codec), row(self.v_codec)
         layout = f"2 (K, V) x {k_row}" if k_row == v_row else f"(K {k_row} + V {v_row})"
         return (f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {layout} "
-                f"= {self.bytes_per_token:,} bytes/token")
+                f"= {self.num_layers * self.token_bytes_per_layer(block_size):,} bytes/token")
 
 
 def kv_spec(config: ModelConfig, dtype: str = "auto", linear_dtype: str = "float32") -> KVSpec:
