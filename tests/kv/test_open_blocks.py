@@ -122,3 +122,21 @@ def test_read_blocks_encodes_open_blocks_and_write_blocks_supersedes_them():
     assert cache.open_blocks.slot_of[0][6] < 0
     assert torch.equal(cache.read_rows(0, slot_indices(torch.full((5,), 6), positions, HEADS, BLOCK))[0],
                        cache.read_rows(0, rows)[0])
+
+
+def test_a_shared_prefix_block_is_encoded_once_however_many_requests_read_it(tiny_models):
+    from tests.engine.test_engine import make_engine
+    from tests.engine.test_prefix_caching import finish, shared_prompts
+
+    engine = make_engine(tiny_models("llama-gqa"), kv_cache_dtype="int4")
+    cache, encoded = engine.kv_cache, []
+    store = cache.store_blocks
+    cache.store_blocks = lambda slot, ids, *kv: (encoded.extend((slot, b) for b in ids.tolist()), store(slot, ids, *kv))
+    first, *others = shared_prompts()
+    finish(engine, first)
+    prefix_blocks = set(encoded)
+    assert len(prefix_blocks) == len(encoded) > 0  # each of its blocks encoded once, in every layer
+    for prompt in others:
+        assert finish(engine, prompt).num_cached_tokens == 24
+    assert not prefix_blocks & set(encoded[len(prefix_blocks):])  # the shared blocks were only read
+    assert len(set(encoded)) == len(encoded)  # and no block anywhere was encoded twice
