@@ -140,3 +140,31 @@ def test_a_shared_prefix_block_is_encoded_once_however_many_requests_read_it(tin
         assert finish(engine, prompt).num_cached_tokens == 24
     assert not prefix_blocks & set(encoded[len(prefix_blocks):])  # the shared blocks were only read
     assert len(set(encoded)) == len(encoded)  # and no block anywhere was encoded twice
+
+
+def test_a_context_shift_moves_int4_keys_through_open_blocks(tiny_models):
+    from kvserve.engine.engine import Engine
+    from kvserve.kernels.ops import apply_rope
+    from tests.engine.test_context_shift import BS, greedy, prompt, shift_config
+    from tests.helpers import run_to_finals
+
+    loaded = tiny_models("llama-1-layer")
+    engine = Engine(shift_config(kv_cache_dtype="int4"), loaded=loaded)
+    engine.add_request(prompt(10), greedy(20))
+    while engine.scheduler.num_context_shifts == 0:
+        engine.step()
+    request = engine.scheduler.running[0]
+    context = request.all_token_ids[: request.num_computed_tokens]
+    table = engine.kv_manager.block_ids(request.request_id)[0]
+    slots = engine.attention_backend.token_slots(engine.kv_cache, torch.tensor([table[p // BS] for p in range(len(context))]),
+                                                 torch.tensor([p % BS for p in range(len(context))]))
+    cached_k, _ = engine.kv_cache.read_rows(0, slots)
+    attn = loaded.model.layers[0].self_attn
+    x = loaded.model.layers[0].input_layernorm(loaded.model.embed_tokens(torch.tensor(context)))
+    _, k, _ = attn.qkv_proj(x).split([attn.num_heads * attn.head_dim] + [attn.num_kv_heads * attn.head_dim] * 2, -1)
+    cos, sin = loaded.model.rotary_emb(torch.arange(len(context)))
+    fresh_k = apply_rope(k.view(len(context), attn.num_kv_heads, attn.head_dim), cos, sin)
+    # Moved keys re-rotated and re-encoded per block: within int4's steps of the keys' range.
+    assert (cached_k - fresh_k).abs().max() < 0.2 * fresh_k.abs().max()
+    run_to_finals(engine)  # and generation goes on past the shift
+    assert engine.scheduler.num_context_shifts >= 1
