@@ -506,13 +506,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 // ---- Quantized caches (kvserve/kv/quant.py's codecs), read in place ----
 //
-// A block of a quantized cache is widened into two per-thread fp32 buffers (K and V of one KV head, BS x D
-// each: 16 KiB at BS 16, D 64, in L1) and attended by the fp32 path above: decode attention is bound by what
-// it reads from memory, and a quantized block is what is read. Open blocks (still being filled, kept in
-// fp16 beside the pool: kv/open_blocks.py) are attended where they lie, as an fp16 cache.
+// Runs of up to kChunk blocks of a quantized cache are widened into two per-thread fp32 buffers (K and V of
+// one KV head: 8 blocks x BS x D, 32 KiB each at BS 16, D 64, in L2) and attended by the fp32 path above in
+// one call: decode attention is bound by what it reads from memory, and the quantized bytes are what is read.
+// Open blocks (still being filled, kept in fp16 beside the pool: kv/open_blocks.py) end a run and are
+// attended where they lie, as an fp16 cache.
 namespace {
 
 enum QuantKind : int64_t { kInt8Row = 1, kInt4Row = 2, kInt4Channel = 3 };
+constexpr int64_t kChunk = 8;
 
 struct QuantSide {
   const uint8_t* data;       // [num_blocks, KVH, BS, data_width] bytes
@@ -520,7 +522,25 @@ struct QuantSide {
   int64_t kind, data_width, param_width, group;
 };
 
-// out[i] = nibble_i * scale[i] + low[i] for the 2 * nbytes nibbles of src (even i: low nibble).
+inline float half_to_float(c10::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+inline void halves_to_floats(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+// out[i] = nibble_i * scale[i] + low[i] for the 2 * nbytes nibbles of src (even i: the low nibble).
 inline void widen_nibbles(const uint8_t* src, int64_t nbytes, const float* scale, const float* low, float* out) {
   int64_t j = 0;
 #if defined(__AVX512F__)
@@ -556,37 +576,51 @@ inline void widen_nibbles(const uint8_t* src, int64_t nbytes, const float* scale
   }
 }
 
+// One int4 group of 16 channels (8 bytes) with one scale and minimum.
+inline void widen_group16(const uint8_t* src, float scale, float low, float* out) {
+#if defined(__AVX512F__)
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+  _mm512_storeu_ps(out, _mm512_fmadd_ps(f, _mm512_set1_ps(scale), _mm512_set1_ps(low)));
+#else
+  for (int j = 0; j < 8; ++j) {
+    out[2 * j] = static_cast<float>(src[j] & 0x0F) * scale + low;
+    out[2 * j + 1] = static_cast<float>(src[j] >> 4) * scale + low;
+  }
+#endif
+}
+
 // The rows of (block, KV head h) of one side, decoded into out [BS, D].
 void widen_block(const QuantSide& side, int64_t block, int64_t KVH, int64_t h, int64_t BS, int64_t D, float* out) {
   const int64_t bh = block * KVH + h;
   const uint8_t* data = side.data + bh * BS * side.data_width;
   const c10::Half* params = side.params + bh * BS * side.param_width;
-  float scale[kMaxHeadDim], low[kMaxHeadDim];
   if (side.kind == kInt4Channel) {  // one scale and minimum per channel for the whole block
-    for (int64_t i = 0; i < D; ++i) {
-      scale[i] = static_cast<float>(params[i]);
-      low[i] = static_cast<float>(params[D + i]);
-    }
+    alignas(64) float scale[kMaxHeadDim], low[kMaxHeadDim];
+    halves_to_floats(params, scale, D);
+    halves_to_floats(params + D, low, D);
     for (int64_t r = 0; r < BS; ++r) widen_nibbles(data + r * side.data_width, D / 2, scale, low, out + r * D);
     return;
   }
   for (int64_t r = 0; r < BS; ++r) {
     const c10::Half* p = params + r * side.param_width;
+    const uint8_t* row = data + r * side.data_width;
     float* o = out + r * D;
     if (side.kind == kInt8Row) {
-      const float s = static_cast<float>(p[0]);
-      const int8_t* q = reinterpret_cast<const int8_t*>(data + r * side.data_width);
+      const float s = half_to_float(p[0]);
+      const int8_t* q = reinterpret_cast<const int8_t*>(row);
 #pragma omp simd
       for (int64_t i = 0; i < D; ++i) o[i] = static_cast<float>(q[i]) * s;
-    } else {  // kInt4Row: (scale, minimum) per group of channels
-      for (int64_t g = 0; g < D / side.group; ++g) {
-        const float s = static_cast<float>(p[2 * g]), m = static_cast<float>(p[2 * g + 1]);
-        for (int64_t i = g * side.group; i < (g + 1) * side.group; ++i) {
-          scale[i] = s;
-          low[i] = m;
-        }
+    } else if (side.group == 16) {  // kInt4Row in groups of 16 channels (every head_dim a multiple of 16)
+      for (int64_t g = 0; g < D / 16; ++g) widen_group16(row + 8 * g, half_to_float(p[2 * g]), half_to_float(p[2 * g + 1]), o + 16 * g);
+    } else {  // kInt4Row, one group per row
+      const float s = half_to_float(p[0]), m = half_to_float(p[1]);
+      for (int64_t j = 0; j < D / 2; ++j) {
+        o[2 * j] = static_cast<float>(row[j] & 0x0F) * s + m;
+        o[2 * j + 1] = static_cast<float>(row[j] >> 4) * s + m;
       }
-      widen_nibbles(data + r * side.data_width, D / 2, scale, low, o);
     }
   }
 }
@@ -641,38 +675,42 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
   const int64_t* offsets = seq_offsets.data_ptr<int64_t>();
   const bool* valid = key_valid.data_ptr<bool>();
   const float fscale = static_cast<float>(scale);
+  static const int64_t kIota[kChunk] = {0, 1, 2, 3, 4, 5, 6, 7};
 
   at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> k_buffer, v_buffer;
-    if (static_cast<int64_t>(k_buffer.size()) < BS * D) {
-      k_buffer.resize(BS * D);
-      v_buffer.resize(BS * D);
+    if (static_cast<int64_t>(k_buffer.size()) < kChunk * BS * D) {
+      k_buffer.resize(kChunk * BS * D);
+      v_buffer.resize(kChunk * BS * D);
     }
-    const int64_t zero = 0;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / S, s = item % S;
       const int64_t first = offsets[b], count = offsets[b + 1] - first;
       const int64_t lo = first + count * s / S, hi = first + count * (s + 1) / S;
-      for (int64_t idx = lo; idx < hi; ++idx) {
-        const bool* row_valid = valid + idx * BS;
-        if (std::none_of(row_valid, row_valid + BS, [](bool x) { return x; })) continue;
-        const int64_t block = blocks[idx];
-        const int64_t slot = has_open ? slot_of[block] : -1;
-        for (int64_t h = 0; h < KVH; ++h) {
-          const int64_t part = (b * KVH + h) * S + s;
-          float* m = &part_max[part * G];
-          float* l = &part_sum[part * G];
-          float* acc = &part_acc[part * G * D];
-          const float* qh = qp + (b * H + h * G) * D;
-          if (slot >= 0) {
-            attend_item<c10::Half>(qh, G, D, ok, ov, &slot, row_valid, 0, 1, KVH, h, BS, fscale, m, l, acc);
-          } else {
-            widen_block(ks, block, KVH, h, BS, D, k_buffer.data());
-            widen_block(vs, block, KVH, h, BS, D, v_buffer.data());
-            attend_item<float>(qh, G, D, k_buffer.data(), v_buffer.data(), &zero, row_valid, 0, 1, 1, 0, BS, fscale,
-                               m, l, acc);
+      for (int64_t idx = lo; idx < hi;) {
+        const int64_t slot = has_open ? slot_of[blocks[idx]] : -1;
+        if (slot >= 0) {  // an open block, attended in place (fp16)
+          for (int64_t h = 0; h < KVH; ++h) {
+            const int64_t part = (b * KVH + h) * S + s;
+            attend_item<c10::Half>(qp + (b * H + h * G) * D, G, D, ok, ov, &slot, valid + idx * BS, 0, 1, KVH, h, BS,
+                                   fscale, &part_max[part * G], &part_sum[part * G], &part_acc[part * G * D]);
           }
+          ++idx;
+          continue;
         }
+        int64_t run = 1;  // blocks of the pool in a row, up to kChunk
+        while (run < kChunk && idx + run < hi && !(has_open && slot_of[blocks[idx + run]] >= 0)) ++run;
+        for (int64_t h = 0; h < KVH; ++h) {
+          for (int64_t c = 0; c < run; ++c) {
+            widen_block(ks, blocks[idx + c], KVH, h, BS, D, k_buffer.data() + c * BS * D);
+            widen_block(vs, blocks[idx + c], KVH, h, BS, D, v_buffer.data() + c * BS * D);
+          }
+          const int64_t part = (b * KVH + h) * S + s;
+          attend_item<float>(qp + (b * H + h * G) * D, G, D, k_buffer.data(), v_buffer.data(), kIota,
+                             valid + idx * BS, 0, run, 1, 0, BS, fscale, &part_max[part * G], &part_sum[part * G],
+                             &part_acc[part * G * D]);
+        }
+        idx += run;
       }
     }
   });
