@@ -133,6 +133,31 @@ class OpenBlocks:
                 if int(host[b]) >= 0:
                     self._release(tensor, int(host[b]))
 
+    def overlay_blocks(self, tensor: int, block_ids: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks `block_ids` as read from the pool (K, V `[n, KVH, block_size, D]`), open ones replaced
+        by their float16 rows."""
+        slots = self.slot_of[tensor].index_select(0, block_ids)
+        where = (slots >= 0).nonzero().flatten()
+        if where.numel():
+            at = slots.index_select(0, where)
+            k = k.index_copy(0, where, self.k[tensor].index_select(0, at).to(k.dtype))
+            v = v.index_copy(0, where, self.v[tensor].index_select(0, at).to(v.dtype))
+        return k, v
+
+    def overlay_rows(self, tensor: int, rows: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat rows `rows` as read from the pool (K, V `[R, D]`), those of open blocks replaced likewise."""
+        blocks = torch.div(rows, self.block_rows, rounding_mode="floor")
+        slots = self.slot_of[tensor].index_select(0, blocks)
+        where = (slots >= 0).nonzero().flatten()
+        if where.numel():
+            at = slots.index_select(0, where) * self.block_rows + (rows - blocks * self.block_rows).index_select(0, where)
+            head_dim = k.shape[-1]
+            k = k.index_copy(0, where, self.k[tensor].view(-1, head_dim).index_select(0, at).to(k.dtype))
+            v = v.index_copy(0, where, self.v[tensor].view(-1, head_dim).index_select(0, at).to(v.dtype))
+        return k, v
+
     # -- internals --
 
     def _plan_for(self, rows: torch.Tensor) -> _WritePlan:

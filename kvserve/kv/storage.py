@@ -264,23 +264,8 @@ class PagedKVCache:
         shape = (-1, self.spec.num_kv_heads, self.spec.head_dim)
         k, v = self.keys.read_rows(layer, slot_indices, dtype), self.values.read_rows(layer, slot_indices, dtype)
         if self.open_blocks is not None:  # rows of open blocks: their float16 copies
-            k, v = self._open_rows(layer, slot_indices, k, v)
+            k, v = self.open_blocks.overlay_rows(self.spec.layout.layer_slot[layer], slot_indices, k, v)
         return k.view(shape), v.view(shape)
-
-    def _open_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tensor, open_ = self.spec.layout.layer_slot[layer], self.open_blocks
-        block_rows = open_.block_rows
-        blocks = torch.div(rows, block_rows, rounding_mode="floor")
-        slots = open_.slot_of[tensor].index_select(0, blocks)
-        where = (slots >= 0).nonzero().flatten()
-        if where.numel():
-            at = slots.index_select(0, where) * block_rows + rows.index_select(0, where) - blocks.index_select(
-                0, where) * block_rows
-            head_dim = self.spec.head_dim
-            k = k.index_copy(0, where, open_.k[tensor].view(-1, head_dim).index_select(0, at).to(k.dtype))
-            v = v.index_copy(0, where, open_.v[tensor].view(-1, head_dim).index_select(0, at).to(v.dtype))
-        return k, v
 
     def gather(self, layer: int, block_ids: torch.Tensor, dtype: torch.dtype, fold_scales: bool = False) -> GatheredKV:
         """Blocks `block_ids` of `layer` in `dtype`; with `fold_scales`, per-row scales are left to the caller."""
@@ -290,11 +275,4 @@ class PagedKVCache:
             return GatheredKV(k, v, k_scale, v_scale)
         # Open blocks replace whole blocks with their float16 rows: no scale is left to fold.
         (k, _), (v, _) = self.keys.read(layer, block_ids, dtype, False), self.values.read(layer, block_ids, dtype, False)
-        tensor, open_ = self.spec.layout.layer_slot[layer], self.open_blocks
-        slots = open_.slot_of[tensor].index_select(0, block_ids)
-        where = (slots >= 0).nonzero().flatten()
-        if where.numel():
-            at = slots.index_select(0, where)
-            k = k.index_copy(0, where, open_.k[tensor].index_select(0, at).to(dtype))
-            v = v.index_copy(0, where, open_.v[tensor].index_select(0, at).to(dtype))
-        return GatheredKV(k, v)
+        return GatheredKV(*self.open_blocks.overlay_blocks(self.spec.layout.layer_slot[layer], block_ids, k, v))
