@@ -94,6 +94,17 @@ def score(llm: LLM, windows: list[list[int]]) -> tuple[float, torch.Tensor]:
     return nll / count, torch.cat(logprobs)
 
 
+def divergence(reference: torch.Tensor, logprobs: torch.Tensor, rows: int = 256) -> tuple[torch.Tensor, float]:
+    """KL(float32 || dtype) per position and top-1 agreement, a few rows at a time (a 262k vocabulary's
+    temporaries over thousands of positions would take gigabytes)."""
+    kl, same = [], 0
+    for start in range(0, len(reference), rows):
+        ref, lp = reference[start : start + rows], logprobs[start : start + rows]
+        kl.append((ref.exp() * (ref - lp)).sum(-1))
+        same += int((ref.argmax(-1) == lp.argmax(-1)).sum())
+    return torch.cat(kl), same / len(reference)
+
+
 def greedy_chats(llm: LLM) -> list[list[int]]:
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
@@ -147,8 +158,7 @@ def main() -> None:
         chats = [] if args.skip_chats else greedy_chats(llm)
         if dtype == "float32":
             reference, reference_chats = logprobs, chats
-        kl = (reference.exp() * (reference - logprobs)).sum(-1)  # KL(float32 || dtype) per position
-        top1 = (reference.argmax(-1) == logprobs.argmax(-1)).float().mean().item()
+        kl, top1 = divergence(reference, logprobs)
         lengths = [agreement_length(r, c) for r, c in zip(reference_chats, chats)]
         row = {
             "dtype": dtype, "bytes_per_token": llm.engine.kv_spec.bytes_per_token, "perplexity": math.exp(nll),

@@ -129,7 +129,7 @@ class KVCodec:
         x = x.float()
         low = _to_params(x.amin(dim=-2, keepdim=True), -_PARAM_MAX)  # [..., 1, D]: per channel, over the rows
         scale = _to_params((x.amax(dim=-2, keepdim=True) - low.float()) / self.levels, _TINY)
-        q = ((x - low.float()) / scale.float()).round_().clamp_(0, self.levels).to(torch.uint8)
+        q = _levels((x - low.float()) / scale.float(), self.levels)
         data = q[..., 0::2] | (q[..., 1::2] << 4) if self.bits == 4 else q
         width = self.num_params(head_dim, block_size)
         params = torch.zeros(*x.shape[:-2], block_size * width, dtype=PARAM_DTYPE, device=x.device)
@@ -172,13 +172,19 @@ def int4_group(head_dim: int) -> int:
     return INT4_GROUP if head_dim % INT4_GROUP == 0 else head_dim
 
 
+def _levels(x: torch.Tensor, top: int) -> torch.Tensor:
+    """Non-negative x rounded to the nearest level in [0, top], as uint8. x + 0.5 truncated by the cast, not
+    round_(): on this CPU torch's round_ took ~15 ms for a block's 3,072 values under load, the cast 8 us."""
+    return x.add_(0.5).clamp_(0, top + 0.5).to(torch.uint8)
+
+
 def _encode_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     head_dim = x.shape[-1]
     group = int4_group(head_dim)
     grouped = x.float().reshape(*x.shape[:-1], head_dim // group, group)
     low = _to_params(grouped.amin(dim=-1, keepdim=True), -_PARAM_MAX)
     scale = _to_params((grouped.amax(dim=-1, keepdim=True) - low.float()) / 15, _TINY)
-    q = ((grouped - low.float()) / scale.float()).round_().clamp_(0, 15).to(torch.uint8)
+    q = _levels((grouped - low.float()) / scale.float(), 15)
     q = q.reshape(*x.shape[:-1], head_dim)
     packed = q[..., 0::2] | (q[..., 1::2] << 4)
     params = torch.cat([scale, low], dim=-1).reshape(*x.shape[:-1], -1)  # [scale_g, min_g] per group
