@@ -213,7 +213,7 @@ def _float(name: str, dtype: torch.dtype) -> KVCodec:
 def key_codec(name: str) -> KVCodec:
     """The codec keys are stored with: int4 keys per channel over each block (see the module's doc); any
     other dtype as values. Measured (bench/kv_quant_accuracy.py, float32 weights, 2,048-token windows):
-    int4 +2.70% -> +0.26% perplexity on SmolLM2, int4 -> +0.29% on Gemma 3 270M; int8 keys per token cost
+    int4 +2.70% -> +0.26% perplexity on SmolLM2, +3.33% -> +0.29% on Gemma 3 270M; int8 keys per token cost
     +0.17% / +0.36%, within +0.5%, so they keep one scale per row and need no float16 block."""
     return KEY_CODECS.get(name) or CODECS[name]
 

@@ -38,7 +38,7 @@ from kvserve.kv.open_blocks import OpenBlocks
 from kvserve.kv.quant import PARAM_DTYPE, KVCodec
 from kvserve.kv.spec import KVSpec
 
-# Requests whose open blocks a pool keeps room for when its caller does not say (EngineConfig.max_num_seqs').
+# Requests whose open blocks a pool keeps room for when its caller does not say (EngineConfig.max_num_seqs' default).
 DEFAULT_OPEN_REQUESTS = 64
 
 # (num_blocks, num_kv_heads, block_size, row_width) -> the shape of one layer's tensor.
