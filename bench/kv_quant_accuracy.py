@@ -13,7 +13,12 @@ read back from the (quantized) cache:
 - greedy agreement length: on a few chat prompts, how many of 64 greedy
   tokens match the float32 cache's before the first difference.
 
-    .venv/bin/python bench/kv_quant_accuracy.py [--dtypes int8 int4 ...] [--windows 8] [--window 1024]
+Weights in float32 by default (--weights-dtype), so that the cache is the only
+approximation; --model gemma3-270m runs Gemma 3 270M (installed with the dev
+extras), anything else is a path or name `LLM` takes.
+
+    .venv/bin/python bench/kv_quant_accuracy.py [--dtypes int8 int4 ...] [--windows 2] [--window 2048]
+        [--model gemma3-270m] [--skip-chats]
 """
 
 from __future__ import annotations
@@ -89,6 +94,17 @@ def score(llm: LLM, windows: list[list[int]]) -> tuple[float, torch.Tensor]:
     return nll / count, torch.cat(logprobs)
 
 
+def divergence(reference: torch.Tensor, logprobs: torch.Tensor, rows: int = 256) -> tuple[torch.Tensor, float]:
+    """KL(float32 || dtype) per position and top-1 agreement, a few rows at a time (a 262k vocabulary's
+    temporaries over thousands of positions would take gigabytes)."""
+    kl, same = [], 0
+    for start in range(0, len(reference), rows):
+        ref, lp = reference[start : start + rows], logprobs[start : start + rows]
+        kl.append((ref.exp() * (ref - lp)).sum(-1))
+        same += int((ref.argmax(-1) == lp.argmax(-1)).sum())
+    return torch.cat(kl), same / len(reference)
+
+
 def greedy_chats(llm: LLM) -> list[list[int]]:
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
@@ -100,34 +116,49 @@ def agreement_length(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def model_source(name: str | None) -> str | None:
+    if name == "gemma3-270m":
+        from kvserve.model.loader import gemma3_270m_path
+
+        return str(gemma3_270m_path())
+    return name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=DTYPES)
-    parser.add_argument("--windows", type=int, default=8, help="text windows scored (int4 figures move ~1%% with few)")
-    parser.add_argument("--window", type=int, default=1024, help="tokens per window")
+    parser.add_argument("--windows", type=int, default=2, help="text windows scored (int4 figures move ~1%% with few)")
+    parser.add_argument("--window", type=int, default=2048, help="tokens per window")
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk (max_num_batched_tokens)")
+    parser.add_argument("--model", default=None, help="gemma3-270m, or what LLM(model=) takes (default: SmolLM2)")
+    parser.add_argument("--weights-dtype", default="float32")
+    parser.add_argument("--skip-chats", action="store_true", help="no greedy agreement (perplexity, KL, top-1 only)")
     args = parser.parse_args()
     dtypes = ["float32"] + [d for d in args.dtypes if d != "float32"]
+    model = model_source(args.model)
 
-    reference_llm = LLM(kv_cache_dtype="float32", kv_cache_memory="1GiB", max_num_batched_tokens=args.chunk)
+    def make_llm(dtype: str) -> LLM:
+        return LLM(model, kv_cache_dtype=dtype, kv_cache_memory="1GiB", max_num_batched_tokens=args.chunk,
+                   weights_dtype=args.weights_dtype, max_model_len=max(args.window + 64, 4096))
+
+    reference_llm = make_llm("float32")
     tokens = reference_llm.get_tokenizer().encode(english_text())
     needed = args.windows * args.window
     if len(tokens) < needed:
         raise SystemExit(f"only {len(tokens)} tokens of text; lower --windows or --window")
     windows = [tokens[i * args.window : (i + 1) * args.window] for i in range(args.windows)]
-    print(f"text: {needed} tokens of Python Language Reference prose in {args.windows} windows of {args.window}; "
-          f"prefill chunks of {args.chunk}", flush=True)
+    print(f"model: {args.model or 'SmolLM2-135M-Instruct'}, weights {args.weights_dtype}; text: {needed} tokens of "
+          f"Python Language Reference prose in {args.windows} windows of {args.window}; prefill chunks of {args.chunk}",
+          flush=True)
 
     rows, reference, reference_chats = [], None, None
     for dtype in dtypes:
-        llm = reference_llm if dtype == "float32" else LLM(
-            kv_cache_dtype=dtype, kv_cache_memory="1GiB", max_num_batched_tokens=args.chunk)
+        llm = reference_llm if dtype == "float32" else make_llm(dtype)
         nll, logprobs = score(llm, windows)
-        chats = greedy_chats(llm)
+        chats = [] if args.skip_chats else greedy_chats(llm)
         if dtype == "float32":
             reference, reference_chats = logprobs, chats
-        kl = (reference.exp() * (reference - logprobs)).sum(-1)  # KL(float32 || dtype) per position
-        top1 = (reference.argmax(-1) == logprobs.argmax(-1)).float().mean().item()
+        kl, top1 = divergence(reference, logprobs)
         lengths = [agreement_length(r, c) for r, c in zip(reference_chats, chats)]
         row = {
             "dtype": dtype, "bytes_per_token": llm.engine.kv_spec.bytes_per_token, "perplexity": math.exp(nll),
@@ -146,7 +177,8 @@ def main() -> None:
     for r in rows:
         print(f"| {r['dtype']} | {r['bytes_per_token']:,} | {r['perplexity']:.4f} | {r['perplexity_change_pct']:+.3f}% "
               f"| {r['mean_kl']:.2e} | {100 * r['top1_agreement']:.2f}% | {', '.join(map(str, r['greedy_agreement']))} |")
-    path = save("kv_quant_accuracy", {"tokens": needed, "window": args.window, "chunk": args.chunk, "rows": rows})
+    path = save("kv_quant_accuracy", {"model": args.model or "SmolLM2-135M-Instruct", "weights_dtype": args.weights_dtype,
+                                      "tokens": needed, "window": args.window, "chunk": args.chunk, "rows": rows})
     print(f"saved {path}")
 
 

@@ -10,6 +10,11 @@ With sliding-window layers the pool is paged per KV group (kv/groups.py) and
 a windowed group holds only the blocks of its window: KV per request is then
 `KVSpec.request_bytes`, what the allocator holds for a request of `context`
 tokens between steps; the figure without that freeing is reported beside it.
+
+int4 keys are encoded per channel over a whole block, so each request's block
+still being filled is kept in float16 beside the pool (kv/open_blocks.py): the
+pool reserves one such block per request of a full batch (`max_num_seqs`) and
+KV group, counted here for `batch` requests (`KVSpec.open_blocks_bytes`).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class MemoryPlan:
     model_max_context: int
     kv_groups: str  # the KV group layout, e.g. "6 groups of 3 layers: 5 windowed (512 tokens), 1 full attention"
     kv_bytes_per_request_unwindowed: int  # what the request would hold if windowed layers kept every block
+    kv_open_blocks_bytes: int  # float16 blocks being filled, for `batch` requests (int4 keys; else 0), in kv total
     memory_bytes: int | None = None
     kv_room_bytes: int | None = None  # what `memory_bytes` leaves for KV after weights and overhead
     max_concurrent_requests: int | None = None  # of `context` tokens, within `memory_bytes`
@@ -108,24 +114,29 @@ def plan(name: str, config: ModelConfig, num_params: int, context: int, batch: i
         raise InvalidRequestError("overhead must be a fraction in [0, 10)")
     spec = kv_spec(config, kv_dtype, _linear_dtype(config, weights_dtype))
     per_request = spec.request_bytes(context, block_size)
-    kv_total = batch * per_request
+    open_blocks = spec.open_blocks_bytes(batch, block_size)
+    kv_total = batch * per_request + open_blocks
     weights = _weight_bytes(config, num_params, weights_dtype)
     overhead = math.ceil((weights + kv_total) * overhead_fraction)
     result = MemoryPlan(
         model=name, context=context, batch=batch, kv_dtype=spec.dtype, block_size=block_size,
-        bytes_per_token=spec.bytes_per_token, formula=spec.formula(), kv_bytes_per_request=per_request,
+        bytes_per_token=spec.num_layers * spec.token_bytes_per_layer(block_size), formula=spec.formula(block_size), kv_bytes_per_request=per_request,
         kv_bytes_total=kv_total, num_parameters=num_params, weights_dtype=weights_dtype, weights_bytes=weights,
         overhead_fraction=overhead_fraction, overhead_bytes=overhead, total_bytes=weights + kv_total + overhead,
         attention=config.attention_kind, model_max_context=config.max_position_embeddings,
-        kv_groups=spec.layout.describe(), kv_bytes_per_request_unwindowed=round_up(context, block_size) * spec.bytes_per_token,
+        kv_groups=spec.layout.describe(),
+        kv_bytes_per_request_unwindowed=round_up(context, block_size) * spec.token_bytes_per_layer(block_size)
+        * spec.num_layers,
+        kv_open_blocks_bytes=open_blocks,
     )
     if memory_bytes is not None:
         # (weights + kv) x (1 + overhead) <= memory  ->  kv <= memory / (1 + overhead) - weights
         kv_room = max(int(memory_bytes / (1 + overhead_fraction)) - weights, 0)
         result.memory_bytes = memory_bytes
         result.kv_room_bytes = kv_room
-        result.max_concurrent_requests = kv_room // per_request
-        result.max_context_for_batch = _longest_context(spec, block_size, kv_room // batch,
+        open_per_request = spec.open_blocks_bytes(1, block_size)  # each request's blocks being filled
+        result.max_concurrent_requests = kv_room // (per_request + open_per_request)
+        result.max_context_for_batch = _longest_context(spec, block_size, max(kv_room // batch - open_per_request, 0),
                                                         config.max_position_embeddings)
     return result
 
@@ -169,7 +180,9 @@ def describe(p: MemoryPlan) -> str:
         f"KV bytes per token ({p.kv_dtype}): {p.formula}",
         f"KV per request ({p.context:,} tokens, blocks of {p.block_size}): {format_memory(p.kv_bytes_per_request)} "
         f"({p.kv_bytes_per_request:,} bytes)",
-        f"KV for the batch ({p.batch} x): {format_memory(p.kv_bytes_total)} ({p.kv_bytes_total:,} bytes)",
+        f"KV for the batch ({p.batch} x): {format_memory(p.kv_bytes_total)} ({p.kv_bytes_total:,} bytes)"
+        + (f", of which {format_memory(p.kv_open_blocks_bytes)} float16 blocks being filled (one per request and "
+           f"KV group: int4 keys are encoded per block)" if p.kv_open_blocks_bytes else ""),
         f"weights ({p.weights_dtype}): {format_memory(p.weights_bytes)}",
         f"overhead ({100 * p.overhead_fraction:g}% of weights + KV): {format_memory(p.overhead_bytes)}",
         f"total: {format_memory(p.total_bytes)}",

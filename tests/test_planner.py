@@ -47,8 +47,9 @@ def test_planner_and_allocator_agree_to_the_byte(tiny_models, dtype):
     name, config, params = resolve_model(loaded.source)  # read back from the checkpoint directory
     assert config == loaded.config
     result = plan(name, config, params, context=37, batch=3, kv_dtype=dtype, block_size=16)
-    engine = Engine(EngineConfig(kv_cache_memory=result.kv_bytes_total, kv_cache_dtype=dtype, block_size=16),
-                    loaded=loaded)
+    # A batch of three: the pool keeps room for three requests' blocks being filled (int4 keys).
+    engine = Engine(EngineConfig(kv_cache_memory=result.kv_bytes_total, kv_cache_dtype=dtype, block_size=16,
+                                 max_num_seqs=3), loaded=loaded)
     assert engine.kv_spec.bytes_per_token == result.bytes_per_token
     assert engine.kv_cache.bytes_allocated == result.kv_bytes_total
     assert engine.kv_manager.num_blocks == 3 * 3  # ceil(37 / 16) blocks for each of the three requests

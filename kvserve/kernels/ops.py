@@ -147,3 +147,32 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         _refuse("paged_decode", ext, q=(q, (_F32,)), k_cache=(k_cache, CACHE_DTYPES), v_cache=(v_cache, CACHE_DTYPES),
                 block_ids=(block_ids, (_LONG,)), seq_offsets=(seq_offsets, (_LONG,)), key_valid=(key_valid, (_BOOL,)))
     return ext.paged_decode(q, k_cache, v_cache, block_ids, seq_offsets, key_valid, scale, num_splits)
+
+
+# paged_decode_quant's kinds of quantized sides (kv/quant.py's codecs; the C++ enum).
+INT8_ROW, INT4_ROW, INT4_CHANNEL = 1, 2, 3
+_F16 = torch.float16
+
+
+def paged_decode_quant(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor, int],
+                       v: tuple[torch.Tensor, torch.Tensor, int], group: int,
+                       open_blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, block_ids: torch.Tensor,
+                       seq_offsets: torch.Tensor, key_valid: torch.Tensor, scale: float, num_splits: int) -> torch.Tensor:
+    """`paged_decode` over quantized blocks, read in place: k and v are (data `[num_blocks, KVH, block_size,
+    width]`, fp16 params `[num_blocks, KVH, block_size, params]`, kind: INT8_ROW, INT4_ROW with `group`
+    channels per group, INT4_CHANNEL); `open_blocks` (fp16 K, V `[slots, KVH, block_size, D]`, int64
+    slot per block, -1 where the pool holds it) or None."""
+    ext = kernels()
+    tensors = [q, k[0], k[1], v[0], v[1], block_ids, seq_offsets, key_valid, *(open_blocks or ())]
+    if (ext is None or not all(t.is_cpu for t in tensors) or q.dtype is not _F32 or k[1].dtype is not _F16
+            or v[1].dtype is not _F16 or block_ids.dtype is not _LONG or seq_offsets.dtype is not _LONG
+            or key_valid.dtype is not _BOOL):
+        _refuse("paged_decode_quant", ext, q=(q, (_F32,)), k_params=(k[1], (_F16,)), v_params=(v[1], (_F16,)),
+                block_ids=(block_ids, (_LONG,)), seq_offsets=(seq_offsets, (_LONG,)), key_valid=(key_valid, (_BOOL,)),
+                k_data=(k[0], (k[0].dtype,)), v_data=(v[0], (v[0].dtype,)))
+        raise KernelInputError("paged_decode_quant reads CPU tensors only")
+    if open_blocks is None:
+        none = torch.empty(0, dtype=_LONG, device=q.device)
+        open_blocks = (torch.empty(0, dtype=_F16, device=q.device), torch.empty(0, dtype=_F16, device=q.device), none)
+    return ext.paged_decode_quant(q, k[0], k[1], k[2], v[0], v[1], v[2], group, *open_blocks, block_ids,
+                                  seq_offsets, key_valid, scale, num_splits)

@@ -20,7 +20,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-FINGERPRINT_VERSION = b"kvserve-kv-fingerprint-1"
+# 2: int4 keys per channel over a block (kv/quant.py): older int4 blocks hold per-token groups in the same bytes.
+FINGERPRINT_VERSION = b"kvserve-kv-fingerprint-2"
 _SAMPLES_PER_TENSOR = 4096
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kvserve.config import ModelConfig
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.groups import KVGroupLayout, blocks_held, kv_group_layout
-from kvserve.kv.quant import CODECS, PARAM_DTYPE, KVCodec
+from kvserve.kv.quant import CODECS, OPEN_BLOCK_DTYPE, PARAM_DTYPE, REFERENCE_BLOCK, KVCodec, key_codec
 
 # User-facing aliases ("auto" is resolved by `auto_cache_dtype`).
 _ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
@@ -68,21 +68,55 @@ class KVSpec:
 
     @property
     def k_codec(self) -> KVCodec:
-        return CODECS[self.dtype.partition("/")[0]]
+        return key_codec(self.dtype.partition("/")[0])
 
     @property
     def v_codec(self) -> KVCodec:
         return CODECS[self.dtype.partition("/")[2] or self.dtype]
 
+    def token_bytes_per_layer(self, block_size: int = REFERENCE_BLOCK) -> int:
+        """One K row and one V row per KV head: elements plus quantization parameters (a blockwise codec's
+        share of its block's: they depend on the block size)."""
+        return self.num_kv_heads * (self.k_codec.bytes_per_row(self.head_dim, block_size)
+                                    + self.v_codec.bytes_per_row(self.head_dim, block_size))
+
     @property
     def bytes_per_token_per_layer(self) -> int:
-        # One K row and one V row per KV head: elements plus quantization parameters.
-        return self.num_kv_heads * (self.k_codec.bytes_per_row(self.head_dim)
-                                    + self.v_codec.bytes_per_row(self.head_dim))
+        return self.token_bytes_per_layer()
 
     @property
     def bytes_per_token(self) -> int:
+        """Every layer's bytes for one token, in blocks of REFERENCE_BLOCK tokens (the default)."""
         return self.num_layers * self.bytes_per_token_per_layer
+
+    @property
+    def has_open_blocks(self) -> bool:
+        """Whether blocks are encoded only when full (a blockwise codec): the pool then keeps each block still
+        being filled in float16 (kv/open_blocks.py), one per request and KV group."""
+        return self.k_codec.blockwise or self.v_codec.blockwise
+
+    def open_block_bytes(self, block_size: int) -> int:
+        """One open block's float16 K and V (a page's layers); 0 without blockwise codecs."""
+        if not self.has_open_blocks:
+            return 0
+        return 2 * self.page_layers * self.num_kv_heads * block_size * self.head_dim * OPEN_BLOCK_DTYPE.itemsize
+
+    def open_slots(self, max_num_seqs: int) -> int:
+        """Open blocks the pool keeps room for: one per request of a full batch and KV group."""
+        return max_num_seqs * self.layout.num_groups if self.has_open_blocks else 0
+
+    def open_blocks_bytes(self, max_num_seqs: int, block_size: int, num_pages: int | None = None) -> int:
+        """What the open blocks of `max_num_seqs` requests take beside the pages (0 without them); never more
+        than one per page of a pool of `num_pages`."""
+        slots = self.open_slots(max_num_seqs)
+        return (slots if num_pages is None else min(slots, num_pages)) * self.open_block_bytes(block_size)
+
+    def pool_pages(self, budget: int, block_size: int, max_num_seqs: int) -> int:
+        """The most pages that fit in `budget` bytes beside their open blocks (the pool keeps one per page
+        at most, up to `open_slots(max_num_seqs)`)."""
+        page, slot, slots = self.page_bytes(block_size), self.open_block_bytes(block_size), self.open_slots(max_num_seqs)
+        beside_all = (budget - slots * slot) // page
+        return beside_all if beside_all >= slots else budget // (page + slot)
 
     @property
     def page_layers(self) -> int:
@@ -90,7 +124,7 @@ class KVSpec:
 
     def page_bytes(self, block_size: int) -> int:
         """One pool page: `block_size` tokens of `page_layers` layers (one group's block)."""
-        return block_size * self.page_layers * self.bytes_per_token_per_layer
+        return block_size * self.page_layers * self.token_bytes_per_layer(block_size)
 
     def request_pages(self, num_tokens: int, block_size: int) -> int:
         """Pages a request with `num_tokens` computed holds between steps, over every group."""
@@ -100,19 +134,20 @@ class KVSpec:
         """KV bytes a request with `num_tokens` computed holds between steps: whole pages, windows freed."""
         return self.request_pages(num_tokens, block_size) * self.page_bytes(block_size)
 
-    def formula(self) -> str:
+    def formula(self, block_size: int = REFERENCE_BLOCK) -> str:
         """The factors, e.g. '2 (K, V) x 30 layers x 3 KV heads x (64 x 1 B + 2 B scale) = 11,880 bytes/token'."""
         def row(codec: KVCodec) -> str:
             element = f"{self.head_dim} x {codec.bits / 8:g} B"
-            params = codec.num_params(self.head_dim)
+            params = codec.num_params(self.head_dim, block_size)
             if not params:
                 return element
-            return f"({element} + {params * PARAM_DTYPE.itemsize} B {'scale' if params == 1 else 'scales/mins'})"
+            per = " per channel and block" if codec.blockwise else ""
+            return f"({element} + {params * PARAM_DTYPE.itemsize} B {'scale' if params == 1 else 'scales/mins'}{per})"
 
         k_row, v_row = row(self.k_codec), row(self.v_codec)
         layout = f"2 (K, V) x {k_row}" if k_row == v_row else f"(K {k_row} + V {v_row})"
         return (f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {layout} "
-                f"= {self.bytes_per_token:,} bytes/token")
+                f"= {self.num_layers * self.token_bytes_per_layer(block_size):,} bytes/token")
 
 
 def kv_spec(config: ModelConfig, dtype: str = "auto", linear_dtype: str = "float32") -> KVSpec:

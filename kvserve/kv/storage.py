@@ -11,7 +11,10 @@ the same layout (int4 packed, so the last dimension is head_dim / 2) plus
 per-row parameters (scales, minimums) in tensors of the same layout whose
 last dimension is the number of parameters, indexed by the same block ids.
 K/V are encoded on write and decoded only when attention gathers the blocks
-it reads (`gather`).
+it reads (`gather`). A blockwise codec (int4 keys, per channel over a block)
+encodes a block only once it is full: until then the block's K and V are kept
+in float16 beside the pool (kv/open_blocks.py), and every reader here takes
+an open block's rows from there.
 
 Allocated once with torch.empty on the pool's device (EngineConfig.device), so
 pages are committed only as they are used; every tensor built here is built there. Never-written memory may hold NaN/inf, and attention multiplies masked
@@ -31,8 +34,12 @@ import numpy as np
 import torch
 
 from kvserve.kernels import ops
+from kvserve.kv.open_blocks import OpenBlocks
 from kvserve.kv.quant import PARAM_DTYPE, KVCodec
 from kvserve.kv.spec import KVSpec
+
+# Requests whose open blocks a pool keeps room for when its caller does not say (EngineConfig.max_num_seqs' default).
+DEFAULT_OPEN_REQUESTS = 64
 
 # (num_blocks, num_kv_heads, block_size, row_width) -> the shape of one layer's tensor.
 LayerShape = Callable[[int, int, int, int], tuple[int, ...]]
@@ -70,8 +77,9 @@ class _PagedSide:
         # ids of its own group. A model of one kind has one slot per layer.
         layout = spec.layout
         self.slot_data = [torch.empty(shape, dtype=container, device=device) for _ in range(layout.page_layers)]
-        num_params = codec.num_params(spec.head_dim)
+        num_params = codec.num_params(spec.head_dim, block_size)
         params_shape = layer_shape(num_blocks, spec.num_kv_heads, block_size, num_params)
+        self.block_size = block_size
         self.slot_params = [torch.empty(params_shape, dtype=PARAM_DTYPE, device=device)
                             for _ in range(layout.page_layers)] if num_params else []
         self.data = [self.slot_data[slot] for slot in layout.layer_slot]
@@ -92,9 +100,28 @@ class _PagedSide:
         if self.raw_fp8:
             data = data.view(self.codec.storage_dtype)
         params = None
+        if self.codec.blockwise:  # each row with its (block, head)'s parameters: rows are (block, head)-major
+            width = self.params[layer].shape[-1] * self.block_size
+            block_heads = torch.div(slot_indices, self.block_size, rounding_mode="floor")
+            return self.codec.decode_rows(data, self.params[layer].view(-1, width).index_select(0, block_heads), dtype)
         if self.params:
             params = self.params[layer].view(-1, self.params[layer].shape[-1]).index_select(0, slot_indices)
         return self.codec.decode(data, params, dtype)
+
+    def store_blocks(self, slot: int, block_ids: torch.Tensor, x: torch.Tensor) -> None:
+        """Whole blocks `[n, num_kv_heads, block_size, head_dim]` of storage tensor `slot`, encoded."""
+        data, params = self.codec.encode_blocks(x)
+        self.slot_data[slot].index_copy_(0, block_ids, data.view(torch.uint8) if self.raw_fp8 else data)
+        if params is not None:
+            self.slot_params[slot].index_copy_(0, block_ids, params)
+
+    def load_blocks(self, slot: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """Whole blocks of storage tensor `slot`, decoded to float32."""
+        data = self.slot_data[slot].index_select(0, block_ids)
+        if self.raw_fp8:
+            data = data.view(self.codec.storage_dtype)
+        params = self.slot_params[slot].index_select(0, block_ids) if self.slot_params else None
+        return self.codec.decode_blocks(data, params, torch.float32)
 
     def read(self, layer: int, block_ids: torch.Tensor, dtype: torch.dtype,
              fold_scales: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -106,7 +133,7 @@ class _PagedSide:
         params = self.params[layer].index_select(0, block_ids)
         if fold_scales and self.codec.folds_scale:
             return self.codec.elements(data, dtype), params[..., 0].to(dtype)
-        return self.codec.decode(data, params, dtype), None
+        return self.codec.decode_blocks(data, params, dtype), None
 
 
 class PagedKVCache:
@@ -116,7 +143,8 @@ class PagedKVCache:
     ZERO_CHUNK_BLOCKS = 64
 
     def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, layer_shape: LayerShape,
-                 device: str | torch.device = "cpu", use_cpp_kernels: bool = True) -> None:
+                 device: str | torch.device = "cpu", use_cpp_kernels: bool = True,
+                 max_num_seqs: int | None = None) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -125,6 +153,15 @@ class PagedKVCache:
         self.values = _PagedSide(spec.v_codec, spec, num_blocks, block_size, layer_shape, self.device)
         self.k, self.v = self.keys.data, self.values.data
         self.k_params, self.v_params = self.keys.params, self.values.params
+        # Blocks still being filled, in float16, while a blockwise codec waits for them to be full: room for
+        # one per request of a full batch (`max_num_seqs`) and KV group, never more than there are blocks.
+        self.open_blocks: OpenBlocks | None = None
+        if spec.has_open_blocks:
+            if layer_shape(2, 3, 5, 7) != (2, 3, 5, 7):
+                raise ValueError("blockwise KV codecs need the [block, KV head, row, width] layout")
+            slots = min(spec.open_slots(max_num_seqs or DEFAULT_OPEN_REQUESTS), num_blocks)
+            self.open_blocks = OpenBlocks(self, spec.layout.page_layers, slots, num_blocks, spec.num_kv_heads,
+                                          block_size, spec.head_dim, self.device, use_cpp_kernels)
         # Plain float rows on both sides (no parameters, no fp8 bytes, one dtype): the one-pass C++ store.
         self._one_pass_store = (use_cpp_kernels and spec.k_codec.kind == "float" and spec.v_codec.kind == "float"
                                 and self.k[0].dtype == self.v[0].dtype and self.k[0].dtype in ops.CACHE_DTYPES)
@@ -159,6 +196,8 @@ class PagedKVCache:
     def read_blocks(self, block_ids: list[int]) -> list[memoryview]:
         """Each block's bytes in every tensor of the pool: views of one copy (the blocks may be reused
         after), in `block_layout` order."""
+        if self.open_blocks is not None:  # a block leaves whole only as the pool holds it
+            self.open_blocks.close(block_ids)
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         parts = [t.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8) for t in self._tensors()]
         rows = torch.cat(parts, dim=1).cpu().numpy()  # host bytes (`.cpu()` is the tensor itself on the CPU)
@@ -172,6 +211,8 @@ class PagedKVCache:
             raise ValueError(f"expected {len(block_ids)} payloads of {self.block_nbytes} bytes")
         # Zero-initialisation must never run over these blocks later and wipe what is loaded here.
         self.initialize_blocks_through(max(block_ids))
+        if self.open_blocks is not None:  # whatever was open there is superseded
+            self.open_blocks.forget(block_ids)
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         rows = np.empty((len(block_ids), self.block_nbytes), dtype=np.uint8)
         for row, payload in zip(rows, payloads):
@@ -190,12 +231,27 @@ class PagedKVCache:
 
     @property
     def bytes_allocated(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors())
+        """The pages and the open blocks (`KVSpec.page_bytes` x blocks + `KVSpec.open_blocks_bytes`)."""
+        open_bytes = self.open_blocks.nbytes if self.open_blocks is not None else 0
+        return sum(t.numel() * t.element_size() for t in self._tensors()) + open_bytes
+
+    def store_blocks(self, slot: int, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Whole blocks of storage tensor `slot` (K and V `[n, num_kv_heads, block_size, head_dim]`), encoded."""
+        self.keys.store_blocks(slot, block_ids, k)
+        self.values.store_blocks(slot, block_ids, v)
+
+    def load_blocks(self, slot: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks of storage tensor `slot` as the pool holds them, decoded to float32."""
+        return self.keys.load_blocks(slot, block_ids), self.values.load_blocks(slot, block_ids)
 
     def write(self, layer: int, slot_indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store (encode) new tokens' K/V `[T, num_kv_heads, head_dim]` at flat rows `slot_indices`
         (`[T * num_kv_heads]`, token-major, in the backend's layout)."""
         head_dim = self.spec.head_dim
+        if self.open_blocks is not None:
+            self.open_blocks.write(self.spec.layout.layer_slot[layer], slot_indices, k.reshape(-1, head_dim),
+                                   v.reshape(-1, head_dim))
+            return
         if self._one_pass_store and ops.store_kv_(self.k[layer].view(-1, head_dim), self.v[layer].view(-1, head_dim),
                                               slot_indices, k, v):
             return
@@ -206,11 +262,17 @@ class PagedKVCache:
                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of flat rows `slot_indices` (as `write` takes them), decoded: `[T, num_kv_heads, head_dim]`."""
         shape = (-1, self.spec.num_kv_heads, self.spec.head_dim)
-        return (self.keys.read_rows(layer, slot_indices, dtype).view(shape),
-                self.values.read_rows(layer, slot_indices, dtype).view(shape))
+        k, v = self.keys.read_rows(layer, slot_indices, dtype), self.values.read_rows(layer, slot_indices, dtype)
+        if self.open_blocks is not None:  # rows of open blocks: their float16 copies
+            k, v = self.open_blocks.overlay_rows(self.spec.layout.layer_slot[layer], slot_indices, k, v)
+        return k.view(shape), v.view(shape)
 
     def gather(self, layer: int, block_ids: torch.Tensor, dtype: torch.dtype, fold_scales: bool = False) -> GatheredKV:
         """Blocks `block_ids` of `layer` in `dtype`; with `fold_scales`, per-row scales are left to the caller."""
-        k, k_scale = self.keys.read(layer, block_ids, dtype, fold_scales)
-        v, v_scale = self.values.read(layer, block_ids, dtype, fold_scales)
-        return GatheredKV(k, v, k_scale, v_scale)
+        if self.open_blocks is None:
+            k, k_scale = self.keys.read(layer, block_ids, dtype, fold_scales)
+            v, v_scale = self.values.read(layer, block_ids, dtype, fold_scales)
+            return GatheredKV(k, v, k_scale, v_scale)
+        # Open blocks replace whole blocks with their float16 rows: no scale is left to fold.
+        (k, _), (v, _) = self.keys.read(layer, block_ids, dtype, False), self.values.read(layer, block_ids, dtype, False)
+        return GatheredKV(*self.open_blocks.overlay_blocks(self.spec.layout.layer_slot[layer], block_ids, k, v))

@@ -8,7 +8,7 @@ runs must give the tokens the same dtype gives a request run alone.
 import pytest
 
 from kvserve.engine.sampling import SamplingParams
-from kvserve.kv.spec import kv_bytes_per_token
+from kvserve.kv.spec import kv_spec
 from tests.engine.test_engine import make_engine, run_all, workload
 from tests.engine.test_prefix_caching import finish, shared_prompts
 
@@ -36,8 +36,10 @@ def test_batched_chunked_and_preempted_runs_match_runs_alone(tiny_models, alone_
     expected = alone_by_dtype(dtype)
     assert run_all(make_engine(loaded, kv_cache_dtype=dtype), prompts, params) == expected
     assert run_all(make_engine(loaded, kv_cache_dtype=dtype, max_num_batched_tokens=7), prompts, params) == expected
-    per_token = kv_bytes_per_token(loaded.config, dtype)
-    small = make_engine(loaded, kv_cache_dtype=dtype, kv_cache_memory=14 * 4 * per_token)
+    # Fourteen pages of 4 tokens (int4 keys' parameters per block depend on the block size) and, with int4
+    # keys, a float16 block being filled beside each (never more of those than pages).
+    spec = kv_spec(loaded.config, dtype)
+    small = make_engine(loaded, kv_cache_dtype=dtype, kv_cache_memory=14 * (spec.page_bytes(4) + spec.open_block_bytes(4)))
     assert small.kv_manager.num_blocks == 14
     assert run_all(small, prompts, params) == expected
     assert small.scheduler.num_preemptions >= 5
@@ -58,12 +60,18 @@ def test_prefix_cache_hits_read_the_same_quantized_blocks(tiny_models, dtype):
 
 def test_quantized_caches_hold_more_tokens_in_the_same_memory(tiny_models):
     loaded = tiny_models("llama-gqa")
-    budget = 64 * 1024
-    blocks = {d: make_engine(loaded, kv_cache_dtype=d, kv_cache_memory=budget).kv_manager.num_blocks
+    budget = 256 * 1024
+    # Blocks of 16 (the default): int4 keys' per-channel parameters are spread over a block's rows, and in
+    # blocks of 4 they would cost more than int8's one scale per row.
+    # blocks of 4 they would cost more than int8's one scale per row. Four requests at once: int4 keeps one
+    # float16 block being filled for each beside the pages.
+    blocks = {d: make_engine(loaded, kv_cache_dtype=d, kv_cache_memory=budget, block_size=16,
+                             max_num_seqs=4).kv_manager.num_blocks
               for d in ["float32", "float16", "int8", "int4"]}
     assert blocks["float32"] < blocks["float16"] < blocks["int8"] < blocks["int4"]
     for dtype, count in blocks.items():
-        assert count == budget // (4 * kv_bytes_per_token(loaded.config, dtype))
+        spec = kv_spec(loaded.config, dtype)
+        assert count == (budget - spec.open_blocks_bytes(4, 16)) // spec.page_bytes(16)
 
 
 def test_int8_greedy_tokens_mostly_follow_float32(tiny_models):

@@ -36,6 +36,22 @@ def test_paged_decode_refuses_a_quantized_cache_or_misplaced_metadata():
         ops.paged_decode(q, cache, cache, blocks, offsets, valid.long(), 0.25, 1)
 
 
+@needs_kernels
+def test_paged_decode_quant_refuses_float_parameters_or_misplaced_open_blocks():
+    q = torch.randn(1, 4, 16)
+    data, params = torch.zeros(4, 2, 4, 8, dtype=torch.uint8), torch.zeros(4, 2, 4, 8, dtype=torch.float16)
+    blocks, offsets, valid = torch.tensor([0]), torch.tensor([0, 1]), torch.ones(1, 4, dtype=torch.bool)
+    side = (data, params, ops.INT4_CHANNEL)
+    assert ops.paged_decode_quant(q, side, (data, params[..., :2].contiguous(), ops.INT4_ROW), 16, None, blocks,
+                                  offsets, valid, 0.25, 1).shape == (1, 64)
+    with pytest.raises(ops.KernelInputError, match="k_params is float32, expected float16"):
+        ops.paged_decode_quant(q, (data, params.float(), ops.INT4_CHANNEL), side, 16, None, blocks, offsets, valid,
+                               0.25, 1)
+    open_blocks = (torch.zeros(1, 2, 4, 16, dtype=torch.float16, device="meta"),) * 2 + (torch.full((4,), -1),)
+    with pytest.raises(ops.KernelInputError, match="CPU tensors only"):
+        ops.paged_decode_quant(q, side, side, 16, open_blocks, blocks, offsets, valid, 0.25, 1)
+
+
 def test_kernels_without_a_torch_path_say_so_where_none_are_built(monkeypatch):
     from kvserve.kernels import build
 

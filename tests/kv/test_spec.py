@@ -53,5 +53,12 @@ def test_unknown_dtype_is_rejected():
                                    "int8/int4", "float16/fp8_e5m2"])
 def test_paged_pool_allocates_what_the_spec_says(dtype):
     config = _config(num_layers=2, num_kv_heads=2, head_dim=16, num_heads=4, hidden_size=64)
-    cache = CpuAttentionBackend().allocate_kv_cache(kv_spec(config, dtype), num_blocks=5, block_size=4)
-    assert cache.bytes_allocated == 5 * 4 * kv_bytes_per_token(config, dtype)
+    spec = kv_spec(config, dtype)
+    cache = CpuAttentionBackend().allocate_kv_cache(spec, num_blocks=5, block_size=4, max_num_seqs=2)
+    # Pages, plus the float16 open blocks of two requests where keys are encoded per block (int4).
+    assert cache.bytes_allocated == 5 * spec.page_bytes(4) + spec.open_blocks_bytes(2, 4)
+    if not spec.has_open_blocks:  # every parameter per row: the bytes per token do not depend on the block size
+        assert cache.bytes_allocated == 5 * 4 * kv_bytes_per_token(config, dtype)
+    else:  # int4 keys: 2 x head_dim parameters per block and head, spread over its 4 rows
+        assert spec.page_bytes(4) == 4 * 2 * 2 * ((8 + 8 * 2) + (8 + 2 * 2))
+        assert spec.open_blocks_bytes(2, 4) == 2 * 2 * 2 * 2 * 4 * 16 * 2

@@ -91,10 +91,11 @@ class AttentionBackend(ABC):
     use_cpp_kernels: bool = False
 
     def allocate_kv_cache(self, spec: KVSpec, num_blocks: int, block_size: int,
-                          device: str | torch.device = "cpu") -> PagedKVCache:
-        """The paged pool on `device`, laid out as this backend wants it."""
+                          device: str | torch.device = "cpu", max_num_seqs: int | None = None) -> PagedKVCache:
+        """The paged pool on `device`, laid out as this backend wants it; with a blockwise codec, room for the
+        open blocks of `max_num_seqs` requests (KVSpec.open_blocks_bytes)."""
         return PagedKVCache(spec, num_blocks, block_size, self.kv_cache_shape, device=device,
-                            use_cpp_kernels=self.use_cpp_kernels)
+                            use_cpp_kernels=self.use_cpp_kernels, max_num_seqs=max_num_seqs)
 
     @abstractmethod
     def token_slots(self, cache: PagedKVCache, block_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 Cache layout per layer: `[num_blocks, num_kv_heads, block_size, row_width]`,
 so one (block, KV head) is a contiguous `[block_size, head_dim]` matrix that
 the decode kernels multiply directly. Batch order: decodes first, so all of
-them run as one batched decode: on an fp32/fp16/bf16 cache, the C++ kernel that reads
-the blocks in place (kvserve/kernels), else the torch kernels (cpu_decode.py),
+them run as one batched decode: on an fp32/fp16/bf16/int8/int4 cache, the C++ kernel that reads
+the blocks in place (kvserve/kernels; int8 / int4 blocks widened one at a time, open
+blocks read from their float16 slots), else the torch kernels (cpu_decode.py),
 which gather them first. Prefill chunks (compute-bound)
 gather their request's blocks (from the window's first block, for a windowed
 group) and run causal SDPA: cached keys and the chunk's own apart (cpu_prefill.py), or, where a
@@ -24,10 +25,11 @@ import torch
 from kvserve.arith import cdiv
 from kvserve.kernels import ops
 from kvserve.kv.attention.base import AttentionBackend, AttentionContext, SequenceSlice
-from kvserve.kv.attention.cpu_decode import split_kv_decode, union_decode
+from kvserve.kv.attention.cpu_decode import cpp_decode, cpp_decode_reads, split_kv_decode, union_decode
 from kvserve.kv.attention.cpu_metadata import (UNION_SHARING_FACTOR, AttentionMetadata, DecodeMetadata,
-                                               build_attention_metadata)
-from kvserve.kv.attention.cpu_prefill import prefill_attention
+                                               PrefillMetadata, build_attention_metadata)
+from kvserve.kv.attention.cpu_prefill import open_block_prefill, prefill_attention
+from kvserve.kv.quant import OPEN_BLOCK_DTYPE
 from kvserve.kv.storage import PagedKVCache
 
 
@@ -49,7 +51,7 @@ class PagedKVContext(AttentionContext):
         self.cache = cache
         self.group_metadata = group_metadata
         self.layer_group = cache.spec.layout.layer_group
-        # `ops.paged_decode`: reads float blocks in place; None: gather, then the torch kernels.
+        # `cpp_decode`: reads the blocks in place; None: gather, then the torch kernels.
         self.decode_kernel = decode_kernel
         heads, block_size = cache.spec.num_kv_heads, cache.block_size
         # Per group: the kernel's work split, and the flat rows its new tokens are written to.
@@ -61,6 +63,9 @@ class PagedKVContext(AttentionContext):
         group = self.layer_group[layer]
         meta = self.group_metadata[group]
         cache = self.cache
+        # With open blocks, a chunk's queries see their own block in float16: the rows of it cached before the
+        # chunk are read now, while the block is still open (the write may encode it).
+        before = [self._rows_before(layer, p) for p in meta.prefills] if cache.open_blocks is not None else None
         cache.write(layer, self._slots[group], k, v)
         outputs = []
         if meta.decode is not None:
@@ -69,22 +74,44 @@ class PagedKVContext(AttentionContext):
                 kv = cache.gather(layer, meta.decode.union_block_ids, q.dtype, fold_scales=True)
                 outputs.append(union_decode(queries, kv, meta.decode, scale))
             elif self.decode_kernel is not None:
-                outputs.append(self.decode_kernel(
-                    queries, cache.k[layer], cache.v[layer], meta.decode.block_ids, meta.decode.seq_offsets,
-                    meta.decode.key_valid, scale, self._splits[group]))
+                outputs.append(self.decode_kernel(cache, layer, queries, meta.decode, scale, self._splits[group]))
             else:
                 kv = cache.gather(layer, meta.decode.block_ids, q.dtype, fold_scales=True)
                 outputs.append(split_kv_decode(queries, kv, meta.decode, scale))
-        for p in meta.prefills:
+        for index, p in enumerate(meta.prefills):
             kv = cache.gather(layer, p.block_ids, q.dtype)
             num_kv_heads, head_dim = kv.k.shape[1], kv.k.shape[3]
             num_keys = p.seq_len - p.key_start
             keys = kv.k.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :num_keys]
             values = kv.v.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :num_keys]
             queries = q[p.query_start : p.query_end].transpose(0, 1)
-            outputs.append(prefill_attention(queries, keys, values, p.positions, scale, meta.sliding_window,
-                                             p.key_start))
+            if before is None:
+                outputs.append(prefill_attention(queries, keys, values, p.positions, scale, meta.sliding_window,
+                                                 p.key_start))
+                continue
+            (k_before, v_before), start = before[index], int(p.positions[0])
+            own_k = torch.cat([k_before, _as_open(k[p.query_start : p.query_end], q.dtype)]).transpose(0, 1)
+            own_v = torch.cat([v_before, _as_open(v[p.query_start : p.query_end], q.dtype)]).transpose(0, 1)
+            outputs.append(open_block_prefill(queries, keys, values, own_k, own_v, p.positions, scale,
+                                              cache.block_size, meta.sliding_window, p.key_start,
+                                              start - start % cache.block_size))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+    def _rows_before(self, layer: int, p: PrefillMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V `[n, KVH, D]` of the rows of a chunk's first block cached before the chunk."""
+        start, block_size = int(p.positions[0]), self.cache.block_size
+        count = start % block_size
+        block = p.block_ids[(start - count - p.key_start) // block_size]
+        rows = torch.arange(count, device=self.cache.device)
+        k, v = self.cache.read_rows(layer, slot_indices(block.expand(count), rows, self.cache.spec.num_kv_heads,
+                                                        block_size))
+        return k, v
+
+
+def _as_open(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """New K or V rows as an open block holds them (float16), in `dtype`."""
+    return x.to(OPEN_BLOCK_DTYPE).to(dtype)
 
 
 def _num_splits(decode: DecodeMetadata) -> int:
@@ -101,7 +128,7 @@ class CpuAttentionBackend(AttentionBackend):
     def __init__(self, use_cpp_kernels: bool = True) -> None:
         # Built (or loaded from the per-machine cache) now, at engine start, not on the first request.
         self.use_cpp_kernels = use_cpp_kernels and ops.available()
-        self.decode_kernel = ops.paged_decode if self.use_cpp_kernels else None
+        self.decode_kernel = cpp_decode if self.use_cpp_kernels else None
 
     def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, block_size: int, row_width: int) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, block_size, row_width)
@@ -114,9 +141,7 @@ class CpuAttentionBackend(AttentionBackend):
         return sorted(range(len(num_new_tokens)), key=lambda i: not self.is_decode(num_new_tokens[i]))
 
     def build_context(self, cache: PagedKVCache, slices: Sequence[SequenceSlice]) -> PagedKVContext:
-        plain = not cache.k_params and not cache.v_params and cache.k[0].dtype == cache.v[0].dtype \
-            and cache.k[0].dtype in ops.CACHE_DTYPES
-        kernel = self.decode_kernel if plain else None
+        kernel = self.decode_kernel if cpp_decode_reads(cache) else None
         # The union is the torch path's (also its faster kernel for a single decode); the C++ kernel beats it.
         factor = UNION_SHARING_FACTOR if kernel is None else None
         groups = cache.spec.layout.groups

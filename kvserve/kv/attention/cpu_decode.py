@@ -15,8 +15,45 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels import ops
 from kvserve.kv.attention.cpu_metadata import DecodeMetadata
-from kvserve.kv.storage import GatheredKV
+from kvserve.kv.quant import KVCodec, int4_group
+from kvserve.kv.storage import GatheredKV, PagedKVCache
+
+
+def _kernel_kind(codec: KVCodec) -> int | None:
+    """The C++ kernel's name for a quantized codec it widens (fp8: none, the torch path)."""
+    if codec.kind == "scale" and codec.storage_dtype == torch.int8:
+        return ops.INT8_ROW
+    if codec.kind == "affine4":
+        return ops.INT4_ROW
+    if codec.kind == "channel" and codec.bits == 4:
+        return ops.INT4_CHANNEL
+    return None
+
+
+def cpp_decode_reads(cache: PagedKVCache) -> bool:
+    """Whether the C++ decode kernel reads this pool in place: float K and V of one dtype, or int8 / int4
+    on both sides (any pair of them)."""
+    k, v = cache.spec.k_codec, cache.spec.v_codec
+    if k.kind == "float" and v.kind == "float":
+        return cache.k[0].dtype == cache.v[0].dtype and cache.k[0].dtype in ops.CACHE_DTYPES
+    return _kernel_kind(k) is not None and _kernel_kind(v) is not None
+
+
+def cpp_decode(cache: PagedKVCache, layer: int, q: torch.Tensor, meta: DecodeMetadata, scale: float,
+               num_splits: int) -> torch.Tensor:
+    """The C++ kernel's decode of `layer` over the pool where it lies (`cpp_decode_reads` said it can)."""
+    if not cache.k_params and not cache.v_params:
+        return ops.paged_decode(q, cache.k[layer], cache.v[layer], meta.block_ids, meta.seq_offsets, meta.key_valid,
+                                scale, num_splits)
+    spec, open_ = cache.spec, cache.open_blocks
+    tensor = spec.layout.layer_slot[layer]
+    open_tensors = (open_.k[tensor], open_.v[tensor], open_.slot_of[tensor]) if open_ is not None else None
+    return ops.paged_decode_quant(q, (cache.k[layer], cache.k_params[layer], _kernel_kind(spec.k_codec)),
+                                  (cache.v[layer], cache.v_params[layer], _kernel_kind(spec.v_codec)),
+                                  int4_group(spec.head_dim), open_tensors, meta.block_ids, meta.seq_offsets,
+                                  meta.key_valid, scale, num_splits)
 
 
 def split_kv_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale: float) -> torch.Tensor:

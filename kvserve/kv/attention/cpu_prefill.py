@@ -17,6 +17,7 @@ cached keys, keep the masked path.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.kv.attention.reference import attend, window_applies
 
@@ -44,3 +45,56 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
         total = own_weight + before_weight
         own = own * (own_weight / total)[..., None] + before * (before_weight / total)[..., None]
     return own[0].transpose(0, 1).reshape(num_queries, -1)
+
+
+def open_block_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor,
+                       q_positions: torch.Tensor, scale: float, block_size: int, sliding_window: int | None,
+                       key_start: int, own_start: int) -> torch.Tensor:
+    """A prefill chunk over a pool with open blocks (kv/open_blocks.py): each query sees its own block, up to
+    itself, in float16 (`own_k`/`own_v`: positions own_start.., the chunk's first block on) unless it is that
+    block's last row, and every other key as the pool holds it (`k`/`v`: positions key_start.., read after
+    the chunk was written, so the blocks it filled are encoded). That is what a decode at the same position
+    reads (its block is open until its last row is written), so a prompt gives the same tokens however it
+    is chunked. q `[H, T, D]`, k/v `[KVH, L, D]`, own_k/own_v `[KVH, O, D]` -> `[T, H * D]`.
+
+    The keys before the chunk's first block are visible to every query: without a window they take the flash
+    kernel unmasked, and only the chunk's own blocks (both readings) are scored here with a mask; the two
+    parts merge through their log-sum-exps."""
+    before = own_start - key_start
+    flash = _flash is not None and sliding_window is None and q.dtype == torch.float32 and before > 0
+    lo = before if flash else 0  # keys scored with the mask start here
+    queries = q_positions[:, None]
+    q_block = torch.div(queries, block_size, rounding_mode="floor")
+    in_own = (queries % block_size) != block_size - 1  # the last row of a block sees it encoded, as a decode does
+    main_pos = torch.arange(key_start + lo, key_start + k.shape[1], device=q.device)[None, :]
+    own_pos = torch.arange(own_start, own_start + own_k.shape[1], device=q.device)[None, :]
+    main = (main_pos <= queries) & ~((torch.div(main_pos, block_size, rounding_mode="floor") == q_block) & in_own)
+    own = (own_pos <= queries) & (torch.div(own_pos, block_size, rounding_mode="floor") == q_block) & in_own
+    if sliding_window is not None:
+        main &= queries - main_pos < sliding_window
+        own &= queries - own_pos < sliding_window
+    keys = torch.cat([k[:, lo:], own_k.to(k.dtype)], dim=1)
+    values = torch.cat([v[:, lo:], own_v.to(v.dtype)], dim=1)
+    out, lse = _masked_attention(q, keys, values, torch.cat([main, own], dim=1), scale)
+    if flash:
+        first, first_lse = _flash(q.unsqueeze(0), k[None, :, :lo], v[None, :, :lo], 0.0, False, scale=scale)
+        top = torch.maximum(lse, first_lse[0])
+        weight, first_weight = (lse - top).exp_(), (first_lse[0] - top).exp_()
+        total = weight + first_weight
+        out = out * (weight / total)[..., None] + first[0] * (first_weight / total)[..., None]
+    return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q `[H, T, D]` over k/v `[KVH, L, D]` (GQA) where `mask` `[T, L]` allows: the output
+    `[H, T, D]` and each row's log-sum-exp `[H, T]` (every row must allow a key)."""
+    heads, num_queries, head_dim = q.shape
+    kv_heads = k.shape[0]
+    grouped = q.reshape(kv_heads, heads // kv_heads * num_queries, head_dim)
+    scores = torch.matmul(grouped, k.transpose(1, 2)).mul_(scale).view(kv_heads, -1, num_queries, k.shape[1])
+    scores.masked_fill_(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = (scores - lse[..., None]).exp_().view(kv_heads, -1, k.shape[1])
+    out = torch.matmul(probs, v).view(heads, num_queries, head_dim)
+    return out, lse.view(heads, num_queries)

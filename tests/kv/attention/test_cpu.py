@@ -26,6 +26,26 @@ def stored(side, x: torch.Tensor) -> torch.Tensor:
     return side.codec.decode(*side.codec.encode(x), torch.float32)
 
 
+def seen(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V `[tokens, KVH, D]` of one sequence, all written, as a query at `position` reads them. With open
+    blocks (int4 keys per channel over a block): every block encoded whole from its float16 rows, except the
+    query's own block, read in float16 unless the query is its last row."""
+    if cache.open_blocks is None:
+        return stored(cache.keys, k), stored(cache.values, v)
+    out, block = [], cache.block_size
+    for side, x in ((cache.keys, k), (cache.values, v)):
+        x = x.half().float()
+        padded = torch.cat([x, x.new_zeros(-len(x) % block, *x.shape[1:])])
+        blocks = padded.view(-1, block, *x.shape[1:]).transpose(1, 2)  # [blocks, KVH, rows, D]
+        decoded = side.codec.decode_blocks(*side.codec.encode_blocks(blocks), torch.float32)
+        decoded = decoded.transpose(1, 2).reshape(-1, *x.shape[1:])[: len(x)]
+        if position % block != block - 1:
+            own = position - position % block
+            decoded[own:] = x[own:]
+        out.append(decoded)
+    return out[0], out[1]
+
+
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_mixed_batch_matches_per_sequence_attention(window, cache_dtype):
@@ -56,11 +76,12 @@ def test_mixed_batch_matches_per_sequence_attention(window, cache_dtype):
 
     row = 0
     for (cached, new), k, v in zip(shapes, full_k, full_v):
-        k, v = stored(cache.keys, k), stored(cache.values, v)
-        expected = attend(q[row : row + new].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                          torch.arange(cached, cached + new), HEAD_DIM**-0.5, window)
-        torch.testing.assert_close(out[row : row + new], expected, atol=1e-5, rtol=1e-5)
-        row += new
+        for position in range(cached, cached + new):  # each query over the K/V it reads
+            sk, sv = seen(cache, k, v, position)
+            expected = attend(q[row : row + 1].transpose(0, 1), sk.transpose(0, 1), sv.transpose(0, 1),
+                              torch.tensor([position]), HEAD_DIM**-0.5, window)
+            torch.testing.assert_close(out[row : row + 1], expected, atol=1e-5, rtol=1e-5)
+            row += 1
 
 
 def test_mask_is_bottom_right_aligned():
@@ -116,7 +137,7 @@ def test_decodes_sharing_a_prefix_use_the_union_and_match(window, cache_dtype):
     new_v = torch.stack([v[-1] for v in full_v])
     out = PagedKVContext(cache, [meta]).attend(0, q, new_k, new_v, HEAD_DIM**-0.5)
     for i, (k, v) in enumerate(zip(full_k, full_v)):
-        k, v = stored(cache.keys, k), stored(cache.values, v)
+        k, v = seen(cache, k, v, len(k) - 1)
         expected = attend(q[i : i + 1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                           torch.tensor([k.shape[0] - 1]), HEAD_DIM**-0.5, window)
         torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)

@@ -5,17 +5,18 @@ import torch
 
 from kvserve.kv.attention import CpuAttentionBackend, PagedKVContext, SequenceSlice, attend, build_attention_metadata
 from kvserve.kv.attention.cpu import TorchCpuAttentionBackend
+from kvserve.kv.attention.cpu_decode import cpp_decode
 from kvserve.kernels import ops
 from kvserve.kv.spec import KVSpec
 from tests.helpers import write_tokens
-from tests.kv.attention.test_cpu import poison, stored
+from tests.kv.attention.test_cpu import poison, seen
 
-KERNEL = ops.paged_decode if ops.available() else None  # what the backend's contexts call
+KERNEL = cpp_decode if ops.available() else None  # what the backend's contexts call
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="the C++ paged-decode kernel could not be built here "
                                                       "(no compiler or ninja): the torch path is tested elsewhere")
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16", "int8", "int4", "int8/int4", "int4/int8"])
 # Shapes for each path the kernel dispatches to: the scalar-loop one (head_dim 8 or 16, blocks of 4 or 8),
 # and on AVX-512 the grouped one (G * head_dim / 16 <= 16: SmolLM's 9/3 x 64, 12/3 x 32 in blocks of 32,
 # 8/8 x 64) and the per-head one (Llama 3's 4 heads per KV head x 128, Gemma 3's 256).
@@ -50,7 +51,7 @@ def test_kernel_decode_matches_per_sequence_attention(heads, kv_heads, head_dim,
     torch_path = PagedKVContext(cache, [meta]).attend(0, q, new_k, new_v, scale)
 
     for i, (k, v) in enumerate(zip(keys, values)):
-        k, v = stored(cache.keys, k), stored(cache.values, v)  # as the cache holds them
+        k, v = seen(cache, k, v, len(k) - 1)  # as the cache holds them
         expected = attend(q[i : i + 1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                           torch.tensor([len(k) - 1]), scale, window)
         torch.testing.assert_close(out[i : i + 1], expected, rtol=1e-5, atol=1e-5)
@@ -87,10 +88,10 @@ def test_the_kernel_reads_shared_blocks_in_place_and_only_the_torch_path_takes_t
     assert TorchCpuAttentionBackend().build_context(cache, heavy).group_metadata[0].decode.union_block_ids is not None
 
 
-def test_the_backend_uses_the_kernel_only_on_a_float_cache():
+def test_the_backend_uses_the_kernel_on_every_cache_it_reads():
     backend = CpuAttentionBackend()
     slices = [SequenceSlice(([0],), 0, 1)]
-    for dtype, expected in [("float32", KERNEL), ("float16", KERNEL), ("bfloat16", KERNEL), ("int8", None),
-                            ("fp8_e4m3", None), ("int8/int4", None)]:
+    for dtype, expected in [("float32", KERNEL), ("float16", KERNEL), ("bfloat16", KERNEL), ("int8", KERNEL),
+                            ("int4", KERNEL), ("int8/int4", KERNEL), ("fp8_e4m3", None), ("float16/int4", None)]:
         cache = backend.allocate_kv_cache(KVSpec(1, 2, 8, dtype), 4, 4)
         assert backend.build_context(cache, slices).decode_kernel is expected

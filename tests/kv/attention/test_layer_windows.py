@@ -8,6 +8,7 @@ from kvserve.kv.attention import SequenceSlice, attend
 from kvserve.kv.attention.cpu import TorchCpuAttentionBackend
 from kvserve.kv.spec import KVSpec
 from kvserve.model.loader import load_model
+from tests.kv.attention.test_cpu import seen
 from tests.helpers import TINY_VOCAB, build_hf_model, paged_logits, save_hf_model, write_tokens
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
@@ -55,11 +56,11 @@ def run_layers(cache_dtype: str, tables: list[list[int]], lengths: list[tuple[in
         outputs.append(context.attend(layer, q, new_k, new_v, SCALE))
         row, reference = 0, []
         for (cached, new), k, v in zip(lengths, full_k[layer], full_v[layer]):
-            k = cache.keys.codec.decode(*cache.keys.codec.encode(k), torch.float32)
-            v = cache.values.codec.decode(*cache.values.codec.encode(v), torch.float32)
-            reference.append(attend(q[row : row + new].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                    torch.arange(cached, cached + new), SCALE, window))
-            row += new
+            for position in range(cached, cached + new):  # each query over the K/V it reads
+                sk, sv = seen(cache, k, v, position)
+                reference.append(attend(q[row : row + 1].transpose(0, 1), sk.transpose(0, 1), sv.transpose(0, 1),
+                                        torch.tensor([position]), SCALE, window))
+                row += 1
         expected.append(torch.cat(reference))
     return context, outputs, expected
 

@@ -15,7 +15,7 @@ class _Refused:
         raise AssertionError(f"the C++ kernel {name} was called")
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8", "int4"])
 def test_a_torch_backend_step_calls_no_extension_function(monkeypatch, cache_dtype):
     backend = get_attention_backend("cpu-torch")
     monkeypatch.setitem(build._state, "module", _Refused())  # the C++ kernels "built", every call refused
