@@ -59,7 +59,8 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None,
     spec = kv_spec(loaded.config, config.kv_cache_dtype, loaded.linear_dtype)
     check_layout(config, spec, max_model_len)
     num_blocks = pool_blocks(config, spec)
-    kv_cache = backend.allocate_kv_cache(spec, num_blocks, config.block_size, config.device)
+    kv_cache = backend.allocate_kv_cache(spec, num_blocks, config.block_size, config.device,
+                                         max_num_seqs=config.max_num_seqs)
     prefix_caching = config.enable_prefix_caching and config.enable_kv_cache
     tier = open_disk_tier(config, loaded, kv_cache, spec.dtype) if config.kv_disk_path is not None else None
     kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=prefix_caching,
@@ -126,7 +127,8 @@ def pool_blocks(config: EngineConfig, spec: KVSpec) -> int:
     page_layers layers."""
     block_bytes = spec.page_bytes(config.block_size)
     budget = config.kv_cache_bytes  # the default is a share of what is free after the load
-    num_blocks = budget // block_bytes
+    # Pages, and beside them (int4 keys) the float16 blocks being filled: one per request and KV group.
+    num_blocks = spec.pool_pages(budget, config.block_size, config.max_num_seqs)
     if num_blocks < 1:
         raise ConfigError(f"kv_cache_memory of {budget:,} bytes holds no block of {block_bytes:,} bytes "
                           f"({config.block_size} tokens x {spec.layout.page_layers} layers x "
