@@ -176,12 +176,27 @@ def sample(
     """Pick one token id from `logits` `[vocab]` (fp32).
 
     Order: repetition penalty, presence/frequency penalties, then greedy or
-    temperature, top-k, top-p, min-p.
+    temperature, top-k, top-p, min-p. A sampled token takes exactly one uniform
+    from the request's generator and is its inverse-CDF token: so a verified
+    draft, which is accepted exactly when it is the token this would pick
+    (engine/spec_decode/verify.py), leaves a seeded request's tokens what they
+    are without drafting.
     """
     logits = penalized_logits(logits, params, seen, output_counts)
     if params.greedy:
         return int(torch.argmax(logits))
-    return int(torch.multinomial(target_probabilities(logits, params), 1, generator=generator))
+    return inverse_cdf(target_probabilities(logits, params), float(torch.rand((), generator=generator,
+                                                                           dtype=torch.float64)))
+
+
+def inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The token whose share of the cumulative mass of `probs` (unnormalized) holds `u` in [0, 1): token i
+    with probability probs[i] / sum(probs); a token of probability 0 is never picked."""
+    cumulative = probs.double().cumsum(-1)
+    index = int(torch.searchsorted(cumulative, cumulative[-1] * u, right=True))
+    if index >= len(probs):  # u * total rounded up to the total: the last token with mass
+        index = int(torch.nonzero(probs)[-1])
+    return index
 
 
 def _probabilities(logits: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,22 @@
 """Draft verification that leaves the output distribution exactly the target model's.
 
-A draft here is a point mass (the proposers are deterministic): for draft d at
-row i, with p the target's processed distribution at that row (penalties,
-temperature, top-k/top-p/min-p, as the sampler applies them), accept d with
-probability p(d); on rejection, sample from p with d removed, renormalized, and
-stop. If every draft is accepted, the row after the last one gives one more
-token as usual. Each position's token is then distributed exactly as p
-(P(d) = p(d); P(x != d) = (1 - p(d)) * p(x) / (1 - p(d))), which is the
-speculative sampling theorem with q = the point mass at d. Greedy requests are
-the limit: accept d iff it is the argmax.
+A draft here is a point mass (the proposers are deterministic), and the
+verification is rejection sampling with the maximal coupling: at each draft's
+row the target's token is drawn as the sampler draws it (one uniform from the
+request's generator, the inverse-CDF token of the processed distribution p:
+penalties, temperature, top-k/top-p/min-p); the draft d is accepted iff that
+token is d, otherwise the drawn token replaces it and the step ends. So d is
+accepted with probability p(d), and on rejection the token follows p with d
+removed, renormalized: exactly speculative sampling's rule for q = the point
+mass at d, every accepted token distributed as p. If every draft is accepted,
+the row after the last gives one more token as usual. Greedy requests are the
+limit: accept d iff it is the argmax.
 
-Row i's penalties count the drafts before it as accepted (if row i is reached,
-they were), so repetition/presence/frequency penalties see the same history a
-request without drafting would have seen.
+Because each output token takes one uniform, drafted or not, a seeded request
+produces the same tokens with drafting on, off, or at any k (and so whatever
+the batch does to k). Row i's penalties count the drafts before it as
+accepted (if row i is reached, they were), so repetition/presence/frequency
+penalties see the history a request without drafting would have seen.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvserve.engine.sampling import SamplingParams, penalized_logits, target_probabilities
+from kvserve.engine.sampling import SamplingParams, sample
 
 
 def verify_drafts(logits: torch.Tensor, drafts: Sequence[int], params: SamplingParams, generator: torch.Generator,
@@ -31,38 +35,12 @@ def verify_drafts(logits: torch.Tensor, drafts: Sequence[int], params: SamplingP
     (the penalty state before this step) are not modified."""
     accepted: list[int] = []
     for row, draft in enumerate(drafts):
-        token = _verify_one(logits[row], draft, params, generator, seen, output_counts)
+        token = sample(logits[row], params, generator, seen, output_counts)
         if token != draft:
             return [*accepted, token]
         accepted.append(draft)
         seen, output_counts = _with_token(seen, output_counts, draft)
-    return [*accepted, _sample_row(logits[len(drafts)], params, generator, seen, output_counts)]
-
-
-def _verify_one(row: torch.Tensor, draft: int, params: SamplingParams, generator: torch.Generator,
-                seen: torch.Tensor | None, output_counts: torch.Tensor | None) -> int:
-    """`draft` if accepted, else the replacement sampled from the remainder."""
-    logits = penalized_logits(row, params, seen, output_counts)
-    if params.greedy:
-        return int(torch.argmax(logits))
-    probs = target_probabilities(logits, params)
-    probs = probs / probs.sum()
-    p_draft = float(probs[draft])
-    if float(torch.rand((), generator=generator)) < p_draft:
-        return draft
-    remainder = probs.clone()
-    remainder[draft] = 0.0
-    if float(remainder.sum()) <= 0.0:  # p(d) rounded to 1 yet u >= p(d): d is the only token left
-        return draft
-    return int(torch.multinomial(remainder, 1, generator=generator))
-
-
-def _sample_row(row: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-                seen: torch.Tensor | None, output_counts: torch.Tensor | None) -> int:
-    logits = penalized_logits(row, params, seen, output_counts)
-    if params.greedy:
-        return int(torch.argmax(logits))
-    return int(torch.multinomial(target_probabilities(logits, params), 1, generator=generator))
+    return [*accepted, sample(logits[len(drafts)], params, generator, seen, output_counts)]
 
 
 def _with_token(seen: torch.Tensor | None, output_counts: torch.Tensor | None,
