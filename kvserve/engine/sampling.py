@@ -185,8 +185,8 @@ def sample(
     logits = penalized_logits(logits, params, seen, output_counts)
     if params.greedy:
         return int(torch.argmax(logits))
-    return inverse_cdf(target_probabilities(logits, params), float(torch.rand((), generator=generator,
-                                                                           dtype=torch.float64)))
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=generator.device)
+    return inverse_cdf(target_probabilities(logits, params), float(u))
 
 
 def inverse_cdf(probs: torch.Tensor, u: float) -> int:

@@ -36,12 +36,12 @@ PROBE_INTERVAL = 16
 
 def draft_token_cost(batch_size: int) -> float:
     sizes = [size for size, _ in DRAFT_TOKEN_COST]
-    i = bisect.bisect_left(sizes, batch_size)
+    i = bisect.bisect_right(sizes, batch_size)
     if i == 0:
         return DRAFT_TOKEN_COST[0][1]
     if i == len(sizes):
         return DRAFT_TOKEN_COST[-1][1]
-    (lo, lo_cost), (hi, hi_cost) = DRAFT_TOKEN_COST[i - 1], DRAFT_TOKEN_COST[i]
+    (lo, lo_cost), (hi, hi_cost) = DRAFT_TOKEN_COST[i - 1], DRAFT_TOKEN_COST[i]  # lo <= batch_size < hi
     return lo_cost + (hi_cost - lo_cost) * (batch_size - lo) / (hi - lo)
 
 
