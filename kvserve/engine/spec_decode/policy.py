@@ -20,10 +20,12 @@ import bisect
 from dataclasses import dataclass
 
 # Marginal cost of one more query token in a decode step, as a fraction of a plain decode token's share
-# of that step, by batch size (decoding requests). Measured with `bench/spec_decode.py --cost` (AMD EPYC,
-# SmolLM2-135M int4, 512-token contexts; see the README's speculative decoding section); interpolated
-# between the points, flat past the last.
-DRAFT_TOKEN_COST: tuple[tuple[int, float], ...] = ((1, 0.06), (4, 0.2), (16, 0.5), (64, 0.9))
+# of that step, by batch size (decoding requests). Measured with `bench/spec_decode.py --cost` (SmolLM2-135M
+# int4, fp16 KV cache, 512-token contexts, 4 drafts per request; see the README's speculative decoding
+# section); interpolated between the points, flat past the last. A verify's k + 1 query tokens take the
+# prefill attention path (a gather of the request's blocks and a masked SDPA per layer, per request), not
+# the batched C++ decode kernel: nearly free beside one request's weight reads, ruinous in a batch.
+DRAFT_TOKEN_COST: tuple[tuple[int, float], ...] = ((1, 0.11), (4, 2.7), (16, 57.7))
 # Prior acceptance (pseudo-counts): an unknown request starts at a = 2 / 3, hopeful but quick to learn.
 PRIOR_ACCEPTED, PRIOR_REJECTED = 2.0, 1.0
 # Older verifies weigh less: the text a request copies changes (a quote ends, prose starts).
@@ -85,9 +87,11 @@ class DraftPolicy:
     def num_tokens(self, request_id: str, batch_size: int) -> int:
         """How many tokens to draft for this request in a step of `batch_size` decodes."""
         state = self._requests.setdefault(request_id, _Acceptance())
-        k = best_k(state.rate, draft_token_cost(batch_size), self.max_k, min_k=0 if self.auto_off else 1,
+        cost = draft_token_cost(batch_size)
+        k = best_k(state.rate, cost, self.max_k, min_k=0 if self.auto_off else 1,
                    min_gain=MIN_GAIN if self.auto_off else 1.0)
-        if k == 0:
+        if k == 0 and self.auto_off and best_k(1.0, cost, self.max_k, min_gain=MIN_GAIN) > 0:
+            # Off for this request, though drafts could pay at this batch size: probe now and then.
             state.idle_steps += 1
             if state.idle_steps >= PROBE_INTERVAL:
                 k = 1

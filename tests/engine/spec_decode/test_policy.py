@@ -16,7 +16,7 @@ def test_k_grows_with_acceptance_and_shrinks_with_cost():
 
 
 def test_batched_verifies_cost_more_per_token():
-    assert draft_token_cost(1) < draft_token_cost(8) < draft_token_cost(64) == draft_token_cost(512)
+    assert draft_token_cost(1) < draft_token_cost(8) < draft_token_cost(16) == draft_token_cost(512)
 
 
 def test_a_request_whose_drafts_are_rejected_stops_drafting_and_probes_now_and_then():
@@ -39,3 +39,8 @@ def test_an_explicit_method_never_stops_drafting():
     for _ in range(6):
         policy.record("r", 4, 0)
     assert policy.num_tokens("r", 64) == 1
+
+
+def test_no_probe_where_even_perfect_drafts_would_not_pay():
+    policy = DraftPolicy(8, auto_off=True)
+    assert [policy.num_tokens("r", 32) for _ in range(3 * PROBE_INTERVAL)] == [0] * (3 * PROBE_INTERVAL)
