@@ -11,7 +11,7 @@ of `--rounds`; TPOT per request and the draft acceptance are printed. W1 (32 x 2
 throughput too, on and off.
 
     .venv/bin/python bench/spec_decode.py [--method auto] [--rounds 2] [--skip-w1]
-    .venv/bin/python bench/spec_decode.py --cost     # the marginal cost of a verified token, by batch size
+    .venv/bin/python bench/spec_decode.py cost       # the marginal cost of a verified token, by batch size
 
 llama.cpp's llama-server (its draftless --spec-type ngram-*) is compared only when `llama-server` is on
 PATH; otherwise the script says so and skips it.
@@ -101,32 +101,35 @@ class _FixedK(DraftPolicy):
         return self.max_k
 
 
-def step_time(loaded, batch: int, k: int, context: int = 512, steps: int = 12) -> float:
-    """Mean seconds per decode step of `batch` requests at `context` tokens, each verifying k drafts."""
+def step_times(loaded, batch: int, k: int, context: int, pairs: int = 30) -> tuple[float, float]:
+    """Median seconds of a plain decode step and of a verify step (k drafts per request) of `batch` requests
+    at ~`context` tokens, alternating in one engine so that the machine's drift hits both alike."""
     engine = Engine(EngineConfig(kv_cache_memory="1GiB", speculative="off", max_num_seqs=batch), loaded=loaded)
-    if k:
-        engine.drafting = Drafting(_RepeatLast(), k, engine.max_model_len, _FixedK(k))
+    drafting = Drafting(_RepeatLast(), k, engine.max_model_len, _FixedK(k))
     for prompt in random_prompts(batch, context, seed=batch):
-        engine.add_request(prompt, greedy(1024))
+        engine.add_request(prompt, greedy(2 * pairs + 8))
     while any(r.num_tokens - r.num_computed_tokens > 1 for r in engine.scheduler.running + list(engine.scheduler.waiting)):
         engine.step()
-    engine.step()
-    started = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    elapsed = (time.perf_counter() - started) / steps
+    plain, verify = [], []
+    for _ in range(pairs):
+        for drafts_in_this_step, times in ((False, plain), (True, verify)):
+            # Drafts are proposed at the end of a step for the next one.
+            engine.drafting = None if drafts_in_this_step else drafting
+            started = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - started)
     for request_id in engine.unfinished_request_ids():
         engine.abort(request_id)
-    return elapsed
+    return statistics.median(plain), statistics.median(verify)
 
 
-def measure_cost(loaded, k: int = 4) -> dict:
-    """c(B): one more query token's cost, as a fraction of a plain decode token's share of its step."""
+def measure_cost(loaded, k: int = 4, context: int = 256) -> dict:
+    """c(B): one more query token's cost, as a fraction of a plain decode token's share of its step (every
+    request of the batch carries k drafts: the step grows by B * k tokens)."""
     table = {}
-    for batch in (1, 4, 16):
-        plain = min(step_time(loaded, batch, 0) for _ in range(2))
-        verify = min(step_time(loaded, batch, k) for _ in range(2))
-        cost = (verify - plain) / k / (plain / batch)
+    for batch in (1, 4, 16, 32):
+        plain, verify = step_times(loaded, batch, k, context)
+        cost = (verify - plain) / (batch * k) / (plain / batch)
         table[batch] = {"plain_step_s": plain, "verify_step_s": verify, "cost_per_token": cost}
         print(f"batch {batch:3d}: decode step {plain * 1e3:7.1f} ms, with {k} drafts each {verify * 1e3:7.1f} ms"
               f" -> one more query token costs {cost:.2f} of a plain decode token", flush=True)
@@ -140,13 +143,14 @@ def main() -> None:
     parser.add_argument("--weights-dtype", default="auto")
     parser.add_argument("--workloads", nargs="+", default=None)
     parser.add_argument("--skip-w1", action="store_true")
-    parser.add_argument("--cost", action="store_true", help="measure the verify's marginal cost per token only")
+    parser.add_argument("mode", nargs="?", default="w8", choices=["w8", "cost"],
+                        help="w8: the workloads; cost: the verify's marginal cost per token, by batch size")
     args = parser.parse_args()
     print(f"CPU: {describe_cpu()}", flush=True)
     loaded = load_model(weights_dtype=args.weights_dtype)
     print(f"kvserve linear weights: {loaded.linear_dtype}", flush=True)
     freeze_setup()
-    if args.cost:
+    if args.mode == "cost":
         print(f"wrote {save('spec_decode_cost', {'args': vars(args), 'results': measure_cost(loaded)})}")
         return
     engines = {mode: Engine(EngineConfig(kv_cache_memory="1GiB", speculative=mode), loaded=loaded)

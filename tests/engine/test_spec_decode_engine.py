@@ -9,6 +9,7 @@ from kvserve.arith import cdiv
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.spec_decode import policy as policy_module
 from kvserve.engine.spec_decode.policy import DraftPolicy
 from kvserve.model.loader import load_model
 from tests.engine.test_drafting import OracleProposer, finals_of
@@ -54,7 +55,8 @@ def test_greedy_output_with_drafting_equals_off(weights, dtype, method):
     assert sum(spec.acceptance_lengths) == spec.num_drafts
 
 
-def test_auto_does_not_draft_where_verifying_costs_more_than_it_yields(weights):
+def test_auto_does_not_draft_where_verifying_costs_more_than_it_yields(weights, monkeypatch):
+    monkeypatch.setattr(policy_module, "DRAFT_TOKEN_COST", ((1, 0.1), (4, 1.5)))  # batches pay full per token
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     engine, _ = run(weights["float32"], repetitive_prompts(count=5), params)  # batch 5: verifies cost too much
     assert engine.stats().spec_decode.num_drafts == 0

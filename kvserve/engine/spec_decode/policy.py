@@ -6,7 +6,7 @@ yield is 1 + a + a^2 + ... + a^k tokens (a: the chance that a draft token is
 accepted given the ones before it were, measured per request), and its cost, in
 units of what one plain decode token costs at this batch size, is 1 + k * c(B),
 where c(B) is the marginal cost of one more query token in the step (measured on
-this CPU by `bench/spec_decode.py --cost`). At batch 1 a decode step is
+this CPU by `bench/spec_decode.py cost`). At batch 1 a decode step is
 weight-bound (reading the weights once is the floor) and more query tokens are
 nearly free; in a big batch a token costs about what a token costs. The best k
 maximizes yield / cost; where even k = 1 yields less than it costs, the request
@@ -20,12 +20,13 @@ import bisect
 from dataclasses import dataclass
 
 # Marginal cost of one more query token in a decode step, as a fraction of a plain decode token's share
-# of that step, by batch size (decoding requests). Measured with `bench/spec_decode.py --cost` (SmolLM2-135M
-# int4, fp16 KV cache, 512-token contexts, 4 drafts per request; see the README's speculative decoding
-# section); interpolated between the points, flat past the last. A verify's k + 1 query tokens take the
-# prefill attention path (a gather of the request's blocks and a masked SDPA per layer, per request), not
-# the batched C++ decode kernel: nearly free beside one request's weight reads, ruinous in a batch.
-DRAFT_TOKEN_COST: tuple[tuple[int, float], ...] = ((1, 0.11), (4, 2.7), (16, 57.7))
+# of that step, by batch size (decoding requests). Measured with `bench/spec_decode.py cost` on this
+# project's shared 2-core Xeon (SmolLM2-135M int4, fp16 KV cache, ~300-token contexts, 4 drafts per request,
+# medians of 30 alternating plain / verify steps; see the README's speculative decoding section);
+# interpolated between the points, flat past the last. A verify's queries run as one-token decodes through
+# the batched decode kernel (engine/runner.py), so at small batches they cost little beside the weights'
+# read; in bigger batches the int4 matmul's work grows with the rows.
+DRAFT_TOKEN_COST: tuple[tuple[int, float], ...] = ((1, 0.11), (4, 0.11), (16, 0.38), (32, 0.56))
 # Prior acceptance (pseudo-counts): an unknown request starts at a = 2 / 3, hopeful but quick to learn.
 PRIOR_ACCEPTED, PRIOR_REJECTED = 2.0, 1.0
 # Older verifies weigh less: the text a request copies changes (a quote ends, prose starts).

@@ -1,5 +1,6 @@
 """The draft policy: k from measured acceptance against the verify's cost at this batch size."""
 
+from kvserve.engine.spec_decode import policy as policy_module
 from kvserve.engine.spec_decode.policy import PROBE_INTERVAL, DraftPolicy, best_k, draft_token_cost, expected_yield
 
 
@@ -16,7 +17,8 @@ def test_k_grows_with_acceptance_and_shrinks_with_cost():
 
 
 def test_batched_verifies_cost_more_per_token():
-    assert draft_token_cost(1) < draft_token_cost(8) < draft_token_cost(16) == draft_token_cost(512)
+    assert draft_token_cost(1) <= draft_token_cost(8) < draft_token_cost(16) < draft_token_cost(32)
+    assert draft_token_cost(32) == draft_token_cost(512)
 
 
 def test_a_request_whose_drafts_are_rejected_stops_drafting_and_probes_now_and_then():
@@ -41,6 +43,7 @@ def test_an_explicit_method_never_stops_drafting():
     assert policy.num_tokens("r", 64) == 1
 
 
-def test_no_probe_where_even_perfect_drafts_would_not_pay():
+def test_no_probe_where_even_perfect_drafts_would_not_pay(monkeypatch):
+    monkeypatch.setattr(policy_module, "DRAFT_TOKEN_COST", ((1, 0.1), (16, 1.5)))  # a CPU where batches pay full
     policy = DraftPolicy(8, auto_off=True)
     assert [policy.num_tokens("r", 32) for _ in range(3 * PROBE_INTERVAL)] == [0] * (3 * PROBE_INTERVAL)
