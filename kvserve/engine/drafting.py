@@ -36,7 +36,8 @@ class Proposer(Protocol):
         ...
 
     def finish(self, request_id: str, tenant: str | None, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
-        """A request ended with these tokens (prompt, then output): what a cross-request proposer indexes."""
+        """A request ended with these tokens (prompt, then output): what a cross-request proposer indexes;
+        none when it was aborted or failed. Per-request state goes."""
         ...
 
 
@@ -75,6 +76,6 @@ class Drafting:
 
     def finish(self, request: Request, reason: str) -> None:
         self.policy.forget(request.request_id)
-        if reason in ("stop", "length"):  # what an aborted or failed request produced is not worth drafting
-            self.proposer.finish(request.request_id, request.cache_salt, request.all_token_ids,
-                                 request.num_prompt_tokens)
+        # What an aborted or failed request produced is not worth drafting from: it passes no tokens.
+        token_ids = request.all_token_ids if reason in ("stop", "length") else ()
+        self.proposer.finish(request.request_id, request.cache_salt, token_ids, request.num_prompt_tokens)

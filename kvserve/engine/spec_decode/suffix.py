@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from kvserve.engine.spec_decode.ngram import find_continuation
+from kvserve.engine.spec_decode.ngram import NgramProposer
 
 
 class OutputIndex:
@@ -75,14 +75,14 @@ class SuffixProposer:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n, self.max_n = min_n, max_n
-        self.prompt_min_n, self.prompt_max_n = prompt_min_n, prompt_max_n
+        self.prompt_lookup = NgramProposer(prompt_min_n, prompt_max_n)
         self.max_tokens_per_tenant = max_tokens_per_tenant
         self.max_tenants = max_tenants
         self._tenants: OrderedDict[str | None, OutputIndex] = OrderedDict()
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int, tenant: str | None = None
                 ) -> list[int]:
-        own_n, own = find_continuation(token_ids, max_tokens, self.prompt_min_n, self.prompt_max_n)
+        own_n, own = self.prompt_lookup.lookup(request_id, token_ids, max_tokens)
         index = self._tenants.get(tenant)
         if index is None:
             return own
@@ -94,7 +94,9 @@ class SuffixProposer:
         """The index learns from finished outputs (finish), not from acceptance."""
 
     def finish(self, request_id: str, tenant: str | None, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
-        """Index a finished request's output, with the prompt's last tokens before it."""
+        """Index a finished request's output, with the prompt's last tokens before it (none: it was aborted
+        or failed, and only its state goes)."""
+        self.prompt_lookup.finish(request_id, tenant, token_ids, num_prompt_tokens)
         if len(token_ids) <= num_prompt_tokens:
             return
         index = self._tenants.get(tenant)

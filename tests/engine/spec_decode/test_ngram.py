@@ -1,5 +1,7 @@
 """Prompt lookup: the longest earlier occurrence of the request's suffix, and what followed it."""
 
+import numpy as np
+
 from kvserve.engine.spec_decode.ngram import NgramProposer, find_continuation
 
 
@@ -23,3 +25,14 @@ def test_a_copy_is_drafted_up_to_max_tokens():
     # The output has started copying the source: the rest of it is drafted.
     assert proposer.propose("r", source + [0] + source[:10], 8) == source[10:18]
     assert proposer.propose("r", source + [0] + source[:10], 0) == []
+
+
+def test_the_incremental_index_agrees_with_the_scan():
+    rng = np.random.default_rng(0)
+    proposer = NgramProposer(min_n=2, max_n=5)
+    tokens = rng.integers(0, 12, 20).tolist()  # a small vocabulary: many partial matches
+    for _ in range(300):
+        assert proposer.lookup("r", tokens, 4) == find_continuation(tokens, 4, min_n=2, max_n=5)
+        tokens.append(int(rng.integers(0, 12)))
+    del tokens[10:60]  # a context shift rewrites the tokens: the index is rebuilt
+    assert proposer.lookup("r", tokens, 4) == find_continuation(tokens, 4, min_n=2, max_n=5)
