@@ -29,6 +29,7 @@ from kvserve.config import EngineConfig
 from kvserve.cpu_features import describe_cpu
 from kvserve.engine.drafting import Drafting
 from kvserve.engine.engine import Engine
+from kvserve.engine.output import RequestOutputAssembler
 from kvserve.engine.spec_decode.policy import DraftPolicy
 from kvserve.model.loader import load_model
 from workloads import freeze_setup, greedy, random_prompts, run_engine, save
@@ -65,11 +66,18 @@ def w8_prompts(tokenizer) -> dict[str, tuple[list[list[int]], int]]:
     }
 
 
-def run_workload(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
-    """The prompts one after another (a session): TPOT per request, draft acceptance over all."""
+def run_workload(engine: Engine, prompts: list[list[int]], max_tokens: int, tenant: str) -> dict:
+    """The prompts one after another (a session of one tenant): TPOT per request, draft acceptance over all.
+    Each round is a new tenant, so the suffix index never drafts a round from an earlier round's outputs."""
     tpots, drafted, accepted, outputs = [], 0, 0, 0
     for prompt in prompts:
-        (output,), _ = run_engine(engine, [prompt], greedy(max_tokens) if max_tokens else greedy(64))
+        request_id = engine.add_request(prompt, greedy(max_tokens), cache_salt=tenant)
+        assembler, output = RequestOutputAssembler(), None
+        while engine.has_unfinished():
+            for delta in engine.step():
+                output = assembler.add(delta) or output
+        if output is None or output.request_id != request_id:
+            raise RuntimeError("the workload's request did not finish")
         tpots.append(output.metrics.tpot)
         drafted += output.metrics.num_draft_tokens
         accepted += output.metrics.num_accepted_draft_tokens
@@ -163,9 +171,9 @@ def main() -> None:
         if args.workloads and name not in args.workloads:
             continue
         best: dict[str, dict] = {}
-        for _ in range(args.rounds):
+        for round_index in range(args.rounds):
             for mode, engine in engines.items():
-                row = run_workload(engine, workload, max_tokens)
+                row = run_workload(engine, workload, max_tokens, tenant=f"{name}-{round_index}")
                 if mode not in best or row["tpot_s"] < best[mode]["tpot_s"]:
                     best[mode] = row
         on, off = best[args.method], best["off"]
