@@ -138,6 +138,7 @@ def default_kv_cache_memory() -> int:
 
 WEIGHTS_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 CONTEXT_OVERFLOW = ("error", "shift")
+SPECULATIVE_METHODS = ("auto", "ngram", "suffix", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +198,15 @@ class EngineConfig:
     keep_tokens: int = field(default=4, metadata=engine_arg(
         "with {context_overflow} shift: leading tokens never dropped (attention sinks, a system prompt)",
         check=token_count))
+    speculative: str = field(default="auto", metadata=engine_arg(
+        "speculative decoding without a draft model, verified exactly (greedy output unchanged, sampling "
+        "distribution unchanged): ngram (prompt lookup: drafts copied from the request's own tokens), suffix "
+        "(also from the tenant's past outputs), off, or auto (suffix, each request drafting only while its "
+        "measured acceptance pays for the verify's extra cost at the current batch size)",
+        choices=SPECULATIVE_METHODS))
+    num_speculative_tokens: int = field(default=8, metadata=engine_arg(
+        "most tokens drafted per request per step with {speculative} (each request's k adapts below it)",
+        check=positive_int))
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -5,9 +5,9 @@ accept: one, or with forced/draft tokens the row of the last forced token and
 one per draft after it. Forced tokens are accepted as they are; drafts are
 verified against the target model: greedy keeps the longest prefix of drafts
 that equal the argmax of the row before each, then the argmax after the last
-kept one (so every step accepts at least one token). Plain-greedy requests
-only: the sampling verification (rejection sampling) belongs to speculative
-decoding and is refused here rather than approximated.
+kept one (so every step accepts at least one token); sampling and penalized
+requests go through rejection sampling (engine/spec_decode/verify.py), which
+leaves each token distributed exactly as without drafting.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from kvserve.engine.output import TokenLogprob
 from kvserve.engine.sampling import SamplingParams, make_generator, sample
+from kvserve.engine.spec_decode.verify import verify_drafts
 
 
 @dataclass
@@ -114,11 +115,13 @@ class TokenAcceptor:
                 result.failures[row.request_id] = exc
 
     def _pick(self, row: AcceptRows, state: _SamplingState, logits: torch.Tensor) -> list[int]:
-        """The tokens after the forced ones: sampled, or drafts verified greedily."""
+        """The tokens after the forced ones: sampled, or drafts verified."""
         if not row.draft_token_ids:
             return [sample(logits[row.first], state.params, state.generator, state.seen, state.output_counts)]
         if not state.plain_greedy:
-            raise ValueError("drafts are verified for plain greedy requests only (no sampling, no penalties)")
+            rows = logits[row.first : row.first + len(row.draft_token_ids) + 1]
+            return verify_drafts(rows, row.draft_token_ids, state.params, state.generator, state.seen,
+                                 state.output_counts)
         best = logits[row.first : row.first + len(row.draft_token_ids) + 1].argmax(dim=-1).tolist()
         kept = 0
         while kept < len(row.draft_token_ids) and row.draft_token_ids[kept] == best[kept]:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 from kvserve.config import EngineConfig
 from kvserve.engine.breakpoints import PendingBreakpoints, check_breakpoints
-from kvserve.engine.drafting import Drafting, Proposer
+from kvserve.engine.drafting import Proposer
 from kvserve.engine.fault_isolation import execute_isolating_failures
 from kvserve.engine.integrity import check_engine_integrity
 from kvserve.engine.output import PrefixCacheReport, RequestDelta
@@ -19,6 +19,7 @@ from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.setup import build_engine_parts
 from kvserve.engine.snapshots import SnapshotKeeper
+from kvserve.engine.spec_decode.factory import build_drafting
 from kvserve.engine.stats import EngineStats, StepWork
 from kvserve.engine.validation import RequestLimits
 from kvserve.errors import InvalidRequestError
@@ -44,9 +45,10 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  clock: Callable[[], float] | None = None, proposer: Proposer | None = None,
-                 num_speculative_tokens: int = 4) -> None:
-        """`clock` (seconds, monotonic) times pin TTLs; tests pass a fake one. `proposer` drafts up to
-        `num_speculative_tokens` tokens per decoding request per step (engine/drafting.py)."""
+                 num_speculative_tokens: int | None = None) -> None:
+        """`clock` (seconds, monotonic) times pin TTLs; tests pass a fake one. Drafting follows
+        `config.speculative`; a `proposer` replaces the configured one, drafting up to
+        `num_speculative_tokens` (default: the config's) tokens per decoding request per step."""
         parts = build_engine_parts(config or EngineConfig(), loaded, clock)
         self.config, self.loaded, self.max_model_len = parts.config, parts.loaded, parts.max_model_len
         self.kv_spec, self.kv_cache, self.kv_manager = parts.kv_spec, parts.kv_cache, parts.kv_manager
@@ -59,9 +61,9 @@ class Engine:
         self.outputs = OutputProcessor(self.loaded.tokenizer, self.kv_manager, page_bytes, self.prefix_caching)
         self.breakpoints = PendingBreakpoints(self.kv_manager, self.config.block_size)
         self.limits = RequestLimits(self.config, self.loaded.config.vocab_size, self.max_model_len, self.kv_manager)
-        self.snapshots = SnapshotKeeper(self.scheduler, self.tiering)
-        self.drafting = (Drafting(proposer, num_speculative_tokens, self.max_model_len)
-                         if proposer is not None else None)
+        self.drafting = build_drafting(self.config, self.max_model_len, proposer, num_speculative_tokens)
+        self.snapshots = SnapshotKeeper(self.scheduler, self.tiering,
+                                        self.drafting.counters if self.drafting is not None else None)
         self._ids = itertools.count()
 
     @property
@@ -136,7 +138,7 @@ class Engine:
             self.scheduler.advance(item, len(accepted), len(kept))
             if item.draft_token_ids and self.drafting is not None:
                 num_valid = min(len(kept), len(accepted) - 1) - len(item.forced_token_ids)
-                self.drafting.observe(item.request_id, len(item.draft_token_ids), max(num_valid, 0))
+                self.drafting.observe(request, len(item.draft_token_ids), max(num_valid, 0))
             if not kept:
                 continue
             num_accepted += len(kept)
@@ -155,6 +157,8 @@ class Engine:
         """End a request wherever it is (finished, failed or aborted): its blocks go back to the pool and
         every piece of per-request state is dropped. Returns its final delta."""
         self.scheduler.finish(request, reason)
+        if self.drafting is not None:
+            self.drafting.finish(request, reason)
         delta = self.outputs.delta(request, list(new_token_ids), error)
         self.outputs.remove(request.request_id)
         self.runner.remove_request(request.request_id)

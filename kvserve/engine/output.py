@@ -26,6 +26,14 @@ class RequestMetrics:
     last_token_time: float | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    # Speculative decoding: draft tokens verified for this request, and how many of them were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+
+    @property
+    def draft_acceptance(self) -> float | None:
+        """Fraction of its draft tokens the model accepted (None: nothing was drafted)."""
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     def record_token(self) -> None:
         now = time.perf_counter()

@@ -13,7 +13,7 @@ import torch
 
 from kvserve.engine.acceptance import AcceptRows, StepResult, TokenAcceptor
 from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.kv.attention import AttentionBackend, SequenceSlice
 from kvserve.kv.context_shift import ShiftPlan, TokenMoves
 from kvserve.kv.storage import PagedKVCache
@@ -46,6 +46,8 @@ class ModelRunner:
             raise ValueError(f"the KV cache was laid out for layer windows {cache_windows}, "
                              f"the model has {tuple(model.layer_windows)}")
         self.acceptor = TokenAcceptor(model.config.vocab_size, self.device)
+        # Whether the backend batches one-token decodes and only those (a verify is split into them).
+        self._single_token_decodes = attention.is_decode(1) and not attention.is_decode(2)
         # Per request, per KV group: its block table, kept across steps and changed by each step's updates.
         self._block_tables: dict[str, list[list[int]]] = {}
 
@@ -106,29 +108,43 @@ class ModelRunner:
     def _prepare_inputs(self, out: SchedulerOutput) -> _StepInputs:
         """Flatten the scheduled requests, in the attention backend's batch order, into one forward's rows."""
         inputs = _StepInputs()
-        order = self.attention.batch_order([len(item.token_ids) for item in out.scheduled])
-        for item in (out.scheduled[i] for i in order):
-            count = len(item.token_ids)
+        units = [unit for item in out.scheduled for unit in self._units(item)]
+        order = self.attention.batch_order([count for _, _, count in units])
+        rows: dict[str, list[int]] = {}  # request id -> its rows so far
+        for item, offset, count in (units[i] for i in order):
             first_row = len(inputs.input_ids)
-            inputs.input_ids.extend(item.token_ids)
-            inputs.positions.append(torch.arange(item.num_computed_tokens, item.num_computed_tokens + count,
-                                                 device=self.device))
-            inputs.slices.append(SequenceSlice(self._block_tables[item.request_id], item.num_computed_tokens, count))
+            start = item.num_computed_tokens + offset
+            inputs.input_ids.extend(item.token_ids[offset : offset + count])
+            inputs.positions.append(torch.arange(start, start + count, device=self.device))
+            inputs.slices.append(SequenceSlice(self._block_tables[item.request_id], start, count))
+            rows.setdefault(item.request_id, []).extend(range(first_row, first_row + count))
+            if offset + count < len(item.token_ids):
+                continue  # more of this request's tokens follow in the next units
             if item.sample:
                 # From the row of the last forced token (or the request's last token): one per draft more.
                 num_rows = len(item.draft_token_ids) + 1
                 inputs.accept_rows.append(AcceptRows(item.request_id, len(inputs.sample_rows), item.forced_token_ids,
                                                      item.draft_token_ids))
-                end = len(inputs.input_ids)
-                inputs.sample_rows.extend(range(end - num_rows, end))
+                inputs.sample_rows.extend(rows[item.request_id][-num_rows:])
             prompt = self.acceptor.prompt_token_ids(item.request_id)
             if prompt is not None:
                 # Position p's logits score prompt token p + 1.
-                end = min(item.num_computed_tokens + count, len(prompt) - 1)
+                end = min(item.num_computed_tokens + len(item.token_ids), len(prompt) - 1)
                 if end > item.num_computed_tokens:
-                    inputs.prompt_rows.append((item.request_id, item.num_computed_tokens, first_row,
+                    first = rows[item.request_id][0]
+                    inputs.prompt_rows.append((item.request_id, item.num_computed_tokens, first,
                                                end - item.num_computed_tokens))
         return inputs
+
+    def _units(self, item: ScheduledRequest) -> list[tuple[ScheduledRequest, int, int]]:
+        """(item, offset, count) pieces of a request's tokens, each one slice of the forward. A decode that
+        carries drafts is split into single-token decodes (one per query, each attending over the keys
+        before it and its own: the step writes every token's K/V before any attention reads them), so
+        its k + 1 queries go through the backend's batched decode kernel instead of its prefill path."""
+        count = len(item.token_ids)
+        if item.draft_token_ids and count > 1 and self._single_token_decodes:
+            return [(item, offset, 1) for offset in range(count)]
+        return [(item, 0, count)]
 
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
         """One model forward; logits of the sampled rows, then of the prompt-logprob rows."""

@@ -131,25 +131,21 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return torch.where(seen, penalized, logits)
 
 
-def sample(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator,
-    seen: torch.Tensor | None = None,
-    output_counts: torch.Tensor | None = None,
-) -> int:
-    """Pick one token id from `logits` `[vocab]` (fp32).
-
-    Order: repetition penalty, presence/frequency penalties (`output_counts`:
-    occurrences of each token in the output so far), then greedy or
-    temperature, top-k, top-p, min-p.
-    """
+def penalized_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
+                     output_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """`logits` after the repetition penalty, then the presence/frequency penalties (`output_counts`:
+    occurrences of each token in the output so far)."""
     if params.repetition_penalty != 1.0 and seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.penalizes_output and output_counts is not None:
         logits = logits - params.frequency_penalty * output_counts - params.presence_penalty * (output_counts > 0)
-    if params.greedy:
-        return int(torch.argmax(logits))
+    return logits
+
+
+def target_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from, given penalized logits: temperature, top-k,
+    top-p, then min-p. Not normalized after min-p (multinomial does not need it; divide by the sum where
+    the probabilities themselves matter)."""
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -167,7 +163,40 @@ def sample(
     probs = _probabilities(logits)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    seen: torch.Tensor | None = None,
+    output_counts: torch.Tensor | None = None,
+) -> int:
+    """Pick one token id from `logits` `[vocab]` (fp32).
+
+    Order: repetition penalty, presence/frequency penalties, then greedy or
+    temperature, top-k, top-p, min-p. A sampled token takes exactly one uniform
+    from the request's generator and is its inverse-CDF token: so a verified
+    draft, which is accepted exactly when it is the token this would pick
+    (engine/spec_decode/verify.py), leaves a seeded request's tokens what they
+    are without drafting.
+    """
+    logits = penalized_logits(logits, params, seen, output_counts)
+    if params.greedy:
+        return int(torch.argmax(logits))
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=generator.device)
+    return inverse_cdf(target_probabilities(logits, params), float(u))
+
+
+def inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The token whose share of the cumulative mass of `probs` (unnormalized) holds `u` in [0, 1): token i
+    with probability probs[i] / sum(probs); a token of probability 0 is never picked."""
+    cumulative = probs.double().cumsum(-1)
+    index = int(torch.searchsorted(cumulative, cumulative[-1] * u, right=True))
+    if index >= len(probs):  # u * total rounded up to the total: the last token with mass
+        index = int(torch.nonzero(probs)[-1])
+    return index
 
 
 def _probabilities(logits: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.spec_decode.stats import DraftCounters
 from kvserve.engine.stats import BlockView, EngineStats, StepWork, take_block_view, take_stats, with_added
 from kvserve.engine.tiering import TierTraffic
 
@@ -16,9 +17,11 @@ class SnapshotKeeper:
     """Counts steps and generated tokens, remembers the last step's work, and builds the lab's BlockView
     only when asked (it is O(blocks))."""
 
-    def __init__(self, scheduler: Scheduler, tiering: TierTraffic | None) -> None:
+    def __init__(self, scheduler: Scheduler, tiering: TierTraffic | None,
+                 drafts: DraftCounters | None = None) -> None:
         self.scheduler = scheduler
         self.tiering = tiering
+        self.drafts = drafts
         self.num_steps = self.num_generated_tokens = 0
         self.last_step = StepWork()
         self._block_view: BlockView | None = None  # the last one built, carried into later snapshots
@@ -40,7 +43,8 @@ class SnapshotKeeper:
             self._block_view = take_block_view(self.scheduler.kv, self.num_steps)
         tier = self.tiering.stats() if self.tiering is not None else None
         self.current = take_stats(self.scheduler, self.num_steps, self.num_generated_tokens, self.last_step,
-                                  self._block_view, tier, pins=self.scheduler.kv.pin_stats())
+                                  self._block_view, tier, pins=self.scheduler.kv.pin_stats(),
+                                  spec_decode=self.drafts.snapshot() if self.drafts is not None else None)
         return self.current
 
     def added(self, request: Request) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.spec_decode.stats import SpecDecodeStats
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pins import PinStats
 from kvserve.kv.tier import TierStats
@@ -97,6 +98,7 @@ class EngineStats:
     num_context_shifts: int = 0  # monotonic: sequences shifted past the context (--context-overflow shift)
     last_step: StepWork = StepWork()  # what the last step that ran a batch computed
     blocks: BlockView | None = None  # the pool block by block, as of blocks.num_steps (only once asked for)
+    spec_decode: SpecDecodeStats | None = None  # drafts and acceptances (None: speculative decoding off)
 
     @property
     def num_running(self) -> int:
@@ -134,7 +136,7 @@ def request_stats(request: Request, kv: KVCacheManager) -> RequestStats:
 
 def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int, last_step: StepWork = StepWork(),
                blocks: BlockView | None = None, tier: TierStats | None = None,
-               pins: PinStats | None = None) -> EngineStats:
+               pins: PinStats | None = None, spec_decode: SpecDecodeStats | None = None) -> EngineStats:
     """A snapshot of the pool and of every unfinished request. Call it between steps, on the engine's thread."""
     kv = scheduler.kv
     num_free = kv.num_free_blocks
@@ -147,7 +149,7 @@ def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int, 
         num_steps=num_steps, num_generated_tokens=num_generated_tokens,
         running=tuple(request_stats(r, kv) for r in scheduler.running),
         waiting=tuple(request_stats(r, kv) for r in scheduler.waiting), last_step=last_step, blocks=blocks,
-        tier=tier, pins=pins,
+        tier=tier, pins=pins, spec_decode=spec_decode,
     )
 
 

@@ -25,7 +25,7 @@ class OracleProposer:
         self.proposed = self.accepted = 0
         self.lengths: list[int] = []
 
-    def propose(self, request_id, token_ids, max_tokens):
+    def propose(self, request_id, token_ids, max_tokens, tenant=None):
         for prompt, output in self.continuations.items():
             if tuple(token_ids[: len(prompt)]) == prompt:
                 done = len(token_ids) - len(prompt)
@@ -43,6 +43,9 @@ class OracleProposer:
         assert 0 <= num_accepted <= num_proposed
         self.proposed += num_proposed
         self.accepted += num_accepted
+
+    def finish(self, request_id, tenant, token_ids, num_prompt_tokens):
+        pass
 
 
 def workload(count=6, seed=1):

@@ -25,7 +25,7 @@ def reference():
 
 
 def test_a_long_generation_emits_only_what_each_step_added(loaded):
-    engine = make_engine(loaded)
+    engine = make_engine(loaded, speculative="off")  # one token per step (drafting: test_drafting.py)
     prompt = [40, 41, 42, 43, 44, 45]
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
     engine.add_request(prompt, params)

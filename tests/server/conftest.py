@@ -121,6 +121,8 @@ def tiny_app(tiny_models):
     a 64 KiB body limit."""
     from tests.server.inprocess import serve_in_process, with_tiny_tokenizer
 
+    # Prompt lookup only: a request's drafts, and so its forward shapes and logprob rounding, are the same
+    # each time it is sent (the suffix index would draft a repeat from the first answer).
     with serve_in_process(with_tiny_tokenizer(tiny_models("llama-gqa")), max_waiting_requests=8,
-                          max_request_bytes=64 * 1024) as client:
+                          max_request_bytes=64 * 1024, engine_options={"speculative": "ngram"}) as client:
         yield client

@@ -8,6 +8,7 @@ each RequestDelta as the step loop emits it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -16,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.output import RequestDelta
+from kvserve.engine.spec_decode.stats import SpecDecodeStats
 from kvserve.kv.tier import LOAD_SECONDS_BUCKETS
 
 log = logging.getLogger("kvserve.requests")
@@ -64,6 +66,7 @@ class _EngineCollector:
                       stats.num_preemptions)
         yield counter("kvserve:num_context_shifts", "Sequences shifted past the context (oldest tokens dropped).",
                       stats.num_context_shifts)
+        yield from _spec_decode_metrics(stats.spec_decode, labels)
         pins = stats.pins
         if pins is not None:
             yield gauge("kvserve:kv_pins", "Live pinned prefixes (cache breakpoints with a TTL).", pins.num_pins)
@@ -107,6 +110,26 @@ class _EngineCollector:
         buckets = [(str(bound), count) for bound, count in zip(LOAD_SECONDS_BUCKETS, tier.load_seconds_buckets)]
         histogram.add_metric(labels, buckets + [("+Inf", tier.load_seconds_count)], tier.load_seconds_sum)
         yield histogram
+
+
+def _spec_decode_metrics(spec: SpecDecodeStats | None, labels: list[str]):
+    """vLLM's spec-decode counters, and how many draft tokens each verify accepted as a histogram."""
+    if spec is None:
+        return
+    for name, doc, value in (
+        ("num_drafts", "Verifies that carried draft tokens.", spec.num_drafts),
+        ("num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
+        ("num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+    ):
+        family = CounterMetricFamily(f"kvserve:spec_decode_{name}", doc, labels=["model_name"])
+        family.add_metric(labels, value)
+        yield family
+    histogram = HistogramMetricFamily("kvserve:spec_decode_acceptance_length",
+                                      "Draft tokens accepted per verify.", labels=["model_name"])
+    cumulative = list(itertools.accumulate(spec.acceptance_lengths))
+    buckets = [(str(float(length)), count) for length, count in enumerate(cumulative)]
+    histogram.add_metric(labels, buckets + [("+Inf", spec.num_drafts)], spec.num_accepted_tokens)
+    yield histogram
 
 
 class ServerMetrics:
@@ -163,6 +186,8 @@ def log_request(delta: RequestDelta) -> None:
     tpot = f"{m.tpot * 1000:.1f} ms" if m.tpot is not None else "n/a"
     report = delta.prefix_cache
     sources = f": {report.sources}" if report is not None and report.sources else ""
-    log.info("request %s: prompt %d tokens (%d cached%s), output %d tokens, TTFT %s, TPOT %s, finish_reason %s",
-             delta.request_id, m.num_prompt_tokens, delta.num_cached_tokens, sources, m.num_output_tokens, ttft, tpot,
-             delta.finish_reason or "abort")
+    drafts = (f", drafts {m.num_accepted_draft_tokens}/{m.num_draft_tokens} accepted"
+              if m.num_draft_tokens else "")
+    log.info("request %s: prompt %d tokens (%d cached%s), output %d tokens%s, TTFT %s, TPOT %s, finish_reason %s",
+             delta.request_id, m.num_prompt_tokens, delta.num_cached_tokens, sources, m.num_output_tokens, drafts,
+             ttft, tpot, delta.finish_reason or "abort")
