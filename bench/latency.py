@@ -47,12 +47,14 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--weights-dtype", default="auto", help="kvserve's linear weights (transformers: fp32)")
+    parser.add_argument("--speculative", default="auto", help="kvserve's drafting: auto (default), ngram, suffix, off")
     args = parser.parse_args()
     print(f"CPU: {describe_cpu()}", flush=True)
 
     loaded = load_model(weights_dtype=args.weights_dtype)
     print(f"kvserve linear weights: {loaded.linear_dtype}", flush=True)
-    engine = Engine(EngineConfig(kv_cache_memory="1GiB", max_num_batched_tokens=args.max_num_batched_tokens), loaded=loaded)
+    engine = Engine(EngineConfig(kv_cache_memory="1GiB", max_num_batched_tokens=args.max_num_batched_tokens,
+                                 speculative=args.speculative), loaded=loaded)
     run_engine(engine, random_prompts(1, 64, seed=1), greedy(4))  # warm-up
     reference = None
     if not args.skip_transformers:

@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--weights-dtype", default="auto", help="kvserve's linear weights (transformers: fp32)")
+    parser.add_argument("--speculative", default="auto", help="kvserve's drafting: auto (default), ngram, suffix, off")
     args = parser.parse_args()
     print(f"CPU: {describe_cpu()}", flush=True)
 
@@ -60,7 +61,8 @@ def main() -> None:
     loaded = load_model(weights_dtype=args.weights_dtype)
     print(f"kvserve linear weights: {loaded.linear_dtype}", flush=True)
     engine = Engine(EngineConfig(kv_cache_memory="2GiB", block_size=args.block_size,
-                                 max_num_batched_tokens=args.max_num_batched_tokens), loaded=loaded)
+                                 max_num_batched_tokens=args.max_num_batched_tokens,
+                                 speculative=args.speculative), loaded=loaded)
     run_engine(engine, random_prompts(2, 32, seed=1), greedy(4))  # warm-up
     freeze_setup()
     outputs, stats = run_engine(engine, prompts, greedy(args.output_len))
