@@ -52,7 +52,9 @@ def test_completions_streaming_matches_non_streaming(client, model):
     assert "".join(p.text for p in pieces) == full.choices[0].text
     assert [p.finish_reason for p in pieces if p.finish_reason] == [full.choices[0].finish_reason]
     streamed_logprobs = [lp for p in pieces if p.logprobs for lp in p.logprobs.token_logprobs]
-    assert streamed_logprobs == pytest.approx(full.choices[0].logprobs.token_logprobs)
+    # The second request may verify drafts learned from the first one's output (speculative decoding is on
+    # by default): the same tokens, from a forward of another shape, so equal within float noise.
+    assert streamed_logprobs == pytest.approx(full.choices[0].logprobs.token_logprobs, abs=1e-5)
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
