@@ -69,6 +69,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Speculative decoding: draft tokens verified and those the model accepted, over every choice.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @classmethod
     def count(cls, jobs: list[Job], finals: dict[int, RequestOutput]) -> "Usage":
@@ -82,14 +85,22 @@ class Usage:
             output = finals.get(job.index)
             cached += output.num_cached_tokens if output is not None else 0
         completion_tokens = sum(len(o.outputs[0].token_ids) for o in finals.values())
-        return cls(prompt_tokens, completion_tokens, cached)
+        drafts = sum(o.metrics.num_draft_tokens for o in finals.values())
+        accepted = sum(o.metrics.num_accepted_draft_tokens for o in finals.values())
+        return cls(prompt_tokens, completion_tokens, cached, drafts, accepted)
 
     def openai(self) -> dict:
-        return {
+        usage = {
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.draft_tokens:
+            # OpenAI's names for predicted outputs, which are drafts verified by the model too.
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": self.accepted_draft_tokens,
+                "rejected_prediction_tokens": self.draft_tokens - self.accepted_draft_tokens}
+        return usage
 
 
 class Serving:

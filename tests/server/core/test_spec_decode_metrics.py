@@ -32,3 +32,22 @@ def test_spec_decode_counters_histogram_and_log_line(tiny_models, caplog):
 def test_no_spec_decode_metrics_when_it_is_off(tiny_models):
     metrics = ServerMetrics(AsyncEngine(make_engine(tiny_models("llama-gqa"), speculative="off")), "tiny")
     assert not any(name.startswith("kvserve:spec_decode") for name in scrape(metrics))
+
+
+def _counter(client, name: str) -> float:
+    text = client.get("/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_usage_reports_a_requests_accepted_and_rejected_drafts(tiny_app):
+    """OpenAI's predicted-output fields carry a request's drafts: what it accepted and what it rejected."""
+    drafts_before = _counter(tiny_app, "kvserve:spec_decode_num_draft_tokens_total")
+    accepted_before = _counter(tiny_app, "kvserve:spec_decode_num_accepted_tokens_total")
+    body = {"prompt": "abcd abcd abcd abcd abcd abcd abcd", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    response = tiny_app.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    details = response.json()["usage"]["completion_tokens_details"]  # prompt lookup drafts from the repeats
+    drafted = _counter(tiny_app, "kvserve:spec_decode_num_draft_tokens_total") - drafts_before
+    accepted = _counter(tiny_app, "kvserve:spec_decode_num_accepted_tokens_total") - accepted_before
+    assert drafted > 0
+    assert details == {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": drafted - accepted}
