@@ -135,10 +135,9 @@ class Engine:
             kept, reason = self.outputs.accept(request, accepted) if accepted else ([], None)
             if kept and request.new_logprobs is not None:
                 request.new_logprobs.extend(result.logprobs[item.request_id][: len(kept)])
-            self.scheduler.advance(item, len(accepted), len(kept))
+            num_accepted_drafts = self.scheduler.advance(item, len(accepted), len(kept))
             if item.draft_token_ids and self.drafting is not None:
-                num_valid = min(len(kept), len(accepted) - 1) - len(item.forced_token_ids)
-                self.drafting.observe(request, len(item.draft_token_ids), max(num_valid, 0))
+                self.drafting.observe(request, len(item.draft_token_ids), num_accepted_drafts)
             if not kept:
                 continue
             num_accepted += len(kept)

@@ -239,7 +239,7 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request.request_id)
 
-    def advance(self, item: ScheduledRequest, num_accepted: int, num_kept: int) -> None:
+    def advance(self, item: ScheduledRequest, num_accepted: int, num_kept: int) -> int:
         """Record a step's progress for one request whose accepted tokens (`num_accepted`, of which the
         output processor appended `num_kept` before any stop) are already in its token ids: its computed
         count, the blocks now full (cached) and the blocks behind a window (freed).
@@ -247,7 +247,7 @@ class Scheduler:
         Of the forced and draft tokens computed, only those that became the request's tokens hold valid
         K/V: the k-th accepted token is the k-th token fed after the last one, except the step's last
         accepted token, which was sampled and is computed next step. The blocks the others took are
-        given back."""
+        given back. Returns how many of the step's draft tokens were accepted."""
         request = self.requests[item.request_id]
         num_valid = min(num_kept, max(num_accepted - 1, 0))
         num_rejected = item.num_speculative_tokens - num_valid
@@ -264,6 +264,7 @@ class Scheduler:
             # No-cache baseline: forget everything, recompute the whole sequence next step.
             self.kv.free(request.request_id)
             request.num_computed_tokens = 0
+        return max(num_valid - len(item.forced_token_ids), 0)
 
     def finish(self, request: Request, reason: str) -> None:
         """Finish (or abort) a request wherever it is; its blocks go back to the pool. Only the engine's
