@@ -39,7 +39,7 @@ $(VENV)/.gemma3-stamp: | $(VENV)/.torch-stamp
 # compiler the engine logs it and uses the torch path).
 $(VENV)/.install-stamp: pyproject.toml $(VENV)/.model-stamp
 	$(BIN)/pip install --quiet -e .
-	$(BIN)/python -c "from kvserve.kernels import cpu_kernels; cpu_kernels()"
+	$(BIN)/python -c "from kvserve.kernels import ops; ops.available()"
 	touch $@
 
 $(VENV)/.dev-stamp: pyproject.toml $(VENV)/.install-stamp
