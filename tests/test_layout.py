@@ -21,9 +21,12 @@ LAYERS = [
     {"kv"},
     {"kv.attention"},
     {"model"},
+    {"structured"},  # grammar-constrained decoding (issue 29)
+    {"tools"},  # tool definitions into prompts, tool calls out of outputs
     {"engine"},
     {"llm", "planner"},
     {"server"},
+    {"replicas"},  # the server on Ray Serve (issue 31)
     {"engine_args", "serve_args"},
     {"cli"},
 ]
