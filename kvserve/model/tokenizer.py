@@ -183,9 +183,12 @@ class Tokenizer:
             **kwargs,
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+                    ) -> list[int]:
+        """`kwargs`: more template variables (`tools`)."""
         # The template writes any BOS itself, so no special tokens are added again.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+                           add_special_tokens=False)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

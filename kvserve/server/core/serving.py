@@ -153,12 +153,14 @@ class Serving:
         self.check_prompt_chars(len(text), param)
         return tokenizer.encode(text)
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        """(worker) Token ids of `messages` rendered by the model's chat template."""
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """(worker) Token ids of `messages` rendered by the model's chat template (`template_kwargs`: more
+        template variables, such as `tools`)."""
         tokenizer = self.require_tokenizer()
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            return tokenizer.encode_chat(messages, add_generation_prompt)
+            return tokenizer.encode_chat(messages, add_generation_prompt, **(template_kwargs or {}))
         except jinja2.TemplateError as exc:  # e.g. a template that requires alternating roles
             raise InvalidRequestError(f"the model's chat template refused these messages: {exc}",
                                       param="messages") from None

@@ -1,4 +1,5 @@
-"""/v1/chat/completions: messages rendered by the model's chat template, `n` choices."""
+"""/v1/chat/completions: messages rendered by the model's chat template, `n` choices, tool calls parsed
+out of the output (whole, or as `delta.tool_calls` fragments while streaming)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from fastapi import Request as HTTPRequest
 from kvserve.engine.output import RequestDelta, RequestOutput, TokenLogprob
 from kvserve.server.core.serving import Serving
 from kvserve.server.core.streaming import Job
+from kvserve.server.core.tool_use import ToolUse
 from kvserve.server.openai.format import OpenAIFormat
 from kvserve.server.openai.protocol import ChatCompletionRequest
+from kvserve.tools.parsing import ArgumentsDelta, CallStarted, ContentDelta, ToolCallParser, parse_output
 
 
 class ChatServing:
@@ -19,20 +22,26 @@ class ChatServing:
         serving = self.serving
         serving.check_model(body.model)
         body.check()
+        tool_use = body.tool_use()
         serving.check_batch_size(body.n, "n")
-        jobs = await serving.off_loop(self._jobs, body)
-        fmt = ChatFormat(serving, body.include_usage, body.prompt_logprobs is not None)
+        jobs = await serving.off_loop(self._jobs, body, tool_use)
+        fmt = ChatFormat(serving, body.include_usage, body.prompt_logprobs is not None, tool_use)
         return await serving.respond(fmt, jobs, http, api_key, body.cache_salt, body.stream)
 
-    def _jobs(self, body: ChatCompletionRequest) -> list[Job]:
+    def _jobs(self, body: ChatCompletionRequest, tool_use: ToolUse) -> list[Job]:
         """(worker) Render, tokenize and validate the conversation."""
         serving = self.serving
-        token_ids = serving.encode_chat(body.template_messages(), body.add_generation_prompt)
+        messages, variables = tool_use.messages(body.turns(), serving.require_tokenizer().chat_template)
+        token_ids = serving.encode_chat(messages, body.add_generation_prompt, variables)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:
             max_tokens = serving.default_max_tokens(len(token_ids))
-        params = body.sampling_params(max_tokens)
+        params = body.sampling_params(max_tokens, tool_use)
         return serving.jobs(0, token_ids, params, body.n, 0)
+
+
+def _finish_reason(finish_reason: str | None, has_calls: bool) -> str | None:
+    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
 
 
 class ChatFormat(OpenAIFormat):
@@ -40,11 +49,26 @@ class ChatFormat(OpenAIFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, serving: Serving, include_usage: bool = False, prompt_logprobs: bool = False,
+                 tool_use: ToolUse | None = None) -> None:
+        super().__init__(serving, include_usage, prompt_logprobs)
+        self.tool_use = tool_use or ToolUse()
+        self._parsers: dict[int, ToolCallParser] = {}
+
     def final_choice(self, job: Job, output: RequestOutput) -> dict:
         completion = output.outputs[0]
+        message: dict = {"role": "assistant", "content": completion.text}
+        calls = []
+        if self.tool_use.parses_calls:
+            parsed = parse_output(completion.text, self.tool_use.call_id_prefix)
+            calls = parsed.calls
+            message["content"] = parsed.content or None if calls else parsed.content
+            if calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function",
+                                          "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         return {
-            "index": job.index, "message": {"role": "assistant", "content": completion.text},
-            "logprobs": self._logprobs(completion.logprobs), "finish_reason": completion.finish_reason,
+            "index": job.index, "message": message, "logprobs": self._logprobs(completion.logprobs),
+            "finish_reason": _finish_reason(completion.finish_reason, bool(calls)),
         }
 
     def opening_chunks(self, jobs):
@@ -55,11 +79,37 @@ class ChatFormat(OpenAIFormat):
     def chunk(self, job: Job, delta: RequestDelta) -> dict | None:
         if not delta.new_text and not delta.finished and not delta.new_logprobs:
             return None
-        content = {"content": delta.new_text} if delta.new_text or not delta.finished else {}
+        if self.tool_use.parses_calls:
+            content, finish_reason = self._tool_delta(job, delta)
+        else:
+            content = {"content": delta.new_text} if delta.new_text or not delta.finished else {}
+            finish_reason = delta.finish_reason
+        if not content and not delta.finished and not delta.new_logprobs:
+            return None  # held back: it may be the start of a call
         return self.envelope([{
             "index": job.index, "delta": content, "logprobs": self._logprobs(delta.new_logprobs),
-            "finish_reason": delta.finish_reason if delta.finished else None,
+            "finish_reason": finish_reason if delta.finished else None,
         }], stream=True)
+
+    def _tool_delta(self, job: Job, delta: RequestDelta) -> tuple[dict, str | None]:
+        """The delta of a choice whose output may hold calls: content, and `tool_calls` entries by index
+        (the first of a call with its id and name, then argument fragments), as the openai client merges them."""
+        parser = self._parsers.setdefault(job.index, self.tool_use.parser())
+        events = parser.feed(delta.new_text)
+        if delta.finished:
+            events += parser.finish()
+        text = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        calls = []
+        for event in events:
+            if isinstance(event, CallStarted):
+                calls.append({"index": event.index, "id": event.id, "type": "function",
+                              "function": {"name": event.name, "arguments": ""}})
+            elif isinstance(event, ArgumentsDelta):
+                calls.append({"index": event.index, "function": {"arguments": event.fragment}})
+        content: dict = {"content": text} if text else {}
+        if calls:
+            content["tool_calls"] = calls
+        return content, _finish_reason(delta.finish_reason, bool(parser.calls))
 
     def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
         if entries is None:

@@ -4,13 +4,14 @@ Type errors are pydantic's (-> 400); value ranges are SamplingParams' own
 validation, so the server and the offline API reject the same things with the
 same messages (the OpenAPI schema states the same ranges). Every string must
 be valid Unicode text. Unknown fields are ignored, as OpenAI and vLLM do,
-except features kvserve does not implement (logit_bias, tools, image and other
-non-text content parts), which are refused by name rather than silently dropped.
+except features kvserve does not implement (logit_bias, image and other non-text
+content parts), which are refused by name rather than silently dropped. Tools and
+structured output are in tool_protocol.py.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
@@ -21,6 +22,11 @@ from kvserve.engine.sampling import (
 from kvserve.errors import InvalidRequestError
 from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
                                      non_empty_list, required_in_schema, sampling_params)
+from kvserve.server.core.structured_output import one_constraint, response_format_constraint, vllm_structured_outputs
+from kvserve.server.core.tool_use import ToolUse, link_tool_results
+from kvserve.server.openai.tool_protocol import ChatTool, ChatToolCall, ChatToolChoice, chat_tool_use
+from kvserve.structured.params import StructuredOutputsParams
+from kvserve.tools.rendering import Turn
 
 # Most choices one request may ask for (OpenAI's bound for n).
 MAX_CHOICES = 128
@@ -75,6 +81,9 @@ class _SamplingRequest(NullMeansDefault):
     cache_salt: Text | None = Field(default=None, min_length=1)
     # Log-probabilities of each prompt token after the first, in vLLM's shape (not with stream=true).
     prompt_logprobs: Integer | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs (json/regex/choice/grammar).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def check(self) -> None:
         """Checks that need no prompt (call before tokenizing); ranges of sampling values are
@@ -97,8 +106,9 @@ class _SamplingRequest(NullMeansDefault):
         return self.max_tokens
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                         renamed: dict[str, str] | None = None) -> SamplingParams:
-        values = dict(
+                         renamed: dict[str, str] | None = None,
+                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        values: dict[str, Any] = dict(
             max_tokens=max_tokens,
             stop=self.stop or [], seed=self.seed, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, ignore_eos=self.ignore_eos,
@@ -108,6 +118,8 @@ class _SamplingRequest(NullMeansDefault):
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
+        if constraint is not None:
+            values["structured_outputs"] = constraint
         return sampling_params(values, renamed or {})
 
     @property
@@ -138,7 +150,9 @@ class CompletionRequest(_SamplingRequest):
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo and self.logprobs is not None:
             prompt_logprobs = self.logprobs  # echo with logprobs scores the prompt too
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        constraint = one_constraint(("response_format", response_format_constraint(self.response_format)),
+                                    ("structured_outputs", vllm_structured_outputs(self.structured_outputs)))
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, constraint=constraint)
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string, token ids, or a list of either."""
@@ -173,21 +187,25 @@ class ContentPart(BaseModel):
 
 
 # Only an assistant turn may come without content (OpenAI's, where tool calls stand in for it).
-_CONTENT_REQUIRED = {"if": {"properties": {"role": {"enum": ["system", "developer", "user"]}}},
+_CONTENT_REQUIRED = {"if": {"properties": {"role": {"enum": ["system", "developer", "user", "tool"]}}},
                      "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}}
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", json_schema_extra=_CONTENT_REQUIRED)
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ChatToolCall] | None = None  # assistant
+    tool_call_id: Text | None = None  # tool: the call this message answers
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
             raise PydanticCustomError("missing_content", "a {role} message needs `content`", {"role": self.role})
+        if self.role == "tool" and not self.tool_call_id:
+            raise PydanticCustomError("missing_tool_call_id", "a tool message needs `tool_call_id`")
         return self
 
     def text(self) -> str:
@@ -206,15 +224,12 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: StrictBool | None = False
     top_logprobs: Integer | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
-    tools: list[dict] | None = None
-    response_format: dict | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ChatToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     def check(self) -> None:
         super().check()
-        if self.tools:
-            raise InvalidRequestError("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", param="top_logprobs")
         if self.max_completion_tokens is not None and self.max_tokens is not None and self.max_tokens < 1:
@@ -225,14 +240,24 @@ class ChatCompletionRequest(_SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def tool_use(self) -> ToolUse:
+        return chat_tool_use(self.tools, self.tool_choice, self.parallel_tool_calls, self.response_format,
+                             self.structured_outputs)
+
+    def sampling_params(self, max_tokens: int, tool_use: ToolUse | None = None) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         # The errors name the field the request used: top_logprobs is what becomes `logprobs`.
         renamed = {"logprobs": "top_logprobs"}
         if self.max_completion_tokens is not None:
             renamed["max_tokens"] = "max_completion_tokens"
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, renamed)
+        constraint = (tool_use or self.tool_use()).constraint()
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, renamed, constraint)
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def turns(self) -> list[Turn]:
+        """The conversation, API-neutral; a tool message must answer an earlier call (400 otherwise)."""
         # "developer" is OpenAI's newer name for the system role; templates know "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        turns = [Turn("system" if m.role == "developer" else m.role, m.text(),
+                      [c.call() for c in m.tool_calls or []] if m.role == "assistant" else [], m.tool_call_id)
+                 for m in self.messages]
+        link_tool_results(turns)
+        return turns

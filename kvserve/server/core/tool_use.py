@@ -1,0 +1,75 @@
+"""A request's tools, API-neutral: the prompt they render into, the constraint on the output, the calls
+parsed back out. Each API maps its own shapes (OpenAI's `tools` / `tool_choice`, Anthropic's
+`tool_use` blocks, Responses' `function_call` items) to `FunctionTool`, `ToolChoice` and `Turn`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.errors import InvalidRequestError
+from kvserve.structured.params import StructuredOutputsParams
+from kvserve.tools.calls import FunctionTool
+from kvserve.tools.grammar import ToolChoice, tool_call_constraint
+from kvserve.tools.parsing import ToolCallParser
+from kvserve.tools.rendering import Turn, render_conversation
+
+
+@dataclass
+class ToolUse:
+    tools: list[FunctionTool] = field(default_factory=list)
+    choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel: bool = True
+    output: StructuredOutputsParams | None = None  # response_format / text.format / structured_outputs
+    call_id_prefix: str = "call_"
+
+    def check(self, param: str = "tool_choice") -> None:
+        names = [tool.name for tool in self.tools]
+        duplicated = sorted({name for name in names if names.count(name) > 1})
+        if duplicated:
+            raise InvalidRequestError(f"tools define {', '.join(duplicated)} more than once", param="tools")
+        if self.tools:
+            self.choice.check(self.tools, param)
+        elif self.choice.mode in ("required", "named"):
+            raise InvalidRequestError(f"tool_choice {self.choice.mode!r} needs tools", param=param)
+
+    @property
+    def parses_calls(self) -> bool:
+        """Whether the output may hold calls (so it is parsed for them)."""
+        return bool(self.tools) and self.choice.mode != "none"
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What the engine constrains the output to: the calls the choice demands, or the structured output."""
+        if not self.parses_calls:
+            return self.output
+        answer = None
+        if self.output is not None and self.choice.mode == "auto":
+            if self.output.json is None and not self.output.json_object:
+                raise InvalidRequestError("with tools, only a JSON structured output can be asked for",
+                                          param="response_format")
+            # a dict: the server's mapping (structured_output.py) parses schemas given as text
+            answer = self.output.json if self.output.json is not None else {"type": "object"}
+        return tool_call_constraint(self.tools, self.choice, self.parallel, answer)
+
+    def messages(self, turns: list[Turn], template: str | None) -> tuple[list[dict], dict]:
+        """(template messages, extra template variables): the tools are rendered even under "none", so the
+        prompt, and so the cache, does not change with tool_choice."""
+        return render_conversation(turns, self.tools, template)
+
+    def parser(self) -> ToolCallParser | None:
+        return ToolCallParser(self.call_id_prefix) if self.parses_calls else None
+
+
+def link_tool_results(turns: list[Turn], param: str = "messages") -> None:
+    """Every tool result must answer a call made earlier in the conversation; its function's name is filled in."""
+    names: dict[str, str] = {}
+    for position, turn in enumerate(turns):
+        for call in turn.tool_calls:
+            names[call.id] = call.name
+        if turn.role != "tool":
+            continue
+        if turn.tool_call_id not in names:
+            raise InvalidRequestError(
+                f"{param}[{position}] is a tool result for call id {turn.tool_call_id!r}, but no earlier assistant "
+                f"message made a call with that id", param=param)
+        turn.name = turn.name or names[turn.tool_call_id]

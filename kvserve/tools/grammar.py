@@ -1,0 +1,83 @@
+"""The grammar a tool call follows (llguidance Lark, each function's arguments as `%json{schema}`).
+
+The grammar spells the call layout of tools/calls.py byte for byte, so a constrained call always parses
+and renders back to the same text. tool_choice:
+- "required": one or more calls (exactly one when parallel calls are off), nothing else;
+- a named function: exactly one call of it;
+- "auto": free text until the model writes `<tool_call>` (the trigger), then the rest is calls.
+After the last call only the end of the output may follow (the engine allows EOS alone once the
+grammar is complete).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvserve.errors import InvalidRequestError
+from kvserve.structured.params import StructuredOutputsParams
+from kvserve.tools.calls import (ARGUMENTS_PREFIX, CALL_OPEN, CALL_SEPARATOR, CALL_SUFFIX, NAME_PREFIX,
+                                 FunctionTool)
+
+# Arguments in the separators json.dumps and chat templates' `tojson` use, no other whitespace: the
+# text generated is the text a template would write for the same object.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """Whether and which tools the model must call: "auto", "none", "required", or "named" (`name`)."""
+
+    mode: Literal["auto", "none", "required", "named"] = "auto"
+    name: str | None = None
+
+    def check(self, tools: list[FunctionTool], param: str = "tool_choice") -> None:
+        """Refuse a choice the tools cannot satisfy (400 naming `param`)."""
+        if self.mode in ("required", "named") and not tools:
+            raise InvalidRequestError(f"tool_choice {self.mode!r} needs tools", param=param)
+        if self.mode == "named" and self.name not in {tool.name for tool in tools}:
+            raise InvalidRequestError(f"tool_choice names the function {self.name!r}, which is not among the tools "
+                                      f"({', '.join(tool.name for tool in tools)})", param=param)
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _arguments_schema(tool: FunctionTool) -> dict[str, Any]:
+    schema = dict(tool.parameters) if tool.parameters else {"type": "object"}
+    schema.setdefault("type", "object")
+    schema["x-guidance"] = {**_JSON_LAYOUT, **schema.get("x-guidance", {})}
+    return schema
+
+
+def call_body_grammar(tools: list[FunctionTool]) -> list[str]:
+    """Lark rules `body` (a call after its `<tool_call>`) and one `args_i` per tool."""
+    alternatives, rules = [], []
+    for i, tool in enumerate(tools):
+        head = NAME_PREFIX + json.dumps(tool.name, ensure_ascii=False) + ARGUMENTS_PREFIX
+        alternatives.append(f"{_literal(head)} args_{i} {_literal(CALL_SUFFIX)}")
+        rules.append(f"args_{i}: %json {json.dumps(_arguments_schema(tool), ensure_ascii=False)}")
+    return ["body: " + " | ".join(alternatives), *rules]
+
+
+def tool_call_constraint(tools: list[FunctionTool], choice: ToolChoice, parallel: bool = True,
+                         answer_schema: dict[str, Any] | None = None) -> StructuredOutputsParams | None:
+    """The constraint for `choice` over `tools` (None: the output is free, tool_choice "none" or no tools).
+    With `answer_schema` (structured output asked for as well), "auto" is that JSON or calls, no free text."""
+    if choice.mode == "none" or not tools:
+        return None
+    choice.check(tools)
+    if choice.mode == "named":
+        tools = [tool for tool in tools if tool.name == choice.name]
+        parallel = False
+    more = f' ({_literal(CALL_SEPARATOR + CALL_OPEN)} body)*' if parallel else ""
+    rules = call_body_grammar(tools)
+    if choice.mode == "auto" and answer_schema is not None:
+        answer = f"answer: %json {json.dumps(answer_schema, ensure_ascii=False)}"
+        return StructuredOutputsParams(grammar="\n".join(
+            [f"start: answer | {_literal(CALL_OPEN)} body{more}", answer, *rules]))
+    if choice.mode == "auto":  # the trigger `<tool_call>` is already written when the grammar starts
+        return StructuredOutputsParams(grammar="\n".join([f"start: body{more}", *rules]), trigger=CALL_OPEN)
+    return StructuredOutputsParams(grammar="\n".join([f"start: {_literal(CALL_OPEN)} body{more}", *rules]))

@@ -1,0 +1,102 @@
+"""Tool definitions, calls and results into chat-template messages, the same bytes every turn.
+
+A conversation arrives API-neutral (`Turn`s: system / user / assistant with `ToolCall`s / tool results).
+A model whose chat template knows tools (its source mentions `tools`) gets them its own way: the
+definitions as the template's `tools` variable, calls as `tool_calls` (arguments as objects, as Hugging
+Face templates expect), results as `tool` messages. Any other template gets kvserve's default block, in
+the Hermes / Qwen style most small instruct models have seen:
+
+- the definitions go at the end of the system message (one is added if there is none), one JSON line
+  per tool inside `<tools>` ... `</tools>`, after a short instruction (DEFAULT_TOOLS_PREAMBLE);
+- an assistant turn's calls follow its content as `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`
+  (tools/calls.py), exactly as they were generated;
+- results go in a user turn, one `<tool_response>\\n...\\n</tool_response>` per result (consecutive results
+  share the turn).
+
+Byte-stable: JSON is written with fixed separators, keys in the order the client gave, never sorted, and
+nothing depends on the time or on set order. The same tools in the same order give the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.tools.calls import CALL_CLOSE, CALL_OPEN, FunctionTool, ToolCall, calls_text, dumps
+
+DEFAULT_TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n")
+DEFAULT_TOOLS_CLOSING = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    f"{CALL_OPEN}{CALL_CLOSE} XML tags:\n{CALL_OPEN}\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n' f"{CALL_CLOSE}")
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+
+
+@dataclass
+class Turn:
+    """One message of a conversation, whatever API it came from."""
+
+    role: str  # system | user | assistant | tool
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)  # assistant
+    tool_call_id: str | None = None  # tool: the call it answers
+    name: str | None = None  # tool: the function's name
+
+
+def template_supports_tools(template: str | None) -> bool:
+    """A chat template that renders tools itself mentions its `tools` variable."""
+    return bool(template) and "tools" in template
+
+
+def default_tools_block(tools: list[FunctionTool]) -> str:
+    """The system message's tool section for templates without tool support."""
+    return DEFAULT_TOOLS_PREAMBLE + "\n".join(dumps(tool.openai()) for tool in tools) + DEFAULT_TOOLS_CLOSING
+
+
+def tool_response(content: str) -> str:
+    return f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}"
+
+
+def render_conversation(turns: list[Turn], tools: list[FunctionTool], template: str | None
+                        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages, extra template variables) for the model's chat template."""
+    if template_supports_tools(template):
+        return [_template_message(turn) for turn in turns], ({"tools": [t.openai() for t in tools]} if tools else {})
+    messages: list[dict[str, Any]] = []
+    if tools:
+        block = default_tools_block(tools)
+        if turns and turns[0].role == "system":
+            system = turns[0].content
+            messages.append({"role": "system", "content": f"{system}\n\n{block}" if system else block})
+            turns = turns[1:]
+        else:
+            messages.append({"role": "system", "content": block})
+    for turn in turns:
+        if turn.role == "tool":
+            response = tool_response(turn.content)
+            if messages and messages[-1].get("tool_results"):
+                messages[-1]["content"] += "\n" + response
+            else:
+                messages.append({"role": "user", "content": response, "tool_results": True})
+        elif turn.role == "assistant":
+            messages.append({"role": "assistant", "content": turn.content + calls_text(turn.tool_calls)})
+        else:
+            messages.append({"role": turn.role, "content": turn.content})
+    for message in messages:
+        message.pop("tool_results", None)
+    return messages, {}
+
+
+def _template_message(turn: Turn) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": turn.role, "content": turn.content}
+    if turn.tool_calls:
+        message["tool_calls"] = [{"id": call.id, "type": "function",
+                                  "function": {"name": call.name, "arguments": call.arguments_object()}}
+                                 for call in turn.tool_calls]
+    if turn.role == "tool":
+        message["tool_call_id"] = turn.tool_call_id
+        if turn.name is not None:
+            message["name"] = turn.name
+    return message
