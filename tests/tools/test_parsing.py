@@ -1,0 +1,67 @@
+"""Tool calls out of outputs: whole and streamed in any fragments, the same result."""
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.tools.calls import ToolCall, calls_text
+from kvserve.tools.parsing import ArgumentsDelta, CallStarted, ContentDelta, ToolCallParser, parse_output
+
+CALLS = [ToolCall("x", "get_weather", '{"city": "Paris", "days": [1, 2]}'), ToolCall("y", "now", "{}")]
+OUTPUT = "Checking.\n" + calls_text(CALLS)
+
+
+def test_a_whole_output_gives_content_and_calls_with_fresh_ids():
+    parsed = parse_output(OUTPUT)
+    assert parsed.content == "Checking.\n"
+    assert [(c.name, c.arguments) for c in parsed.calls] == [(c.name, c.arguments) for c in CALLS]
+    assert all(c.id.startswith("call_") for c in parsed.calls) and parsed.calls[0].id != parsed.calls[1].id
+    assert parse_output(calls_text(CALLS[:1]), "toolu_").calls[0].id.startswith("toolu_")
+
+
+def test_rendering_a_parsed_call_back_gives_the_generated_text():
+    parsed = parse_output(OUTPUT)
+    assert parsed.content + calls_text(parsed.calls) == OUTPUT
+
+
+def test_text_that_is_not_a_call_stays_text():
+    for text in ["no calls here", "a <tool_call without closing", "<tool_call>not json</tool_call>", "1 < 2"]:
+        parsed = parse_output(text)
+        assert parsed.calls == [] and parsed.content == text
+
+
+def test_an_unfinished_call_keeps_its_arguments_so_far():
+    parsed = parse_output(calls_text(CALLS[:1])[:-20])
+    assert parsed.calls[0].name == "get_weather" and parsed.calls[0].arguments.startswith('{"city": "Paris"')
+
+
+def _stream(text: str, cuts: list[int]) -> list:
+    parser, events, last = ToolCallParser(), [], 0
+    for cut in sorted(set(cuts)) + [len(text)]:
+        events += parser.feed(text[last:cut])
+        last = cut
+    return events + parser.finish()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, len(OUTPUT)), max_size=30))
+def test_streamed_in_any_fragments_the_events_assemble_to_the_whole_parse(cuts):
+    events = _stream(OUTPUT, cuts)
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    starts = [e for e in events if isinstance(e, CallStarted)]
+    arguments = ["".join(e.fragment for e in events if isinstance(e, ArgumentsDelta) and e.index == i)
+                 for i in range(len(starts))]
+    assert content == "Checking.\n"
+    assert [(s.index, s.name) for s in starts] == [(0, "get_weather"), (1, "now")]
+    assert arguments == [c.arguments for c in CALLS]
+    assert json.loads(arguments[0]) == {"city": "Paris", "days": [1, 2]}
+    # a call is announced before any of its arguments
+    first_fragment = next(i for i, e in enumerate(events) if isinstance(e, ArgumentsDelta))
+    assert events.index(starts[0]) < first_fragment
+
+
+def test_the_start_of_a_tag_is_held_back_until_it_is_known():
+    parser = ToolCallParser()
+    assert parser.feed("Hi <tool_") == [ContentDelta("Hi ")]
+    assert parser.feed("box>") == [ContentDelta("<tool_box>")]
