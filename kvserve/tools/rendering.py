@@ -55,6 +55,17 @@ def default_tools_block(tools: list[FunctionTool]) -> str:
     return DEFAULT_TOOLS_PREAMBLE + "\n".join(dumps(tool.openai()) for tool in tools) + DEFAULT_TOOLS_CLOSING
 
 
+def system_with_tools(system: str, tools: list[FunctionTool]) -> str:
+    """A system message's text with the default block after it (the block alone without one)."""
+    block = default_tools_block(tools)
+    return f"{system}\n\n{block}" if system else block
+
+
+def template_variables(tools: list[FunctionTool], template: str | None) -> dict[str, Any]:
+    """The template variables for `tools`: `tools` for a template that renders them itself, else none."""
+    return {"tools": [tool.openai() for tool in tools]} if tools and template_supports_tools(template) else {}
+
+
 def tool_response(content: str) -> str:
     return f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}"
 
@@ -63,16 +74,12 @@ def render_conversation(turns: list[Turn], tools: list[FunctionTool], template: 
                         ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(messages, extra template variables) for the model's chat template."""
     if template_supports_tools(template):
-        return [_template_message(turn) for turn in turns], ({"tools": [t.openai() for t in tools]} if tools else {})
+        return [_template_message(turn) for turn in turns], template_variables(tools, template)
     messages: list[dict[str, Any]] = []
     if tools:
-        block = default_tools_block(tools)
-        if turns and turns[0].role == "system":
-            system = turns[0].content
-            messages.append({"role": "system", "content": f"{system}\n\n{block}" if system else block})
-            turns = turns[1:]
-        else:
-            messages.append({"role": "system", "content": block})
+        system = turns[0].content if turns and turns[0].role == "system" else ""
+        turns = turns[1:] if turns and turns[0].role == "system" else turns
+        messages.append({"role": "system", "content": system_with_tools(system, tools)})
     for turn in turns:
         if turn.role == "tool":
             response = tool_response(turn.content)

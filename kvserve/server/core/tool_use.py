@@ -60,9 +60,10 @@ class ToolUse:
         return ToolCallParser(self.call_id_prefix) if self.parses_calls else None
 
 
-def link_tool_results(turns: list[Turn], param: str = "messages") -> None:
-    """Every tool result must answer a call made earlier in the conversation; its function's name is filled in."""
-    names: dict[str, str] = {}
+def link_tool_results(turns: list[Turn], param: str = "messages", earlier: dict[str, str] | None = None) -> None:
+    """Every tool result must answer a call made earlier in the conversation (or in `earlier`: call id -> name,
+    calls of a previous response); its function's name is filled in."""
+    names: dict[str, str] = dict(earlier or {})
     for position, turn in enumerate(turns):
         for call in turn.tool_calls:
             names[call.id] = call.name
@@ -70,6 +71,6 @@ def link_tool_results(turns: list[Turn], param: str = "messages") -> None:
             continue
         if turn.tool_call_id not in names:
             raise InvalidRequestError(
-                f"{param}[{position}] is a tool result for call id {turn.tool_call_id!r}, but no earlier assistant "
-                f"message made a call with that id", param=param)
+                f"{param}[{position}] is a tool result for call id {turn.tool_call_id!r}, but no earlier call has "
+                f"that id", param=param)
         turn.name = turn.name or names[turn.tool_call_id]

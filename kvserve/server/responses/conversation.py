@@ -40,9 +40,10 @@ class ChatRenderer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+                variables: dict | None = None) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **(variables or {}))
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"the model's chat template refused these messages: {exc}",
                                       param="input") from None
@@ -50,26 +51,28 @@ class ChatRenderer:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
-    def instructions(self, instructions: str | None) -> list[int]:
-        """The tokens of the instructions as a leading system message (none without instructions)."""
+    def instructions(self, instructions: str | None, variables: dict | None = None) -> list[int]:
+        """The tokens of the instructions as a leading system message (none without instructions).
+        `variables`: more template variables (a template's own `tools`), here and below."""
         if not instructions:
             return []
-        return self._encode(self._render([{"role": "system", "content": instructions}], False))
+        return self._encode(self._render([{"role": "system", "content": instructions}], False, variables))
 
-    def first_turn(self, instructions: str | None, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    def first_turn(self, instructions: str | None, messages: list[dict[str, str]], variables: dict | None = None
+                   ) -> tuple[list[int], list[int]]:
         """(instructions' tokens, the first turn's tokens up to the generation prompt): together they are
         the tokens of the whole rendering (the split falls on a message boundary)."""
         system = [{"role": "system", "content": instructions}] if instructions else []
-        full = self._render(system + messages, True)
-        head = self._render(system, False) if system else ""
+        full = self._render(system + messages, True, variables)
+        head = self._render(system, False, variables) if system else ""
         if not full.startswith(head):  # a template that renders the system message differently when not alone
             return [], self._encode(full)
         return self._encode(head), self._encode(full[len(head):])
 
-    def next_turn(self, messages: list[dict[str, str]]) -> list[int]:
+    def next_turn(self, messages: list[dict[str, str]], variables: dict | None = None) -> list[int]:
         """The tokens of `messages` rendered after an assistant answer, up to the generation prompt."""
-        context = self._render(_CONTEXT + [{"role": "assistant", "content": _MARK}], False)
-        full = self._render(_CONTEXT + [{"role": "assistant", "content": _MARK}] + messages, True)
+        context = self._render(_CONTEXT + [{"role": "assistant", "content": _MARK}], False, variables)
+        full = self._render(_CONTEXT + [{"role": "assistant", "content": _MARK}] + messages, True, variables)
         if not full.startswith(context):
             raise self._not_incremental()
         return self._encode(full[len(context):])

@@ -1,9 +1,10 @@
 """OpenAI Responses API request bodies (`POST /v1/responses`) and their SamplingParams.
 
-Type errors are pydantic's (-> 400); ranges are SamplingParams' own. What the
-model cannot serve — tools, reasoning, images, files, other item types,
-structured output, background mode, server-side conversations — is refused
-by name, never ignored.
+Type errors are pydantic's (-> 400); ranges are SamplingParams' own. Function
+tools, `function_call` / `function_call_output` items and `text.format` json
+output are served (server/core/tool_use.py); what the model cannot serve —
+other tool types, reasoning, images, files, other item types, background mode,
+server-side conversations — is refused by name, never ignored.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import TTL_SECONDS
 from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
                                      non_empty_list, required_in_schema, sampling_params)
+from kvserve.server.core.structured_output import text_format_constraint
+from kvserve.server.core.tool_use import ToolUse, link_tool_results
+from kvserve.tools.calls import FunctionTool, ToolCall
+from kvserve.tools.grammar import ToolChoice
+from kvserve.tools.rendering import Turn
 
 _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 MAX_METADATA_KEYS = 16  # as OpenAI
@@ -42,26 +48,61 @@ class InputContent(BaseModel):
         return self
 
 
+_ITEM_FIELDS = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
+                "function_call_output": ("call_id", "output")}
+
+
 class InputMessage(BaseModel):
-    """An input item. Only messages are served (no function calls, reasoning items, references)."""
+    """An input item: a message, a function call the model made, or a function's output (no reasoning
+    items, references, other tools' calls)."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra=required_in_schema("role", "content"))
 
     type: Text = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: Text | list[InputContent] | None = None
+    call_id: Text | None = None
+    name: Text | None = None
+    arguments: Text | None = None
+    output: Text | None = None
 
     @model_validator(mode="after")
-    def _message_only(self) -> "InputMessage":
-        if self.type != "message":
-            raise PydanticCustomError("unsupported_item", "{item_type} input items are not supported (messages only)",
-                                      {"item_type": self.type})
-        if self.role is None or self.content is None:
-            raise PydanticCustomError("missing_field", "a message needs `role` and `content`")
+    def _known_item(self) -> "InputMessage":
+        if self.type not in _ITEM_FIELDS:
+            raise PydanticCustomError("unsupported_item", "{item_type} input items are not supported (messages, "
+                                      "function_call, function_call_output)", {"item_type": self.type})
+        missing = [name for name in _ITEM_FIELDS[self.type] if getattr(self, name) is None]
+        if missing:
+            raise PydanticCustomError("missing_field", "a {item_type} item needs {fields}",
+                                      {"item_type": self.type, "fields": ", ".join(f"`{m}`" for m in missing)})
         return self
+
+    def item(self) -> dict:
+        """The item as input_items lists it back (without id)."""
+        if self.type == "function_call":
+            return {"type": "function_call", "call_id": self.call_id, "name": self.name, "arguments": self.arguments}
+        if self.type == "function_call_output":
+            return {"type": "function_call_output", "call_id": self.call_id, "output": self.output}
+        part = "output_text" if self.role == "assistant" else "input_text"
+        return {"type": "message", "role": self.role, "content": [{"type": part, "text": self.text()}]}
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionToolParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    name: NonEmptyText
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class NamedFunction(BaseModel):
+    type: Literal["function"]
+    name: NonEmptyText
 
 
 # A prompt_cache_retention needs a prompt_cache_key (check() refuses one without).
@@ -94,9 +135,10 @@ class ResponsesRequest(NullMeansDefault):
                                                  maximum=REPETITION_PENALTY_RANGE[1])
     seed: Integer | None = bounded(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
     ignore_eos: StrictBool = False
+    tools: list[FunctionToolParam] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    parallel_tool_calls: StrictBool | None = None
     # Refused unless empty / off: the model cannot serve them.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     reasoning: dict[str, Any] | None = None
     include: list[Any] | None = None
     text: dict[str, Any] | None = None
@@ -107,8 +149,6 @@ class ResponsesRequest(NullMeansDefault):
     def check(self) -> None:
         """Checks that need no prompt (call before rendering)."""
         refused = [name for name, on in (
-            ("tools", bool(self.tools)),
-            ("tool_choice", self.tool_choice not in (None, "none", "auto")),
             ("reasoning", self.reasoning is not None and self.reasoning.get("effort") not in (None, "none")),
             ("include", bool(self.include)),
             ("background", bool(self.background)),
@@ -118,39 +158,59 @@ class ResponsesRequest(NullMeansDefault):
         if refused:
             raise InvalidRequestError(f"{', '.join(refused)} {'is' if len(refused) == 1 else 'are'} not supported by "
                                       f"this server (text generation only)", param=refused[0])
-        text_format = (self.text or {}).get("format") or {}
-        if text_format.get("type", "text") != "text":
-            raise InvalidRequestError(f"text.format type {text_format.get('type')!r} is not supported (only 'text')",
-                                      param="text.format")
         if self.metadata is not None and len(self.metadata) > MAX_METADATA_KEYS:
             raise InvalidRequestError(f"metadata has {len(self.metadata)} keys; at most {MAX_METADATA_KEYS}",
                                       param="metadata")
         if self.prompt_cache_retention is not None and self.prompt_cache_key is None:
             raise InvalidRequestError("prompt_cache_retention needs a prompt_cache_key", param="prompt_cache_retention")
 
-    def messages(self) -> list[dict[str, str]]:
-        """The input as template messages ("developer" is the system role to a template)."""
+    def tool_use(self) -> ToolUse:
+        tools = [FunctionTool(t.name, t.description, t.parameters if t.parameters is not None else
+                              {"type": "object", "properties": {}}, t.strict) for t in self.tools or []]
+        if self.tool_choice is None:
+            choice = ToolChoice("auto" if tools else "none")
+        else:
+            choice = ToolChoice("named", self.tool_choice.name) if isinstance(self.tool_choice, NamedFunction) \
+                else ToolChoice(self.tool_choice)
+        use = ToolUse(tools, choice, self.parallel_tool_calls is not False, text_format_constraint(self.text))
+        use.check()
+        return use
+
+    def turns(self, earlier_calls: dict[str, str]) -> list[Turn]:
+        """The input, API-neutral ("developer" is the system role to a template); a function_call_output must
+        answer a call in this input or in `earlier_calls` (call id -> name, the previous response's)."""
         if isinstance(self.input, str):
-            return [{"role": "user", "content": self.input}]
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.input]
+            return [Turn("user", self.input)]
+        turns: list[Turn] = []
+        for m in self.input:
+            if m.type == "function_call":
+                call = ToolCall(m.call_id, m.name, m.arguments)
+                if turns and turns[-1].role == "assistant":
+                    turns[-1].tool_calls.append(call)
+                else:
+                    turns.append(Turn("assistant", "", [call]))
+            elif m.type == "function_call_output":
+                turns.append(Turn("tool", m.output, tool_call_id=m.call_id, name=earlier_calls.get(m.call_id)))
+            else:
+                turns.append(Turn("system" if m.role == "developer" else m.role, m.text()))
+        link_tool_results(turns, "input", earlier_calls)
+        return turns
 
     def input_items(self) -> list[dict]:
         """The input as OpenAI lists it back (input_items), without ids."""
         if isinstance(self.input, str):
             return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": self.input}]}]
-        items = []
-        for m in self.input:
-            part = "output_text" if m.role == "assistant" else "input_text"
-            items.append({"type": "message", "role": m.role, "content": [{"type": part, "text": m.text()}]})
-        return items
+        return [m.item() for m in self.input]
 
     @property
     def pin_ttl_s(self) -> float | None:
         """A prompt_cache_key with a prompt_cache_retention pins the prompt (kv/pins.py) for this long."""
         return TTL_SECONDS[self.prompt_cache_retention] if self.prompt_cache_retention else None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, tool_use: ToolUse) -> SamplingParams:
         values: dict[str, Any] = dict(max_tokens=max_tokens, ignore_eos=self.ignore_eos, seed=self.seed)
+        if (constraint := tool_use.constraint()) is not None:
+            values["structured_outputs"] = constraint
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)

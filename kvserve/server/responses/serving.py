@@ -26,9 +26,12 @@ from kvserve.server.core.errors import APIError, bad_request, internal
 from kvserve.server.core.serving import Serving
 from kvserve.server.core.streaming import Job, OutputFormat, sse_event
 from kvserve.server.core.tenancy import tenant_id
+from kvserve.server.core.tool_use import ToolUse
 from kvserve.server.responses.conversation import ChatRenderer
+from kvserve.server.responses.output_items import OutputItems
 from kvserve.server.responses.protocol import ResponsesRequest
 from kvserve.server.responses.store import ResponsesStore, StoredResponse
+from kvserve.tools.rendering import render_conversation, system_with_tools, template_variables
 
 
 def not_found(response_id: str) -> APIError:
@@ -69,24 +72,32 @@ class ResponsesServing:
             if previous is None:  # another tenant's response reads exactly like one that never existed
                 raise bad_request(f"Previous response with id '{body.previous_response_id}' not found.",
                                   "previous_response_id")
-        prepared = await serving.off_loop(self._prepare, body, previous)
-        fmt = ResponsesFormat(serving, self.store, body, prepared, tenant)
+        tool_use = body.tool_use()
+        prepared = await serving.off_loop(self._prepare, body, previous, tool_use)
+        fmt = ResponsesFormat(serving, self.store, body, prepared, tenant, tool_use)
         return await serving.respond(fmt, [prepared.job], http, api_key, None, body.stream)
 
-    def _prepare(self, body: ResponsesRequest, previous: StoredResponse | None) -> PreparedTurn:
-        """(worker) Render the new turn, continue the stored token ids, truncate, validate."""
+    def _prepare(self, body: ResponsesRequest, previous: StoredResponse | None, tool_use: ToolUse) -> PreparedTurn:
+        """(worker) Render the new turn, continue the stored token ids, truncate, validate. Tools go into the
+        instructions (kvserve's default block) or the template's `tools`, the same bytes every turn."""
         serving, renderer = self.serving, self.renderer
-        messages = body.messages()
-        serving.check_prompt_chars(sum(len(m["content"]) for m in messages) + len(body.instructions or ""), "input")
+        template = renderer.tokenizer.chat_template
+        earlier = {item["call_id"]: item["name"] for item in (previous.body["output"] if previous else [])
+                   if item["type"] == "function_call"}
+        messages, _ = render_conversation(body.turns(earlier), [], template)
+        variables = template_variables(tool_use.tools, template)
+        instructions = system_with_tools(body.instructions or "", tool_use.tools) \
+            if tool_use.tools and not variables else body.instructions
+        serving.check_prompt_chars(sum(len(m["content"]) for m in messages) + len(instructions or ""), "input")
         if previous is None:
-            instruction_ids, new_turn = renderer.first_turn(body.instructions, messages)
+            instruction_ids, new_turn = renderer.first_turn(instructions, messages, variables)
             turns: list[tuple[int, ...]] = []
         else:
             # OpenAI: a follow-up's instructions replace the previous ones (none: no system message).
-            instruction_ids = renderer.instructions(body.instructions)
+            instruction_ids = renderer.instructions(instructions, variables)
             turns = list(previous.turns)
             turns[-1] = turns[-1] + tuple(renderer.close_answer(turns[-1]))
-            new_turn = renderer.next_turn(messages)
+            new_turn = renderer.next_turn(messages, variables)
         limit = serving.context_limit()
         reserve = body.max_output_tokens or 1
 
@@ -108,7 +119,7 @@ class ResponsesServing:
         prompt = [t for segment in (instruction_ids, *turns, new_turn) for t in segment]
         max_tokens = body.max_output_tokens if body.max_output_tokens is not None else \
             serving.default_max_tokens(len(prompt))
-        job = serving.jobs(0, prompt, body.sampling_params(max_tokens), 1, 0)[0]
+        job = serving.jobs(0, prompt, body.sampling_params(max_tokens, tool_use), 1, 0)[0]
         if body.pin_ttl_s is not None:
             job.pins = (PinRequest(len(prompt), body.pin_ttl_s),)
         return PreparedTurn(tuple(instruction_ids), tuple(turns), tuple(new_turn), job, num_dropped)
@@ -147,7 +158,7 @@ class ResponsesFormat(OutputFormat):
     """The Response object, and OpenAI's stream of typed events (`event:` + `data:` with `type`)."""
 
     def __init__(self, serving: Serving, store: ResponsesStore, body: ResponsesRequest, prepared: PreparedTurn,
-                 tenant: str) -> None:
+                 tenant: str, tool_use: ToolUse) -> None:
         self.serving = serving
         self.store = store
         self.body = body
@@ -158,6 +169,8 @@ class ResponsesFormat(OutputFormat):
         self.created_at = int(time.time())
         self._sequence = 0
         self._text: list[str] = []
+        parser = tool_use.parser()  # None: plain text, one message item opened at once
+        self.items = OutputItems(self._event, parser) if parser is not None else None
 
     # --- the Response object -------------------------------------------------
 
@@ -173,10 +186,13 @@ class ResponsesFormat(OutputFormat):
             "id": self.request_id, "object": "response", "created_at": self.created_at, "status": status,
             "error": error, "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "model": self.serving.settings.model_name, "output": output, "parallel_tool_calls": False,
+            "model": self.serving.settings.model_name, "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "store": body.store, "temperature": body.temperature if body.temperature is not None else 1.0,
-            "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [],
+            "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
+            "tool_choice": body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else
+            body.tool_choice or ("auto" if body.tools else "none"), "tools": [t.model_dump() for t in body.tools or []],
             "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": body.truncation or "disabled",
             "usage": usage, "user": body.user, "metadata": body.metadata or {},
             "prompt_cache_key": body.prompt_cache_key, "prompt_cache_retention": body.prompt_cache_retention,
@@ -192,8 +208,14 @@ class ResponsesFormat(OutputFormat):
             "output_tokens": len(completion.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": len(final.prompt_token_ids) + len(completion.token_ids),
         }
-        body = self._object(status, [self._message(completion.text, "completed" if status == "completed" else
-                                                   "incomplete")], usage, incomplete)
+        item_status = "completed" if status == "completed" else "incomplete"
+        if self.items is None:
+            output = [self._message(completion.text, item_status)]
+        else:
+            if not self.items.finished:  # not streamed: the whole text at once
+                self.items.feed(completion.text, True)
+            output = self.items.final(item_status)
+        body = self._object(status, output, usage, incomplete)
         if self.body.store and status != "cancelled":
             self._store(body, completion.token_ids)
         return body
@@ -220,15 +242,20 @@ class ResponsesFormat(OutputFormat):
 
     def opening_events(self, jobs: list[Job]) -> Iterable[str]:
         in_progress = self._object("in_progress", [], None)
+        opening = [self._event("response.created", response=in_progress),
+                   self._event("response.in_progress", response=in_progress)]
+        if self.items is not None:  # items open as the output shows what they are
+            return opening
         return [
-            self._event("response.created", response=in_progress),
-            self._event("response.in_progress", response=in_progress),
+            *opening,
             self._event("response.output_item.added", output_index=0, item=self._message("", "in_progress")),
             self._event("response.content_part.added", item_id=self.item_id, output_index=0, content_index=0,
                         part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}),
         ]
 
     def output_events(self, job: Job, delta: RequestDelta) -> Iterable[str]:
+        if self.items is not None:
+            return self.items.feed(delta.new_text, delta.finished)
         if not delta.new_text:
             return ()
         self._text.append(delta.new_text)
@@ -247,6 +274,10 @@ class ResponsesFormat(OutputFormat):
                 "failed", [], None, error={"code": "server_error", "message": detail["message"]}))
             return
         body = self._final(final)
+        if self.items is not None:  # the items' own events closed them
+            yield self._event("response.completed" if body["status"] == "completed" else "response.incomplete",
+                              response=body)
+            return
         text = "".join(self._text)
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         yield self._event("response.output_text.done", item_id=self.item_id, output_index=0, content_index=0,
