@@ -24,8 +24,10 @@ from kvserve.engine.output import RequestDelta, RequestOutput
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.kv.pins import PinRequest, cache_write_tokens
 from kvserve.server.anthropic.protocol import MessagesPrompt, MessagesRequest
+from kvserve.server.anthropic.tool_blocks import BlockStream, marked_messages, output_blocks
 from kvserve.server.core.serving import Serving
 from kvserve.server.core.streaming import Job, OutputFormat, sse_event
+from kvserve.server.core.tool_use import ToolUse
 
 _MARKER = "\x00kvserve-breakpoint\x00"
 
@@ -38,47 +40,36 @@ class MessagesServing:
         serving = self.serving
         serving.check_model(body.model)
         body.check()
-        job = await serving.off_loop(self._job, body)
-        return await serving.respond(MessagesFormat(serving, body, job), [job], http, api_key, None, body.stream)
+        tool_use = body.tool_use()
+        job = await serving.off_loop(self._job, body, tool_use)
+        return await serving.respond(MessagesFormat(serving, body, job, tool_use), [job], http, api_key, None,
+                                     body.stream)
 
     async def count_tokens(self, body: MessagesPrompt) -> dict:
         """/v1/messages/count_tokens: the prompt's tokens, exactly as /v1/messages would send them."""
         self.serving.check_model(body.model)
         body.check()
-        token_ids, _ = await self.serving.off_loop(self._render, body)
+        token_ids, _ = await self.serving.off_loop(self._render, body, body.tool_use())
         return {"input_tokens": len(token_ids)}
 
-    def _job(self, body: MessagesRequest) -> Job:
+    def _job(self, body: MessagesRequest, tool_use: ToolUse) -> Job:
         """(worker) Render, tokenize, place the breakpoints, validate."""
-        token_ids, pins = self._render(body)
-        job = self.serving.jobs(0, token_ids, body.sampling_params(body.max_tokens), 1, 0)[0]
+        token_ids, pins = self._render(body, tool_use)
+        job = self.serving.jobs(0, token_ids, body.sampling_params(body.max_tokens, tool_use.constraint()), 1, 0)[0]
         job.pins = tuple(pins)
         return job
 
-    def _render(self, body: MessagesPrompt) -> tuple[list[int], list[PinRequest]]:
+    def _render(self, body: MessagesPrompt, tool_use: ToolUse) -> tuple[list[int], list[PinRequest]]:
         """(worker) Render with breakpoint markers and tokenize: the prompt's ids and its breakpoints."""
         serving = self.serving
         tokenizer = serving.require_tokenizer()
-        ttls: list[float] = []
-
-        def text_of(blocks) -> str:
-            pieces = []
-            for block in blocks:
-                pieces.append(block.text)
-                if block.cache_control is not None:
-                    pieces.append(_MARKER)
-                    ttls.append(block.cache_control.ttl_s)
-            return "".join(pieces)
-
-        system = body.system_blocks()
-        messages = ([{"role": "system", "content": text_of(system)}] if system else []) + [
-            {"role": m.role, "content": text_of(m.blocks())} for m in body.messages]
-        serving.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        if any(_MARKER in block.text for block in system) or any(
-                _MARKER in block.text for m in body.messages for block in m.blocks()):
+        if any(_MARKER in (block.text or "") + block.result_text() for block in body.system_blocks()) or any(
+                _MARKER in (block.text or "") + block.result_text() for m in body.messages for block in m.blocks()):
             raise InvalidRequestError("message text contains a reserved control sequence", param="messages")
+        messages, variables, ttls = marked_messages(body, tool_use, tokenizer.chat_template, _MARKER)
+        serving.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            marked = tokenizer.apply_chat_template(messages, True)
+            marked = tokenizer.apply_chat_template(messages, True, **variables)
         except jinja2.TemplateError as exc:  # e.g. a template that requires alternating roles
             raise InvalidRequestError(f"the model's chat template refused these messages: {exc}",
                                       param="messages") from None
@@ -100,10 +91,12 @@ class MessagesServing:
 class MessagesFormat(OutputFormat):
     """Anthropic's Message object, and its stream (message_start ... message_stop)."""
 
-    def __init__(self, serving: Serving, body: MessagesRequest, job: Job) -> None:
+    def __init__(self, serving: Serving, body: MessagesRequest, job: Job, tool_use: ToolUse) -> None:
         self.serving = serving
         self.body = body
         self.job = job
+        parser = tool_use.parser()  # None: plain text, one text block opened at once
+        self.blocks = BlockStream(self._event, parser) if parser is not None else None
         self.request_id = f"msg_{uuid.uuid4().hex}"
         self._started = False
         self._num_output_tokens = 0
@@ -128,6 +121,8 @@ class MessagesFormat(OutputFormat):
         completion = output.outputs[0]
         if completion.finish_reason == "length":
             return "max_tokens", None
+        if self.blocks is not None and self.blocks.parser.calls:
+            return "tool_use", None
         tokenizer = self.serving.tokenizer
         if completion.finish_reason == "stop" and completion.token_ids and tokenizer is not None and \
                 completion.token_ids[-1] not in tokenizer.stop_token_ids:
@@ -146,7 +141,9 @@ class MessagesFormat(OutputFormat):
         if final is None:  # the client left; nobody reads this
             return self._message([], (None, None), self._usage(0, 0))
         completion = final.outputs[0]
-        return self._message([{"type": "text", "text": completion.text}], self._stop(final),
+        content = [{"type": "text", "text": completion.text}] if self.blocks is None else \
+            output_blocks(completion.text, self.blocks.parser)
+        return self._message(content, self._stop(final),
                              self._usage(final.num_cached_tokens, len(completion.token_ids)))
 
     # --- streaming -------------------------------------------------------------
@@ -158,13 +155,16 @@ class MessagesFormat(OutputFormat):
     def _start(self, num_cached_tokens: int) -> list[str]:
         """message_start waits for the first delta: only then are the cache numbers known."""
         self._started = True
-        return [self._event("message_start", message=self._message([], (None, None),
-                                                                    self._usage(num_cached_tokens, 0))),
-                self._event("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+        start = self._event("message_start", message=self._message([], (None, None), self._usage(num_cached_tokens, 0)))
+        if self.blocks is not None:  # blocks open as the output shows what they are
+            return [start, self._event("ping")]
+        return [start, self._event("content_block_start", index=0, content_block={"type": "text", "text": ""}),
                 self._event("ping")]
 
     def output_events(self, job: Job, delta: RequestDelta) -> Iterable[str]:
         events = [] if self._started else self._start(delta.num_cached_tokens)
+        if self.blocks is not None:
+            return events + self.blocks.feed(delta.new_text, delta.finished)
         if delta.new_text:
             events.append(self._event("content_block_delta", index=0,
                                       delta={"type": "text_delta", "text": delta.new_text}))
@@ -182,7 +182,8 @@ class MessagesFormat(OutputFormat):
             yield from self._start(final.num_cached_tokens)
         usage = self._usage(final.num_cached_tokens, len(final.outputs[0].token_ids))
         stop_reason, stop_sequence = self._stop(final)
-        yield self._event("content_block_stop", index=0)
+        if self.blocks is None:  # (the blocks' own events closed them)
+            yield self._event("content_block_stop", index=0)
         yield self._event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                           usage=usage)
         yield self._event("message_stop")

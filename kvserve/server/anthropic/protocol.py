@@ -1,8 +1,8 @@
 """Anthropic Messages API request bodies (`POST /v1/messages`) and their SamplingParams.
 
-Text blocks only; `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}`
-on system and message blocks marks breakpoints (at most 4, as Anthropic).
-Images, documents, tools and extended thinking are refused by name.
+Text, `tool_use` and `tool_result` blocks; `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}`
+on system and message blocks and on tool definitions marks breakpoints (at most 4, as Anthropic).
+Images, documents, server tools and extended thinking are refused by name.
 `MessagesPrompt` is what `POST /v1/messages/count_tokens` takes: the prompt without the sampling.
 """
 
@@ -18,6 +18,9 @@ from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import TTL_SECONDS
 from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
                                      required_in_schema, sampling_params)
+from kvserve.server.core.tool_use import ToolUse
+from kvserve.tools.calls import FunctionTool
+from kvserve.tools.grammar import ToolChoice
 
 MAX_BREAKPOINTS = 4  # as Anthropic
 
@@ -52,14 +55,67 @@ class TextBlock(BaseModel):
         return self
 
 
+class ContentBlock(BaseModel):
+    """A message block: text, a `tool_use` (assistant) or a `tool_result` (user)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=required_in_schema("text"))
+
+    type: Text = Field(json_schema_extra={"enum": ["text", "tool_use", "tool_result"]})
+    text: Text | None = None
+    cache_control: CacheControl | None = None
+    id: Text | None = None  # tool_use
+    name: Text | None = None  # tool_use
+    input: Any = None  # tool_use: the arguments object
+    tool_use_id: Text | None = None  # tool_result
+    content: Text | list[TextBlock] | None = None  # tool_result
+    is_error: StrictBool | None = None  # tool_result
+
+    @model_validator(mode="after")
+    def _known_block(self) -> "ContentBlock":
+        needs = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
+        if self.type not in needs:
+            raise PydanticCustomError("unsupported_content", "{block_type} content blocks are not supported "
+                                      "(text, tool_use, tool_result)", {"block_type": self.type})
+        missing = [name for name in needs[self.type] if getattr(self, name) is None]
+        if missing:
+            raise PydanticCustomError("missing_field", "a {block_type} block needs {fields}",
+                                      {"block_type": self.type, "fields": ", ".join(f"`{m}`" for m in missing)})
+        return self
+
+    def result_text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(block.text for block in self.content)
+        return self.content or ""
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["user", "assistant"]
-    content: Text | list[TextBlock]
+    content: Text | list[ContentBlock]
 
-    def blocks(self) -> list[TextBlock]:
-        return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+    def blocks(self) -> list[ContentBlock]:
+        return [ContentBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+
+
+class ToolParam(BaseModel):
+    """A client tool (server tools, with a `type` such as web_search_..., are refused)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: NonEmptyText
+    description: Text | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+
+
+class ToolChoiceParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: Text | None = None
+    disable_parallel_tool_use: StrictBool | None = None
 
 
 class MessagesPrompt(NullMeansDefault):
@@ -68,23 +124,33 @@ class MessagesPrompt(NullMeansDefault):
     model: Text
     messages: list[Message] = Field(min_length=1)
     system: Text | list[TextBlock] | None = None
-    # Refused: the model cannot serve them.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoiceParam | None = None
+    # Refused: the model cannot serve it.
     thinking: dict[str, Any] | None = None
 
-    def check(self) -> None:
-        if self.tools:
-            raise InvalidRequestError("tools are not supported by this server (text generation only)", param="tools")
+    def tool_use(self) -> ToolUse:
+        tools = [FunctionTool(t.name, t.description, t.input_schema) for t in self.tools or []]
+        choice, parallel = ToolChoice("auto" if tools else "none"), True
         if self.tool_choice is not None:
-            raise InvalidRequestError("tool_choice is not supported (no tools)", param="tool_choice")
+            mode = {"any": "required", "tool": "named"}.get(self.tool_choice.type, self.tool_choice.type)
+            if mode == "named" and not self.tool_choice.name:
+                raise InvalidRequestError("tool_choice of type 'tool' needs a `name`", param="tool_choice")
+            choice = ToolChoice(mode, self.tool_choice.name if mode == "named" else None)
+            parallel = not self.tool_choice.disable_parallel_tool_use
+        use = ToolUse(tools, choice, parallel, call_id_prefix="toolu_")
+        use.check()
+        return use
+
+    def check(self) -> None:
         if self.thinking is not None and self.thinking.get("type") != "disabled":
             raise InvalidRequestError("extended thinking is not supported by this model", param="thinking")
         if self.messages[-1].role == "assistant":
             raise InvalidRequestError("a last assistant message (prefilling the answer) is not supported; end with "
                                       "a user message", param="messages")
         breakpoints = sum(block.cache_control is not None for block in self.system_blocks()) + sum(
-            block.cache_control is not None for m in self.messages for block in m.blocks())
+            block.cache_control is not None for m in self.messages for block in m.blocks()) + sum(
+            tool.cache_control is not None for tool in self.tools or [])
         if breakpoints > MAX_BREAKPOINTS:
             raise InvalidRequestError(f"{breakpoints} blocks have cache_control; at most {MAX_BREAKPOINTS} "
                                       f"breakpoints are allowed", param="cache_control")
@@ -115,8 +181,11 @@ class MessagesRequest(MessagesPrompt):
         if self.top_k is not None and self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}", param="top_k")
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, constraint: Any = None) -> SamplingParams:
+        """`constraint`: the StructuredOutputsParams the tools ask for (ToolUse.constraint)."""
         values: dict[str, Any] = dict(max_tokens=max_tokens, stop=self.stop_sequences or [], ignore_eos=self.ignore_eos)
+        if constraint is not None:
+            values["structured_outputs"] = constraint
         if self.temperature is not None:
             values["temperature"] = self.temperature
         if self.top_p is not None:

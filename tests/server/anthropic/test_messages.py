@@ -102,7 +102,7 @@ def test_pins_expire_after_their_ttl_and_a_hit_refreshes_them(app, clock):
 
 
 @pytest.mark.parametrize("body, named", [
-    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {"type": "object"}}]}, "tools"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
     ({"system": [{"type": "text", "text": f"s{i}", "cache_control": {"type": "ephemeral"}} for i in range(5)]},

@@ -117,7 +117,7 @@ def test_truncation_auto_drops_the_oldest_turns_and_disabled_refuses_with_counts
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input_image"),
