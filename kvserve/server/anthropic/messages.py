@@ -63,7 +63,7 @@ class MessagesServing:
         """(worker) Render with breakpoint markers and tokenize: the prompt's ids and its breakpoints."""
         serving = self.serving
         tokenizer = serving.require_tokenizer()
-        if any(_MARKER in (block.text or "") + block.result_text() for block in body.system_blocks()) or any(
+        if any(_MARKER in block.text for block in body.system_blocks()) or any(
                 _MARKER in (block.text or "") + block.result_text() for m in body.messages for block in m.blocks()):
             raise InvalidRequestError("message text contains a reserved control sequence", param="messages")
         messages, variables, ttls = marked_messages(body, tool_use, tokenizer.chat_template, _MARKER)

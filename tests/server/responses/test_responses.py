@@ -122,7 +122,7 @@ def test_truncation_auto_drops_the_oldest_turns_and_disabled_refuses_with_counts
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input_image"),
     ({"input": [{"type": "input_file", "file_id": "f"}]}, "input_file"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "json_schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "json_schema"),
 ])
 def test_unsupported_features_are_refused_by_name(app, extra, named):
     body = {"model": "tiny", "input": "hi", **extra}
