@@ -1,0 +1,182 @@
+"""Tools and structured output through the real clients (openai, anthropic) and two agent frameworks
+(openai-agents, langchain-openai) against a real server on the embedded model. A 135M model does not
+pick tools wisely, so where an assertion needs a call, tool_choice forces it (required / named) and the
+grammar makes it valid; elsewhere the tests check shapes."""
+
+import asyncio
+import json
+
+import anthropic
+import openai
+import pytest
+from pydantic import BaseModel
+
+pytestmark = pytest.mark.slow
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                  "required": ["city"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": WEATHER_SCHEMA}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now",
+                                          "parameters": {"type": "object", "properties": {}}}}
+QUESTION = [{"role": "system", "content": "You are a weather assistant."},
+            {"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class City(BaseModel):
+    name: str
+    population: int
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0)
+
+
+def _call_weather(client, **kwargs):
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=QUESTION, tools=[WEATHER, CLOCK],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=40, temperature=0, **kwargs)
+
+
+def test_a_named_tool_choice_gives_a_valid_call(client):
+    response = _call_weather(client)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+
+
+def test_streamed_tool_calls_assemble_to_the_same_call(client):
+    full = _call_weather(client).choices[0].message.tool_calls[0]
+    model = client.models.list().data[0].id
+    with client.chat.completions.stream(model=model, messages=QUESTION, tools=[WEATHER, CLOCK], max_tokens=40,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                        temperature=0) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert "tool_calls.function.arguments.delta" in kinds
+    streamed = final.choices[0].message.tool_calls[0]
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert (streamed.function.name, streamed.function.arguments) == (full.function.name, full.function.arguments)
+
+
+def test_required_with_parallel_calls_off_is_exactly_one_call(client):
+    response = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=QUESTION, tools=[WEATHER, CLOCK], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=60, temperature=0)
+    assert response.choices[0].finish_reason == "tool_calls"
+    assert len(response.choices[0].message.tool_calls) == 1
+
+
+def test_turn_two_of_a_tool_loop_hits_the_whole_of_turn_one(client, server):
+    first = _call_weather(client)
+    call = first.choices[0].message.tool_calls[0]
+    history = QUESTION + [first.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    second = client.chat.completions.create(model=first.model, messages=history, tools=[WEATHER, CLOCK],
+                                            max_tokens=8, temperature=0)
+    turn_one = first.usage.prompt_tokens + first.usage.completion_tokens
+    block = 16
+    assert second.usage.prompt_tokens > turn_one
+    assert second.usage.prompt_tokens_details.cached_tokens >= turn_one // block * block
+
+
+def test_chat_completions_parse_gives_the_model(client):
+    completion = client.chat.completions.parse(
+        model=client.models.list().data[0].id, response_format=City, max_tokens=60, temperature=0,
+        messages=[{"role": "user", "content": "Describe Paris as JSON with its name and population."}])
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, City)
+
+
+def test_completions_follow_a_regex_and_a_choice(client):
+    model = client.models.list().data[0].id
+    text = client.completions.create(model=model, prompt="The answer is", max_tokens=10, temperature=0,
+                                     extra_body={"structured_outputs": {"choice": ["yes", "no"]}}).choices[0].text
+    assert text in ("yes", "no")
+    text = client.completions.create(model=model, prompt="A year:", max_tokens=10, temperature=0,
+                                     extra_body={"structured_outputs": {"regex": "[12][0-9]{3}"}}).choices[0].text
+    assert len(text) == 4 and text.isdigit()
+
+
+def test_responses_function_call_then_its_output_through_previous_response_id(client):
+    model = client.models.list().data[0].id
+    tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+              "parameters": WEATHER_SCHEMA, "strict": True}]
+    first = client.responses.create(model=model, input="What is the weather in Paris?", tools=tools,
+                                    tool_choice="required", max_output_tokens=40, temperature=0)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
+    second = client.responses.create(model=model, previous_response_id=first.id, tools=tools, max_output_tokens=8,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "Sunny"}], temperature=0)
+    turn_one = first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= turn_one // 16 * 16
+    with client.responses.stream(model=model, input="Weather in Rome?", tools=tools, tool_choice="required",
+                                 max_output_tokens=40, temperature=0) as stream:
+        kinds = {event.type for event in stream}
+        final = stream.get_final_response()
+    assert {"response.function_call_arguments.delta", "response.function_call_arguments.done"} <= kinds
+    assert [item.type for item in final.output] == ["function_call"]
+
+
+def test_anthropic_tool_use_whole_and_streamed(server):
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    tools = [{"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER_SCHEMA,
+              "cache_control": {"type": "ephemeral"}}]
+    kwargs = dict(model="SmolLM2-135M-Instruct", max_tokens=40, tools=tools, temperature=0,
+                  tool_choice={"type": "tool", "name": "get_weather"},
+                  messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    message = client.messages.create(**kwargs)
+    assert message.stop_reason == "tool_use"
+    (use,) = [block for block in message.content if block.type == "tool_use"]
+    assert use.name == "get_weather" and set(use.input) == {"city"} and use.id.startswith("toolu_")
+    assert message.usage.cache_creation_input_tokens > 0  # the tools' breakpoint
+    with client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[-1].input == use.input
+    follow = client.messages.create(**{**kwargs, "tool_choice": {"type": "auto"}, "max_tokens": 8, "messages": [
+        *kwargs["messages"], {"role": "assistant", "content": [use.model_dump()]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny"}]}]})
+    assert follow.usage.cache_read_input_tokens > 0
+
+
+def test_openai_agents_runs_a_function_tool(server):
+    agents = pytest.importorskip("agents")
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"Sunny in {city}"
+
+    model = agents.OpenAIChatCompletionsModel(
+        model="SmolLM2-135M-Instruct", openai_client=openai.AsyncOpenAI(base_url=server.api_url, api_key="unused"))
+    agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", model=model,
+                         tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+                         model_settings=agents.ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=40))
+    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3))
+    assert len(calls) == 1 and result.final_output == f"Sunny in {calls[0]}"
+
+
+def test_langchain_bind_tools_and_structured_output(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "Sunny"
+
+    llm = langchain_openai.ChatOpenAI(model="SmolLM2-135M-Instruct", base_url=server.api_url, api_key="unused",
+                                      temperature=0, max_tokens=60, max_retries=0)
+    message = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    assert [call["name"] for call in message.tool_calls] == ["get_weather"]
+    assert set(message.tool_calls[0]["args"]) == {"city"}
+    for method in ("json_schema", "function_calling"):
+        city = llm.with_structured_output(City, method=method).invoke("Describe Paris: name and population.")
+        assert isinstance(city, City)
