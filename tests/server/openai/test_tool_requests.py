@@ -1,0 +1,89 @@
+"""Tool calls and structured output at the API's edges, on the tiny app: streamed `delta.tool_calls` as the
+openai client's own stream state assembles them, and bad input as a 400 naming its field."""
+
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
+
+from kvserve.engine.output import RequestDelta, RequestMetrics
+from kvserve.engine.sampling import SamplingParams
+from kvserve.server.core.streaming import Job
+from kvserve.server.core.tool_use import ToolUse
+from kvserve.server.openai.chat import ChatFormat
+from kvserve.tools.calls import FunctionTool, ToolCall, calls_text
+from kvserve.tools.grammar import ToolChoice
+
+TOOLS = [FunctionTool("get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}}),
+         FunctionTool("get_time")]
+OUTPUT = "Let me look.\n" + calls_text([ToolCall("a", "get_weather", '{"city": "Paris"}'),
+                                        ToolCall("b", "get_time", "{}")])
+USER = [{"role": "user", "content": "hi"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def _delta(text: str, finished: bool) -> RequestDelta:
+    return RequestDelta("r-0", None, [1], [2], text, "stop" if finished else None, finished, RequestMetrics())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, len(OUTPUT) - 1), max_size=12, unique=True))
+def test_streamed_chunks_assemble_in_the_openai_client_to_content_and_calls(cuts):
+    fmt = ChatFormat(SimpleNamespace(settings=SimpleNamespace(model_name="m")), tool_use=ToolUse(TOOLS))
+    job = Job(0, 0, [1], SamplingParams())
+    state = ChatCompletionStreamState()
+    pieces = [OUTPUT[a:b] for a, b in zip([0, *sorted(cuts)], [*sorted(cuts), len(OUTPUT)])]
+    chunks = fmt.opening_chunks([job]) + [fmt.chunk(job, _delta(p, i == len(pieces) - 1))
+                                          for i, p in enumerate(pieces)]
+    for chunk in chunks:
+        if chunk is not None:
+            state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    choice = state.get_final_completion().choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look.\n"
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
+        [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    assert all(c.id.startswith("call_") for c in choice.message.tool_calls)
+
+
+def _chat(app, **body):
+    return app.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **body})
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "more than once"),
+    ({"messages": [*USER, {"role": "tool", "tool_call_id": "call_x", "content": "42"}]}, "messages",
+     "no earlier call"),
+    ({"messages": [*USER, {"role": "tool", "content": "42"}]}, "messages", "tool_call_id"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema",
+     "schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{not json"}}},
+     "response_format.json_schema.schema", "not valid JSON"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "not supported"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}}, "structured_outputs",
+     "cannot both"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+])
+def test_bad_tool_and_format_requests_are_400_naming_the_field(tiny_app, body, param, fragment):
+    response = _chat(tiny_app, **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and fragment in error["message"]
+
+
+def test_other_apis_refuse_bad_tools_by_name(tiny_app):
+    response = tiny_app.post("/v1/responses", json={"input": [
+        {"type": "function_call_output", "call_id": "nope", "output": "x"}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "input"
+    response = tiny_app.post("/v1/messages", json={
+        "model": "tiny", "max_tokens": 4, "messages": USER, "tools": [{"name": "f", "input_schema": {}}],
+        "tool_choice": {"type": "tool", "name": "g"}})
+    assert response.status_code == 400 and "'g', which is not among the tools" in response.json()["error"]["message"]
+    response = tiny_app.post("/v1/completions", json={"prompt": "a", "structured_outputs": {"choice": []}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "structured_outputs.choice"
+
