@@ -8,6 +8,7 @@ from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.tools.miss_cause import CONTEXT_TOKENS, divergence_cause
 
 
 def build_prefix_report(request: Request, prefix_caching: bool, block_size: int,
@@ -37,6 +38,10 @@ def build_prefix_report(request: Request, prefix_caching: bool, block_size: int,
             theirs = list(div.cached_token_ids[div.position - div.block_start :][:8])
             report.common_text = tokenizer.decode(context)
             report.prompt_continuation, report.cached_continuation = tokenizer.decode(ours), tokenizer.decode(theirs)
+            before = tokenizer.decode(request.prompt_token_ids[max(div.position - CONTEXT_TOKENS, 0) : div.position])
+            cause = divergence_cause(before, report.prompt_continuation, report.cached_continuation)
+            if cause is not None:
+                report.reason += f"; likely cause: {cause}"
             report.prompt_snippet = f"{report.common_text}[{report.prompt_continuation}]"
             report.cached_snippet = f"{report.common_text}[{report.cached_continuation}]"
     return report
