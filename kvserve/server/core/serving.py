@@ -28,6 +28,7 @@ from kvserve.engine.output import RequestOutput
 from kvserve.engine.sampling import SEED_RANGE, SamplingParams
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.server.core.call_tokens import CallTokens
 from kvserve.server.core.errors import bad_request, model_not_found, overloaded
 from kvserve.server.core.pin_owners import PinOwners
 from kvserve.server.core.streaming import Job, OutputFormat, run_jobs
@@ -113,6 +114,7 @@ class Serving:
         self.settings = settings
         self.tenancy = Tenancy(settings.api_keys)
         self.pin_owners = PinOwners(self.engine.config.block_size)
+        self.call_tokens = CallTokens()  # tool-calling answers' generated ids, for token-exact tool loops
         self.tokenizer: Tokenizer | None = self.engine.tokenizer
         self._token_text = lru_cache(maxsize=65536)(self._decode_token)
         self._pool = ThreadPoolExecutor(max_workers=_PREPROCESS_WORKERS, thread_name_prefix="kvserve-preprocess")

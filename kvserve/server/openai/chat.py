@@ -6,8 +6,11 @@ from __future__ import annotations
 from fastapi import Request as HTTPRequest
 
 from kvserve.engine.output import RequestDelta, RequestOutput, TokenLogprob
+from kvserve.errors import KVServeError
+from kvserve.server.core.call_tokens import encode_spliced
 from kvserve.server.core.serving import Serving
 from kvserve.server.core.streaming import Job
+from kvserve.server.core.tenancy import tenant_id
 from kvserve.server.core.tool_use import ToolUse
 from kvserve.server.openai.format import OpenAIFormat
 from kvserve.server.openai.protocol import ChatCompletionRequest
@@ -24,15 +27,23 @@ class ChatServing:
         body.check()
         tool_use = body.tool_use()
         serving.check_batch_size(body.n, "n")
-        jobs = await serving.off_loop(self._jobs, body, tool_use)
-        fmt = ChatFormat(serving, body.include_usage, body.prompt_logprobs is not None, tool_use)
+        tenant = tenant_id(api_key)
+        jobs = await serving.off_loop(self._jobs, body, tool_use, tenant)
+        fmt = ChatFormat(serving, body.include_usage, body.prompt_logprobs is not None, tool_use, tenant)
         return await serving.respond(fmt, jobs, http, api_key, body.cache_salt, body.stream)
 
-    def _jobs(self, body: ChatCompletionRequest, tool_use: ToolUse) -> list[Job]:
-        """(worker) Render, tokenize and validate the conversation."""
+    def _jobs(self, body: ChatCompletionRequest, tool_use: ToolUse, tenant: str) -> list[Job]:
+        """(worker) Render, tokenize and validate the conversation; answers that made tool calls keep the
+        ids they were generated as (server/core/call_tokens.py)."""
         serving = self.serving
-        messages, variables = tool_use.messages(body.turns(), serving.require_tokenizer().chat_template)
+        tokenizer = serving.require_tokenizer()
+        turns = body.turns()
+        messages, variables = tool_use.messages(turns, tokenizer.chat_template)
         token_ids = serving.encode_chat(messages, body.add_generation_prompt, variables)
+        generated = serving.call_tokens.generated(tenant, turns)
+        if generated:
+            token_ids = encode_spliced(tokenizer, messages, body.add_generation_prompt, variables, generated) \
+                or token_ids
         max_tokens = body.requested_max_tokens
         if max_tokens is None:
             max_tokens = serving.default_max_tokens(len(token_ids))
@@ -50,10 +61,17 @@ class ChatFormat(OpenAIFormat):
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, serving: Serving, include_usage: bool = False, prompt_logprobs: bool = False,
-                 tool_use: ToolUse | None = None) -> None:
+                 tool_use: ToolUse | None = None, tenant: str = "") -> None:
         super().__init__(serving, include_usage, prompt_logprobs)
         self.tool_use = tool_use or ToolUse()
+        self.tenant = tenant
         self._parsers: dict[int, ToolCallParser] = {}
+
+    def _remember(self, calls: list, output: RequestOutput) -> None:
+        """Keep an answer's generated ids for the turn that sends it back (token-exact tool loops)."""
+        completion = output.outputs[0]
+        if calls and completion.finish_reason == "stop":
+            self.serving.call_tokens.remember(self.tenant, calls[0].id, completion.text, completion.token_ids)
 
     def final_choice(self, job: Job, output: RequestOutput) -> dict:
         completion = output.outputs[0]
@@ -62,6 +80,7 @@ class ChatFormat(OpenAIFormat):
         if self.tool_use.parses_calls:
             parsed = parse_output(completion.text, self.tool_use.call_id_prefix)
             calls = parsed.calls
+            self._remember(calls, output)
             message["content"] = parsed.content or None if calls else parsed.content
             if calls:
                 message["tool_calls"] = [{"id": c.id, "type": "function",
@@ -70,6 +89,12 @@ class ChatFormat(OpenAIFormat):
             "index": job.index, "message": message, "logprobs": self._logprobs(completion.logprobs),
             "finish_reason": _finish_reason(completion.finish_reason, bool(calls)),
         }
+
+    def closing_events(self, jobs, finals, error: KVServeError | None):
+        for job in jobs:
+            if job.index in self._parsers and job.index in finals:
+                self._remember(self._parsers[job.index].calls, finals[job.index])
+        return super().closing_events(jobs, finals, error)
 
     def opening_chunks(self, jobs):
         # OpenAI's first chunk of each choice carries only the role.
