@@ -77,7 +77,7 @@ class ToolCallParser:
             self._arguments.append(rest)
             events.append(ArgumentsDelta(len(self._calls) - 1, rest))
             self._close_call()
-        elif self._state == "head":
+        elif self._state == "head" and not self._calls:  # (after calls: a further call cut off before its name)
             events.append(ContentDelta(CALL_OPEN + rest))
         elif rest and (not self._calls or rest.strip()):
             events.append(ContentDelta(rest))

@@ -36,6 +36,11 @@ def test_an_unfinished_call_keeps_its_arguments_so_far():
     assert parsed.calls[0].name == "get_weather" and parsed.calls[0].arguments.startswith('{"city": "Paris"')
 
 
+def test_a_further_call_cut_off_before_its_name_is_dropped():
+    parsed = parse_output(calls_text(CALLS[:1]) + '\n<tool_call>\n{"na')
+    assert parsed.content == "" and [c.name for c in parsed.calls] == ["get_weather"]
+
+
 def _stream(text: str, cuts: list[int]) -> list:
     parser, events, last = ToolCallParser(), [], 0
     for cut in sorted(set(cuts)) + [len(text)]:
