@@ -77,8 +77,9 @@ class ToolCallParser:
             self._arguments.append(rest)
             events.append(ArgumentsDelta(len(self._calls) - 1, rest))
             self._close_call()
-        elif self._state == "head" and not self._calls:  # (after calls: a further call cut off before its name)
-            events.append(ContentDelta(CALL_OPEN + rest))
+        elif self._state == "head":  # after calls, a further call cut off before its name is dropped
+            if not self._calls:
+                events.append(ContentDelta(CALL_OPEN + rest))
         elif rest and (not self._calls or rest.strip()):
             events.append(ContentDelta(rest))
         self._state = "text"

@@ -126,7 +126,8 @@ def test_responses_function_call_then_its_output_through_previous_response_id(cl
 
 def test_anthropic_tool_use_whole_and_streamed(server):
     client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
-    tools = [{"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER_SCHEMA,
+    # (a description of its own: the Responses test cached the same manifest otherwise)
+    tools = [{"name": "get_weather", "description": "Today's weather in a city", "input_schema": WEATHER_SCHEMA,
               "cache_control": {"type": "ephemeral"}}]
     kwargs = dict(model="SmolLM2-135M-Instruct", max_tokens=40, tools=tools, extra_body={"temperature": 0},
                   tool_choice={"type": "tool", "name": "get_weather"},
