@@ -46,8 +46,13 @@ def _literal(text: str) -> str:
 
 
 def _arguments_schema(tool: FunctionTool) -> dict[str, Any]:
+    """The tool's parameters schema as the grammar applies it: a call's arguments are the properties the
+    schema names unless it says otherwise (`additionalProperties`); a small model otherwise invents
+    more until max_tokens."""
     schema = dict(tool.parameters) if tool.parameters else {"type": "object"}
     schema.setdefault("type", "object")
+    if "properties" in schema:
+        schema.setdefault("additionalProperties", False)
     schema["x-guidance"] = {**_JSON_LAYOUT, **schema.get("x-guidance", {})}
     return schema
 

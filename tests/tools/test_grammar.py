@@ -28,6 +28,7 @@ def test_required_is_one_or_more_calls_in_the_fixed_layout():
     assert rules["args_0"]["properties"] == {"city": {"type": "string"}}
     assert rules["args_0"]["x-guidance"] == {"whitespace_flexible": False, "item_separator": ", ",
                                              "key_separator": ": "}
+    assert rules["args_0"]["additionalProperties"] is False  # the named properties only, unless it says
     assert WEATHER.parameters.get("x-guidance") is None  # the tool's own schema is not changed
 
 
