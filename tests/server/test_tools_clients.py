@@ -122,6 +122,9 @@ def test_responses_function_call_then_its_output_through_previous_response_id(cl
         final = stream.get_final_response()
     assert {"response.function_call_arguments.delta", "response.function_call_arguments.done"} <= kinds
     assert [item.type for item in final.output] == ["function_call"]
+    parsed = client.responses.parse(model=model, input="Describe Paris: name and population.", text_format=City,
+                                    max_output_tokens=60, temperature=0)
+    assert isinstance(parsed.output_parsed, City)
 
 
 def test_anthropic_tool_use_whole_and_streamed(server):
@@ -156,13 +159,17 @@ def test_openai_agents_runs_a_function_tool(server):
         calls.append(city)
         return f"Sunny in {city}"
 
-    model = agents.OpenAIChatCompletionsModel(
-        model="SmolLM2-135M-Instruct", openai_client=openai.AsyncOpenAI(base_url=server.api_url, api_key="unused"))
-    agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", model=model,
-                         tools=[get_weather], tool_use_behavior="stop_on_first_tool",
-                         model_settings=agents.ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=40))
-    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3))
-    assert len(calls) == 1 and result.final_output == f"Sunny in {calls[0]}"
+    client = openai.AsyncOpenAI(base_url=server.api_url, api_key="unused")
+    agents.set_tracing_disabled(True)
+    for model in (agents.OpenAIChatCompletionsModel(model="SmolLM2-135M-Instruct", openai_client=client),
+                  agents.OpenAIResponsesModel(model="SmolLM2-135M-Instruct", openai_client=client)):
+        agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", model=model,
+                             tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+                             model_settings=agents.ModelSettings(tool_choice="get_weather", temperature=0,
+                                                                 max_tokens=40))
+        result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3))
+        assert result.final_output == f"Sunny in {calls[-1]}"
+    assert len(calls) == 2
 
 
 def test_langchain_bind_tools_and_structured_output(server):
