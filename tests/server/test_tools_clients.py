@@ -159,17 +159,23 @@ def test_openai_agents_runs_a_function_tool(server):
         calls.append(city)
         return f"Sunny in {city}"
 
-    client = openai.AsyncOpenAI(base_url=server.api_url, api_key="unused")
     agents.set_tracing_disabled(True)
-    for model in (agents.OpenAIChatCompletionsModel(model="SmolLM2-135M-Instruct", openai_client=client),
-                  agents.OpenAIResponsesModel(model="SmolLM2-135M-Instruct", openai_client=client)):
-        agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", model=model,
-                             tools=[get_weather], tool_use_behavior="stop_on_first_tool",
-                             model_settings=agents.ModelSettings(tool_choice="get_weather", temperature=0,
-                                                                 max_tokens=40))
-        result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3))
-        assert result.final_output == f"Sunny in {calls[-1]}"
-    assert len(calls) == 2
+
+    async def run_both() -> list:
+        client = openai.AsyncOpenAI(base_url=server.api_url, api_key="unused")
+        outputs = []
+        for model in (agents.OpenAIChatCompletionsModel(model="SmolLM2-135M-Instruct", openai_client=client),
+                      agents.OpenAIResponsesModel(model="SmolLM2-135M-Instruct", openai_client=client)):
+            agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", model=model,
+                                 tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+                                 model_settings=agents.ModelSettings(tool_choice="get_weather", temperature=0,
+                                                                     max_tokens=40))
+            result = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)
+            outputs.append(result.final_output)
+        return outputs
+
+    outputs = asyncio.run(run_both())
+    assert len(calls) == 2 and outputs == [f"Sunny in {city}" for city in calls]
 
 
 def test_langchain_bind_tools_and_structured_output(server):
