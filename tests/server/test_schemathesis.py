@@ -28,7 +28,11 @@ EXAMPLES = 40  # per operation and mode
 # (the context, the pool, the queue, the model's vocabulary, a stored response that does not exist);
 # and a feature of the API kvserve does not implement (tools, logit_bias, images, ...), which the
 # schema lists as the API has it and the server refuses by name, never ignores.
-STATE_LIMITS = ("context", "KV pool", "the server queues at most", "vocabulary", "not found", "not supported")
+# A reference between fields no schema states is checked by the server alone: a tool_choice naming a
+# function the tools do not define, a tool result for a call the conversation never made, two tools
+# of one name.
+STATE_LIMITS = ("context", "KV pool", "the server queues at most", "vocabulary", "not found", "not supported",
+                "not among the tools", "no earlier call", "more than once")
 
 
 def _past_seed_range(body) -> bool:

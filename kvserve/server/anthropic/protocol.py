@@ -16,8 +16,8 @@ from pydantic_core import PydanticCustomError
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import TTL_SECONDS
-from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
-                                     required_in_schema, sampling_params)
+from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded, needs_tools,
+                                     required_in_schema, required_when, sampling_params)
 from kvserve.server.core.tool_use import ToolUse
 from kvserve.tools.calls import FunctionTool
 from kvserve.tools.grammar import ToolChoice
@@ -55,10 +55,13 @@ class TextBlock(BaseModel):
         return self
 
 
+_BLOCK_FIELDS = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
+
+
 class ContentBlock(BaseModel):
     """A message block: text, a `tool_use` (assistant) or a `tool_result` (user)."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra=required_in_schema("text"))
+    model_config = ConfigDict(extra="allow", json_schema_extra={"allOf": required_when("type", _BLOCK_FIELDS)})
 
     type: Text = Field(json_schema_extra={"enum": ["text", "tool_use", "tool_result"]})
     text: Text | None = None
@@ -72,7 +75,7 @@ class ContentBlock(BaseModel):
 
     @model_validator(mode="after")
     def _known_block(self) -> "ContentBlock":
-        needs = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
+        needs = _BLOCK_FIELDS
         if self.type not in needs:
             raise PydanticCustomError("unsupported_content", "{block_type} content blocks are not supported "
                                       "(text, tool_use, tool_result)", {"block_type": self.type})
@@ -111,7 +114,7 @@ class ToolParam(BaseModel):
 
 
 class ToolChoiceParam(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"allOf": required_when("type", {"tool": ("name",)})})
 
     type: Literal["auto", "any", "tool", "none"]
     name: Text | None = None
@@ -119,7 +122,8 @@ class ToolChoiceParam(BaseModel):
 
 
 class MessagesPrompt(NullMeansDefault):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"allOf": [
+        needs_tools({"properties": {"type": {"enum": ["any", "tool"]}}})]})
 
     model: Text
     messages: list[Message] = Field(min_length=1)

@@ -103,3 +103,22 @@ def required_in_schema(*names: str):
             prop.pop("default", None)
 
     return extra
+
+
+def required_when(field: str, requirements: Mapping[str, tuple[str, ...]], default: str | None = None) -> list[dict]:
+    """Schema rules (for an `allOf`) of an object whose kind is `field`: each kind requires its own fields,
+    non-null (`default`: the kind when `field` is absent)."""
+    rules = []
+    for value, names in requirements.items():
+        condition: dict[str, Any] = {"properties": {field: {"const": value}}}
+        if value != default:
+            condition["required"] = [field]
+        rules.append({"if": condition, "then": {"required": list(names),
+                                                "properties": {n: {"not": {"type": "null"}} for n in names}}})
+    return rules
+
+
+def needs_tools(choice_rule: dict) -> dict:
+    """A schema rule: a tool_choice matching `choice_rule` (one that demands a call) needs tools."""
+    return {"if": {"required": ["tool_choice"], "properties": {"tool_choice": choice_rule}},
+            "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}

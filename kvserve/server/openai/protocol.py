@@ -20,8 +20,8 @@ from kvserve.engine.sampling import (
     MAX_LOGPROBS, MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams,
 )
 from kvserve.errors import InvalidRequestError
-from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
-                                     non_empty_list, required_in_schema, sampling_params)
+from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded, needs_tools,
+                                     non_empty_list, required_in_schema, required_when, sampling_params)
 from kvserve.server.core.structured_output import one_constraint, response_format_constraint, vllm_structured_outputs
 from kvserve.server.core.tool_use import ToolUse, link_tool_results
 from kvserve.server.openai.tool_protocol import ChatTool, ChatToolCall, ChatToolChoice, chat_tool_use
@@ -47,9 +47,10 @@ _TRUE = {"const": True}
 # stream_options only with stream=true; prompt_logprobs only without it.
 _SAMPLING_RULES = [_needs("stream_options", "object", {"required": ["stream"], "properties": {"stream": _TRUE}}),
                    _needs("prompt_logprobs", "integer", {"properties": {"stream": {"not": _TRUE}}})]
-# top_logprobs needs logprobs=true.
+# top_logprobs needs logprobs=true; a tool_choice that demands a call needs tools.
 _CHAT_RULES = [*_SAMPLING_RULES,
-               _needs("top_logprobs", "integer", {"required": ["logprobs"], "properties": {"logprobs": _TRUE}})]
+               _needs("top_logprobs", "integer", {"required": ["logprobs"], "properties": {"logprobs": _TRUE}}),
+               needs_tools({"anyOf": [{"const": "required"}, {"type": "object"}]})]
 
 
 class _SamplingRequest(NullMeansDefault):
@@ -192,7 +193,8 @@ _CONTENT_REQUIRED = {"if": {"properties": {"role": {"enum": ["system", "develope
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", json_schema_extra=_CONTENT_REQUIRED)
+    model_config = ConfigDict(extra="ignore", json_schema_extra={
+        "allOf": [_CONTENT_REQUIRED, *required_when("role", {"tool": ("tool_call_id",)})]})
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None

@@ -17,8 +17,8 @@ from pydantic_core import PydanticCustomError
 from kvserve.engine.sampling import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import TTL_SECONDS
-from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
-                                     non_empty_list, required_in_schema, sampling_params)
+from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded, needs_tools,
+                                     non_empty_list, required_in_schema, required_when, sampling_params)
 from kvserve.server.core.structured_output import text_format_constraint
 from kvserve.server.core.tool_use import ToolUse, link_tool_results
 from kvserve.tools.calls import FunctionTool, ToolCall
@@ -56,9 +56,9 @@ class InputMessage(BaseModel):
     """An input item: a message, a function call the model made, or a function's output (no reasoning
     items, references, other tools' calls)."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra=required_in_schema("role", "content"))
+    model_config = ConfigDict(extra="allow", json_schema_extra={"allOf": required_when("type", _ITEM_FIELDS, "message")})
 
-    type: Text = "message"
+    type: Text = Field("message", json_schema_extra={"enum": list(_ITEM_FIELDS)})
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: Text | list[InputContent] | None = None
     call_id: Text | None = None
@@ -112,7 +112,8 @@ _RETENTION_NEEDS_KEY = {
 
 
 class ResponsesRequest(NullMeansDefault):
-    model_config = ConfigDict(extra="ignore", json_schema_extra=_RETENTION_NEEDS_KEY)
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"allOf": [
+        _RETENTION_NEEDS_KEY, needs_tools({"anyOf": [{"const": "required"}, {"type": "object"}]})]})
 
     model: Text | None = None
     input: NonEmptyText | non_empty_list(InputMessage)
