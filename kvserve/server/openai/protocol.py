@@ -206,7 +206,7 @@ class ChatMessage(BaseModel):
     def _content_unless_assistant(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
             raise PydanticCustomError("missing_content", "a {role} message needs `content`", {"role": self.role})
-        if self.role == "tool" and not self.tool_call_id:
+        if self.role == "tool" and self.tool_call_id is None:
             raise PydanticCustomError("missing_tool_call_id", "a tool message needs `tool_call_id`")
         return self
 
