@@ -30,9 +30,9 @@ EXAMPLES = 40  # per operation and mode
 # schema lists as the API has it and the server refuses by name, never ignores.
 # A reference between fields no schema states is checked by the server alone: a tool_choice naming a
 # function the tools do not define, a tool result for a call the conversation never made, two tools
-# of one name.
+# of one name; so is a regex, grammar or JSON schema the grammar engine cannot compile.
 STATE_LIMITS = ("context", "KV pool", "the server queues at most", "vocabulary", "not found", "not supported",
-                "not among the tools", "no earlier call", "more than once")
+                "not among the tools", "no earlier call", "more than once", "does not compile")
 
 
 def _past_seed_range(body) -> bool:

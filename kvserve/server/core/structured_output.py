@@ -11,12 +11,52 @@ compile it is the engine's check (InvalidRequestError -> 400 as well).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from kvserve.errors import InvalidRequestError
+from kvserve.server.core.fields import NonEmptyText, Text, non_empty_list, required_when
 from kvserve.structured.params import StructuredOutputsParams
 
 _VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _given(kind: str) -> dict:
+    value = {"const": True} if kind == "json_object" else {"not": {"type": "null"}}
+    return {"required": [kind], "properties": {kind: value}}
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` request field (its other options are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True,
+                              json_schema_extra={"oneOf": [_given(kind) for kind in _VLLM_KINDS]})
+
+    json_: dict[str, Any] | NonEmptyText | None = Field(None, alias="json")
+    regex: NonEmptyText | None = None
+    choice: non_empty_list(NonEmptyText) | None = None
+    grammar: NonEmptyText | None = None
+    json_object: StrictBool | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] | StrictBool = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format` (chat completions, completions)."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra={
+        "allOf": required_when("type", {"json_schema": ("json_schema",)})})
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 def json_schema(schema: Any, param: str) -> dict:
@@ -34,11 +74,13 @@ def json_schema(schema: Any, param: str) -> dict:
     return schema
 
 
-def response_format_constraint(response_format: dict | None, param: str = "response_format"
+def response_format_constraint(response_format: ResponseFormat | dict | None, param: str = "response_format"
                                ) -> StructuredOutputsParams | None:
     """OpenAI's `response_format` (chat completions, completions)."""
     if not response_format:
         return None
+    if isinstance(response_format, BaseModel):
+        response_format = response_format.model_dump(by_alias=True, exclude_none=True)
     kind = response_format.get("type", "text")
     if kind == "json_schema":
         spec = response_format.get("json_schema")
@@ -71,10 +113,13 @@ def _simple_format(kind: Any, param: str) -> StructuredOutputsParams | None:
                               param=f"{param}.type")
 
 
-def vllm_structured_outputs(spec: dict | None, param: str = "structured_outputs") -> StructuredOutputsParams | None:
+def vllm_structured_outputs(spec: StructuredOutputsField | dict | None, param: str = "structured_outputs"
+                            ) -> StructuredOutputsParams | None:
     """vLLM's `structured_outputs` request field: exactly one of json / regex / choice / grammar / json_object."""
-    if not spec:
+    if spec is None:
         return None
+    if isinstance(spec, BaseModel):
+        spec = spec.model_dump(by_alias=True)
     given = [kind for kind in _VLLM_KINDS if spec.get(kind) not in (None, False)]
     if len(given) != 1:
         raise InvalidRequestError(f"{param} needs exactly one of {', '.join(_VLLM_KINDS)}, got "

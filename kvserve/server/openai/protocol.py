@@ -22,7 +22,8 @@ from kvserve.engine.sampling import (
 from kvserve.errors import InvalidRequestError
 from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded, needs_tools,
                                      non_empty_list, required_in_schema, required_when, sampling_params)
-from kvserve.server.core.structured_output import one_constraint, response_format_constraint, vllm_structured_outputs
+from kvserve.server.core.structured_output import (ResponseFormat, StructuredOutputsField, one_constraint,
+                                                   response_format_constraint, vllm_structured_outputs)
 from kvserve.server.core.tool_use import ToolUse, link_tool_results
 from kvserve.server.openai.tool_protocol import ChatTool, ChatToolCall, ChatToolChoice, chat_tool_use
 from kvserve.structured.params import StructuredOutputsParams
@@ -83,8 +84,8 @@ class _SamplingRequest(NullMeansDefault):
     # Log-probabilities of each prompt token after the first, in vLLM's shape (not with stream=true).
     prompt_logprobs: Integer | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs (json/regex/choice/grammar).
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     def check(self) -> None:
         """Checks that need no prompt (call before tokenizing); ranges of sampling values are

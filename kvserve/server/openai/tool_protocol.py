@@ -8,7 +8,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, StrictBool
 
 from kvserve.server.core.fields import NonEmptyText, Text
-from kvserve.server.core.structured_output import one_constraint, response_format_constraint, vllm_structured_outputs
+from kvserve.server.core.structured_output import (ResponseFormat, StructuredOutputsField, one_constraint,
+                                                   response_format_constraint, vllm_structured_outputs)
 from kvserve.server.core.tool_use import ToolUse
 from kvserve.tools.calls import FunctionTool, ToolCall
 from kvserve.tools.grammar import ToolChoice
@@ -75,7 +76,7 @@ def tool_choice(value: ChatToolChoice | None, has_tools: bool) -> ToolChoice:
 
 
 def chat_tool_use(tools: list[ChatTool] | None, choice: ChatToolChoice | None, parallel: bool | None,
-                  response_format: dict | None, structured_outputs: dict | None) -> ToolUse:
+                  response_format: ResponseFormat | None, structured_outputs: StructuredOutputsField | None) -> ToolUse:
     definitions = [tool.definition() for tool in tools or []]
     output = one_constraint(("response_format", response_format_constraint(response_format)),
                             ("structured_outputs", vllm_structured_outputs(structured_outputs)))

@@ -60,11 +60,12 @@ def _chat(app, **body):
     ({"messages": [*USER, {"role": "tool", "tool_call_id": "call_x", "content": "42"}]}, "messages",
      "no earlier call"),
     ({"messages": [*USER, {"role": "tool", "content": "42"}]}, "messages", "tool_call_id"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema",
-     "schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{not json"}}},
-     "response_format.json_schema.schema", "not valid JSON"),
-    ({"response_format": {"type": "yaml"}}, "response_format.type", "not supported"),
+     "response_format", "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs `json_schema`"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}}, "structured_outputs",
      "cannot both"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
@@ -85,5 +86,5 @@ def test_other_apis_refuse_bad_tools_by_name(tiny_app):
         "tool_choice": {"type": "tool", "name": "g"}})
     assert response.status_code == 400 and "'g', which is not among the tools" in response.json()["error"]["message"]
     response = tiny_app.post("/v1/completions", json={"prompt": "a", "structured_outputs": {"choice": []}})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "structured_outputs.choice"
+    assert response.status_code == 400 and response.json()["error"]["param"] == "structured_outputs"
 
