@@ -62,7 +62,8 @@ class PendingDrafts:
 
     request_id: str
     first_position: int  # the first draft token's position in the sequence
-    tables: tuple[tuple[int, ...], ...]  # every group's block ids, before the rollback
+    first_block: int  # the index of its block in the tables
+    tables: tuple[tuple[int, ...], ...]  # every group's block ids from `first_block` on, before the rollback
 
 
 class DraftSlotLog:
@@ -76,19 +77,21 @@ class DraftSlotLog:
     def written(self, request_id: str, num_computed_tokens: int, num_new_tokens: int, num_drafts: int
                 ) -> PendingDrafts:
         """Before `advance()`: the step computed `num_new_tokens` after `num_computed_tokens`, drafts last."""
-        tables = tuple(tuple(ids) for ids in self.kv.block_ids(request_id))
-        return PendingDrafts(request_id, num_computed_tokens + num_new_tokens - num_drafts, tables)
+        first_position = num_computed_tokens + num_new_tokens - num_drafts
+        first_block = first_position // self.kv.block_size  # only the tables' tail: O(drafts), not O(context)
+        tables = tuple(tuple(ids) for ids in self.kv.block_ids(request_id, first_block))
+        return PendingDrafts(request_id, first_position, first_block, tables)
 
     def settled(self, pending: PendingDrafts, num_drafts: int, num_accepted: int, num_computed_tokens: int) -> None:
         """After `advance()`: the request's K/V now covers `num_computed_tokens` tokens; what lay past them
         was rolled back."""
         size = self.kv.block_size
         positions = range(pending.first_position, pending.first_position + num_drafts)
-        after = self.kv.block_ids(pending.request_id)
+        after = self.kv.block_ids(pending.request_id, pending.first_block)
         written, rolled_back, freed = [], [], []
         for table, kept in zip(pending.tables, after):
             for position in positions:
-                slot = (table[position // size], position % size)
+                slot = (table[position // size - pending.first_block], position % size)
                 written.append(slot)
                 if position >= num_computed_tokens:
                     rolled_back.append(slot)
