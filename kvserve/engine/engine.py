@@ -20,6 +20,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.setup import build_engine_parts
 from kvserve.engine.snapshots import SnapshotKeeper
 from kvserve.engine.spec_decode.factory import build_drafting
+from kvserve.engine.spec_decode.slots import DraftSlotLog
 from kvserve.engine.stats import EngineStats, StepWork
 from kvserve.engine.validation import RequestLimits
 from kvserve.errors import InvalidRequestError
@@ -62,8 +63,11 @@ class Engine:
         self.breakpoints = PendingBreakpoints(self.kv_manager, self.config.block_size)
         self.limits = RequestLimits(self.config, self.loaded.config.vocab_size, self.max_model_len, self.kv_manager)
         self.drafting = build_drafting(self.config, self.max_model_len, proposer, num_speculative_tokens)
+        # Where each step's drafts went in the cache, for the lab's map (drafting on only).
+        self.draft_slots = DraftSlotLog(self.kv_manager) if self.drafting is not None else None
         self.snapshots = SnapshotKeeper(self.scheduler, self.tiering,
-                                        self.drafting.counters if self.drafting is not None else None)
+                                        self.drafting.counters if self.drafting is not None else None,
+                                        self.draft_slots)
         self._ids = itertools.count()
 
     @property
@@ -135,8 +139,13 @@ class Engine:
             kept, reason = self.outputs.accept(request, accepted) if accepted else ([], None)
             if kept and request.new_logprobs is not None:
                 request.new_logprobs.extend(result.logprobs[item.request_id][: len(kept)])
+            drafted = bool(item.draft_token_ids) and self.draft_slots is not None
+            pending = self.draft_slots.written(item.request_id, item.num_computed_tokens, item.num_new_tokens,
+                                               len(item.draft_token_ids)) if drafted else None
             num_accepted_drafts = self.scheduler.advance(item, len(accepted), len(kept))
-            if item.draft_token_ids and self.drafting is not None:
+            if drafted:
+                self.draft_slots.settled(pending, len(item.draft_token_ids), num_accepted_drafts,
+                                         request.num_computed_tokens)
                 self.drafting.observe(request, len(item.draft_token_ids), num_accepted_drafts)
             if not kept:
                 continue
