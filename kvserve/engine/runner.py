@@ -18,6 +18,7 @@ from kvserve.kv.attention import AttentionBackend, SequenceSlice
 from kvserve.kv.context_shift import ShiftPlan, TokenMoves
 from kvserve.kv.storage import PagedKVCache
 from kvserve.model.causal_lm import CausalLM
+from kvserve.structured.matcher import GrammarMatcher
 
 
 @dataclass
@@ -51,8 +52,9 @@ class ModelRunner:
         # Per request, per KV group: its block table, kept across steps and changed by each step's updates.
         self._block_tables: dict[str, list[list[int]]] = {}
 
-    def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int]) -> None:
-        self.acceptor.add_request(request_id, params, prompt_token_ids)
+    def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int],
+                    matcher: GrammarMatcher | None = None) -> None:
+        self.acceptor.add_request(request_id, params, prompt_token_ids, matcher)
 
     def remove_request(self, request_id: str) -> None:
         self.acceptor.remove_request(request_id)
@@ -121,10 +123,12 @@ class ModelRunner:
             if offset + count < len(item.token_ids):
                 continue  # more of this request's tokens follow in the next units
             if item.sample:
-                # From the row of the last forced token (or the request's last token): one per draft more.
-                num_rows = len(item.draft_token_ids) + 1
-                inputs.accept_rows.append(AcceptRows(item.request_id, len(inputs.sample_rows), item.forced_token_ids,
-                                                     item.draft_token_ids))
+                # From the row of the last forced token (or the request's last token): one per draft more;
+                # with logprobs, the rows that score the forced tokens before those.
+                forced_rows = len(item.forced_token_ids) if self.acceptor.wants_logprobs(item.request_id) else 0
+                num_rows = forced_rows + len(item.draft_token_ids) + 1
+                inputs.accept_rows.append(AcceptRows(item.request_id, len(inputs.sample_rows) + forced_rows,
+                                                     item.forced_token_ids, item.draft_token_ids, forced_rows))
                 inputs.sample_rows.extend(rows[item.request_id][-num_rows:])
             prompt = self.acceptor.prompt_token_ids(item.request_id)
             if prompt is not None:
