@@ -142,11 +142,14 @@ class ModelRunner:
 
     def _units(self, item: ScheduledRequest) -> list[tuple[ScheduledRequest, int, int]]:
         """(item, offset, count) pieces of a request's tokens, each one slice of the forward. A decode that
-        carries drafts is split into single-token decodes (one per query, each attending over the keys
-        before it and its own: the step writes every token's K/V before any attention reads them), so
+        carries drafts or forced tokens is split into single-token decodes (one per query, each attending over
+        the keys before it and its own: the step writes every token's K/V before any attention reads them), so
         its k + 1 queries go through the backend's batched decode kernel instead of its prefill path."""
         count = len(item.token_ids)
-        if item.draft_token_ids and count > 1 and self._single_token_decodes:
+        # Only a decode (the last token and what it carries) is split: forced tokens riding on a prefill's
+        # last chunk (after a preemption) go with the chunk.
+        carried = count == item.num_speculative_tokens + 1
+        if carried and count > 1 and self._single_token_decodes:
             return [(item, offset, 1) for offset in range(count)]
         return [(item, 0, count)]
 
