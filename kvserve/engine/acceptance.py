@@ -81,7 +81,9 @@ class TokenAcceptor:
         self.vocab_size = vocab_size
         self.device = device
         self._states: dict[str, _SamplingState] = {}
-        self._bitmask = torch.zeros(bitmask_words(vocab_size), dtype=torch.int32)  # one row, reused
+        # One row, reused. Host memory on any device: llguidance writes it through a CPU pointer (the
+        # masking moves it to the logits' device).
+        self._bitmask = torch.zeros(bitmask_words(vocab_size), dtype=torch.int32, device="cpu")
 
     def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int],
                     matcher: GrammarMatcher | None = None) -> None:
