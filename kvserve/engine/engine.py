@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 from kvserve.config import EngineConfig
 from kvserve.engine.breakpoints import PendingBreakpoints, check_breakpoints
+from kvserve.engine.constrained import ConstrainedRequests
 from kvserve.engine.drafting import Proposer
 from kvserve.engine.fault_isolation import execute_isolating_failures
 from kvserve.engine.integrity import check_engine_integrity
@@ -62,6 +63,8 @@ class Engine:
         self.outputs = OutputProcessor(self.loaded.tokenizer, self.kv_manager, page_bytes, self.prefix_caching)
         self.breakpoints = PendingBreakpoints(self.kv_manager, self.config.block_size)
         self.limits = RequestLimits(self.config, self.loaded.config.vocab_size, self.max_model_len, self.kv_manager)
+        self.constrained = ConstrainedRequests(self.loaded.tokenizer, self.loaded.config.vocab_size,
+                                               self.max_model_len, self.config.max_num_batched_tokens)
         self.drafting = build_drafting(self.config, self.max_model_len, proposer, num_speculative_tokens)
         # Where each step's drafts went in the cache, for the lab's map (drafting on only).
         self.draft_slots = DraftSlotLog(self.kv_manager) if self.drafting is not None else None
@@ -95,12 +98,14 @@ class Engine:
         token_ids = self.loaded.require_tokenizer().encode(prompt) if text is not None else list(prompt)
         self.limits.validate(token_ids, params)
         check_breakpoints(pins, len(token_ids))
+        matcher = self.constrained.new_matcher(params)  # compiles (or finds it cached): may refuse
         self.outputs.add(request_id, params)  # the last check that can refuse: nothing to undo before it
         request = Request(request_id, token_ids, params, prompt=text, cache_salt=cache_salt,
                           block_size=self.config.block_size if self.prefix_caching else None)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
-        self.runner.add_request(request_id, params, token_ids)
+        self.runner.add_request(request_id, params, token_ids, matcher)
+        self.constrained.add(request_id, matcher)
         self.scheduler.add(request)
         if self.prefix_caching:
             self.breakpoints.add(request_id, pins)
@@ -108,8 +113,10 @@ class Engine:
         return request_id
 
     def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError if `add_request` would refuse these; safe from any thread."""
+        """Raise InvalidRequestError if `add_request` would refuse these; safe from any thread. A structured
+        outputs spec is compiled here (bounded in time, then cached, so the add finds it ready)."""
         self.limits.validate(token_ids, params)
+        self.constrained.compile(params)
 
     def step(self) -> list[RequestDelta]:
         """Run one batched forward. A request that fails in it (its sampling, its post-processing,
@@ -146,6 +153,9 @@ class Engine:
             if drafted:
                 self.draft_slots.settled(pending, len(item.draft_token_ids), num_accepted_drafts,
                                          request.num_computed_tokens)
+            if kept and reason is None and (reason := self.constrained.after_step(request)) is not None:
+                self.outputs.tracker(request.request_id).finish(reason)  # the grammar is complete
+            if item.draft_token_ids and self.drafting is not None:
                 self.drafting.observe(request, len(item.draft_token_ids), num_accepted_drafts)
             if not kept:
                 continue
@@ -170,6 +180,7 @@ class Engine:
         delta = self.outputs.delta(request, list(new_token_ids), error)
         self.outputs.remove(request.request_id)
         self.runner.remove_request(request.request_id)
+        self.constrained.remove(request.request_id)
         self.breakpoints.remove(request.request_id)
         return delta
 
