@@ -78,26 +78,38 @@ async def round_with_chromium(url: str, prompts: list[list[int]], output: int) -
         return await run_clients(url, prompts, output), {}
 
 
-def view_cost(num_blocks: int, block_size: int, repeats: int = 50) -> tuple[float, float]:
+def view_cost(num_blocks: int, block_size: int, repeats: int = 50) -> tuple[float, float, float]:
     """Milliseconds to build one block view of a pool this size, half of it held by 16 requests (what the
-    engine does once per tick while a page is open), and to encode it as the feed does."""
+    engine does once per tick while a page is open), and to encode it as the feed does; the view carries one
+    step's draft slots (8 per request, half rolled back). Also milliseconds per step to record those slots
+    (what the engine does every step with drafting on, page open or not)."""
     import time
 
+    from kvserve.engine.spec_decode.slots import DraftSlotLog
     from kvserve.engine.stats import take_block_view
     from kvserve.kv.manager import KVCacheManager
     from kvserve.server.lab.feed import block_view_json
 
     kv = KVCacheManager(num_blocks, block_size, enable_caching=True)
+    num_tokens, num_drafts = num_blocks // 32 * block_size, 8
     for request in range(16):
-        kv.allocate_slots(str(request), num_blocks // 32 * block_size)
+        kv.allocate_slots(str(request), num_tokens)
+    log = DraftSlotLog(kv)
     started = time.perf_counter()
+    for step in range(repeats):
+        for request in range(16):
+            pending = log.written(str(request), num_tokens - num_drafts - 1, num_drafts + 1, num_drafts)
+            log.settled(pending, num_drafts, num_drafts // 2, num_tokens - num_drafts // 2)
+        log.end_step(step)
+    recorded = time.perf_counter()
     for _ in range(repeats):
-        view = take_block_view(kv, 0)
+        view = take_block_view(kv, 0, log.current)
     built = time.perf_counter()
     for _ in range(repeats):
         json.dumps(block_view_json(view), separators=(",", ":"))
     encoded = time.perf_counter()
-    return 1000 * (built - started) / repeats, 1000 * (encoded - built) / repeats
+    return (1000 * (built - recorded) / repeats, 1000 * (encoded - built) / repeats,
+            1000 * (recorded - started) / repeats)
 
 
 def main() -> None:
@@ -147,13 +159,14 @@ def main() -> None:
     ratio = float(np.median(pair_ratios))
     print(f"output tok/s: closed median {np.median(closed):.1f}, open median {np.median(opened):.1f}; "
           f"open/closed per pair {', '.join(f'{r:.3f}' for r in pair_ratios)}; median {ratio:.3f}")
-    view_ms, json_ms = view_cost(info["num_blocks"], info["block_size"])
+    view_ms, json_ms, drafts_ms = view_cost(info["num_blocks"], info["block_size"])
     print(f"per feed tick, {info['num_blocks']:,} blocks: block view {view_ms:.2f} ms (engine thread, between steps), "
-          f"JSON {json_ms:.2f} ms (event loop)")
+          f"JSON {json_ms:.2f} ms (event loop); per step, recording 16 requests' draft slots {drafts_ms:.3f} ms")
     path = save("lab_feed_cost", {"workload": "W5", "clients": args.clients, "prompt_tokens": args.prompt,
                                   "output_tokens": args.output, "watcher": args.watcher, "rounds": rows,
                                   "open_over_closed_pairs": pair_ratios, "open_over_closed_median": ratio,
-                                  "block_view_ms": view_ms, "block_view_json_ms": json_ms})
+                                  "block_view_ms": view_ms, "block_view_json_ms": json_ms,
+                                  "draft_slots_per_step_ms": drafts_ms})
     print(f"saved {path}")
 
 

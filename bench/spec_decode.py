@@ -13,14 +13,14 @@ throughput too, on and off.
     .venv/bin/python bench/spec_decode.py [--method auto] [--rounds 2] [--skip-w1]
     .venv/bin/python bench/spec_decode.py cost       # the marginal cost of a verified token, by batch size
 
-llama.cpp's llama-server (its draftless --spec-type ngram-*) is compared only when `llama-server` is on
-PATH; otherwise the script says so and skips it.
+llama.cpp's llama-server is run on the same GGUF and the same prompt tokens, without drafting and with
+each of its draftless --spec-type ngram-* types, when bench/llama_server.py finds the binary; otherwise
+the script says so and skips it.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -31,10 +31,13 @@ from kvserve.engine.drafting import Drafting
 from kvserve.engine.engine import Engine
 from kvserve.engine.output import RequestOutputAssembler
 from kvserve.engine.spec_decode.policy import DraftPolicy
-from kvserve.model.loader import load_model
+from kvserve.model.loader import embedded_model_path, load_model
+from llama_server import LlamaServer, find_llama_server
 from workloads import freeze_setup, greedy, random_prompts, run_engine, save
 
 ROOT = Path(__file__).resolve().parent.parent
+# llama-server's draftless speculative types (this build's names), and no drafting.
+LLAMA_SPEC_TYPES = ("off", "ngram-simple", "ngram-map-k", "ngram-mod")
 
 
 def first_tokens(tokenizer, text: str, count: int) -> str:
@@ -187,11 +190,38 @@ def main() -> None:
         print(f"W1    : off {w1['off']:.1f} tok/s, {args.method} {w1[args.method]:.1f} tok/s "
               f"({w1[args.method] / w1['off']:.2f}x)", flush=True)
         results["W1"] = w1
-    if shutil.which("llama-server") is None:
-        print("llama-server: not on PATH, skipped (its build takes ~25 min here)")
-    else:
-        print("llama-server: found, but its comparison is not automated in this script yet")
+    binary = find_llama_server()
+    if binary is not None:
+        results["llama-server"] = llama_server_w8(binary, prompts, args)
     print(f"wrote {save('spec_decode', {'args': vars(args), 'results': results})}")
+
+
+def llama_server_w8(binary: Path, prompts: dict, args: argparse.Namespace) -> dict:
+    """The same prompts (token ids) through llama-server: no drafting, and each of its draftless n-gram
+    types; best of `--rounds` TPOT per workload (its own predicted_per_token_ms). The prompt cache is off
+    so a round never reuses the previous round's slot (the drafts would then come from the same output)."""
+    table: dict[str, dict] = {}
+    for spec in LLAMA_SPEC_TYPES:
+        extra = [] if spec == "off" else ["--spec-type", spec, "--spec-draft-n-max", "16"]
+        with LlamaServer(binary, embedded_model_path(), *extra) as server:
+            server.complete([1, 2, 3], 4)  # warm-up
+            for name, (workload, max_tokens) in prompts.items():
+                if args.workloads and name not in args.workloads:
+                    continue
+                best = None
+                for _ in range(args.rounds):
+                    done = [server.complete(prompt, max_tokens, cache_prompt=False) for prompt in workload]
+                    row = {"tpot_s": statistics.mean(d.tpot_ms for d in done) / 1e3,
+                           "draft_tokens": sum(d.draft_tokens for d in done),
+                           "accepted_tokens": sum(d.accepted_tokens for d in done),
+                           "output_tokens": sum(len(d.token_ids) for d in done)}
+                    best = row if best is None or row["tpot_s"] < best["tpot_s"] else best
+                table.setdefault(name, {})[spec] = best
+                rate = best["accepted_tokens"] / best["draft_tokens"] if best["draft_tokens"] else 0.0
+                print(f"llama-server {spec:12s} {name:6s}: TPOT {best['tpot_s'] * 1e3:6.1f} ms; "
+                      f"{best['draft_tokens']} draft tokens, {rate:.0%} accepted; {best['output_tokens']} output tokens",
+                      flush=True)
+    return table
 
 
 if __name__ == "__main__":

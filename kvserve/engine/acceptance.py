@@ -19,6 +19,8 @@ import torch
 from kvserve.engine.output import TokenLogprob
 from kvserve.engine.sampling import SamplingParams, make_generator, sample
 from kvserve.engine.spec_decode.verify import verify_drafts
+from kvserve.structured.mask import apply_bitmask
+from kvserve.structured.matcher import GrammarMatcher, bitmask_words
 
 
 @dataclass
@@ -28,10 +30,11 @@ class _SamplingState:
     seen: torch.Tensor | None  # prompt + output tokens, for the repetition penalty
     output_counts: torch.Tensor | None  # occurrences per token in the output, for presence/frequency penalties
     prompt_token_ids: list[int] | None  # kept only when prompt logprobs are asked for
+    matcher: GrammarMatcher | None = None  # structured outputs: the grammar masks each sampled token
 
     @property
     def plain_greedy(self) -> bool:
-        return self.params.greedy and self.seen is None and self.output_counts is None
+        return self.params.greedy and self.seen is None and self.output_counts is None and self.matcher is None
 
 
 @dataclass
@@ -66,6 +69,9 @@ class AcceptRows:
     first: int
     forced_token_ids: tuple[int, ...] = ()
     draft_token_ids: tuple[int, ...] = ()
+    # Rows before `first` that score the forced tokens (each the row of the token before it): given only
+    # when logprobs are asked for, so forced tokens get theirs too.
+    num_forced_rows: int = 0
 
 
 class TokenAcceptor:
@@ -75,15 +81,19 @@ class TokenAcceptor:
         self.vocab_size = vocab_size
         self.device = device
         self._states: dict[str, _SamplingState] = {}
+        # One row, reused. Host memory on any device: llguidance writes it through a CPU pointer (the
+        # masking moves it to the logits' device).
+        self._bitmask = torch.zeros(bitmask_words(vocab_size), dtype=torch.int32, device="cpu")
 
-    def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+    def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int],
+                    matcher: GrammarMatcher | None = None) -> None:
         seen = None
         if params.repetition_penalty != 1.0:
             seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
             seen[torch.tensor(prompt_token_ids, device=self.device)] = True
         counts = torch.zeros(self.vocab_size, device=self.device) if params.penalizes_output else None
         prompt = list(prompt_token_ids) if params.prompt_logprobs is not None else None
-        self._states[request_id] = _SamplingState(params, make_generator(params.seed), seen, counts, prompt)
+        self._states[request_id] = _SamplingState(params, make_generator(params.seed), seen, counts, prompt, matcher)
 
     def remove_request(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -91,6 +101,9 @@ class TokenAcceptor:
     def prompt_token_ids(self, request_id: str) -> list[int] | None:
         """The prompt, where its logprobs are asked for (else None)."""
         return self._states[request_id].prompt_token_ids
+
+    def wants_logprobs(self, request_id: str) -> bool:
+        return self._states[request_id].params.logprobs is not None
 
     def accept(self, result: StepResult, rows: list[AcceptRows], logits: torch.Tensor) -> None:
         """Each request's accepted tokens (and their logprobs) into `result`; one that raises fails alone."""
@@ -116,6 +129,8 @@ class TokenAcceptor:
 
     def _pick(self, row: AcceptRows, state: _SamplingState, logits: torch.Tensor) -> list[int]:
         """The tokens after the forced ones: sampled, or drafts verified."""
+        if state.matcher is not None:  # constrained: never drafted
+            return [self._sample_constrained(logits[row.first], state)]
         if not row.draft_token_ids:
             return [sample(logits[row.first], state.params, state.generator, state.seen, state.output_counts)]
         if not state.plain_greedy:
@@ -127,6 +142,17 @@ class TokenAcceptor:
         while kept < len(row.draft_token_ids) and row.draft_token_ids[kept] == best[kept]:
             kept += 1
         return [*row.draft_token_ids[:kept], best[kept]]
+
+    def _sample_constrained(self, logits: torch.Tensor, state: _SamplingState) -> int:
+        """A token the grammar allows (free text while a trigger is awaited), consumed by the matcher. The
+        mask only changes what is sampled: logprobs are the raw model's."""
+        matcher = state.matcher
+        if matcher.constrained:
+            matcher.fill_bitmask(self._bitmask)
+            logits = apply_bitmask(logits, self._bitmask)
+        token = sample(logits, state.params, state.generator, state.seen, state.output_counts)
+        matcher.consume([token])
+        return token
 
     @staticmethod
     def _count(state: _SamplingState, token_ids: list[int]) -> None:
@@ -140,10 +166,11 @@ class TokenAcceptor:
     @staticmethod
     def _logprobs(row: AcceptRows, state: _SamplingState, logits: torch.Tensor,
                   accepted: list[int]) -> list[TokenLogprob]:
-        """Logprobs of the accepted tokens after the forced ones, each from the row that predicted it.
-        Forced tokens were not scored by the model in this step: they get none."""
-        picked = accepted[len(row.forced_token_ids):]
-        return token_logprobs(logits[row.first : row.first + len(picked)], picked, state.params.logprobs)
+        """Logprobs of the accepted tokens, each from the row that predicted it (the forced ones from the
+        rows before `first`)."""
+        scored = accepted[len(row.forced_token_ids) - row.num_forced_rows:]
+        first = row.first - row.num_forced_rows
+        return token_logprobs(logits[first : first + len(scored)], scored, state.params.logprobs)
 
     def prompt_logprobs(self, result: StepResult, prompt_rows: list[tuple[str, int, int, int]],
                         logits: torch.Tensor) -> None:

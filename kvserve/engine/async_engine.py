@@ -148,7 +148,21 @@ class AsyncEngine:
             finally:
                 self.num_pending_adds -= 1
 
-        return self._stream(request_id, queue, self.call(add))
+        if params.structured_outputs is None:
+            return self._stream(request_id, queue, self.call(add))
+        return self._stream(request_id, queue, asyncio.ensure_future(self._compile_then_add(request_id, params, add)))
+
+    async def _compile_then_add(self, request_id: str, params: SamplingParams, add: Callable[[], None]) -> None:
+        """Compile a structured output's grammar on a worker thread (bounded in time, then cached), then add
+        the request between steps (its add finds the grammar cached): neither the event loop nor the steps
+        of other requests wait for a compilation."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.constrained.compile, params)
+        except BaseException:  # a grammar that does not compile, or the caller gone meanwhile
+            self._streams.pop(request_id, None)
+            self.num_pending_adds -= 1
+            raise
+        await self.call(add)
 
     async def _stream(self, request_id: str, queue: asyncio.Queue, added: asyncio.Future
                       ) -> AsyncIterator[RequestDelta]:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 from kvserve.config import EngineConfig
 from kvserve.engine.breakpoints import PendingBreakpoints, check_breakpoints
+from kvserve.engine.constrained import ConstrainedRequests
 from kvserve.engine.drafting import Proposer
 from kvserve.engine.fault_isolation import execute_isolating_failures
 from kvserve.engine.integrity import check_engine_integrity
@@ -20,6 +21,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.setup import build_engine_parts
 from kvserve.engine.snapshots import SnapshotKeeper
 from kvserve.engine.spec_decode.factory import build_drafting
+from kvserve.engine.spec_decode.slots import DraftSlotLog
 from kvserve.engine.stats import EngineStats, StepWork
 from kvserve.engine.validation import RequestLimits
 from kvserve.errors import InvalidRequestError
@@ -61,9 +63,14 @@ class Engine:
         self.outputs = OutputProcessor(self.loaded.tokenizer, self.kv_manager, page_bytes, self.prefix_caching)
         self.breakpoints = PendingBreakpoints(self.kv_manager, self.config.block_size)
         self.limits = RequestLimits(self.config, self.loaded.config.vocab_size, self.max_model_len, self.kv_manager)
+        self.constrained = ConstrainedRequests(self.loaded.tokenizer, self.loaded.config.vocab_size,
+                                               self.max_model_len, self.config.max_num_batched_tokens)
         self.drafting = build_drafting(self.config, self.max_model_len, proposer, num_speculative_tokens)
+        # Where each step's drafts went in the cache, for the lab's map (drafting on only).
+        self.draft_slots = DraftSlotLog(self.kv_manager) if self.drafting is not None else None
         self.snapshots = SnapshotKeeper(self.scheduler, self.tiering,
-                                        self.drafting.counters if self.drafting is not None else None)
+                                        self.drafting.counters if self.drafting is not None else None,
+                                        self.draft_slots)
         self._ids = itertools.count()
 
     @property
@@ -91,12 +98,14 @@ class Engine:
         token_ids = self.loaded.require_tokenizer().encode(prompt) if text is not None else list(prompt)
         self.limits.validate(token_ids, params)
         check_breakpoints(pins, len(token_ids))
+        matcher = self.constrained.new_matcher(params)  # compiles (or finds it cached): may refuse
         self.outputs.add(request_id, params)  # the last check that can refuse: nothing to undo before it
         request = Request(request_id, token_ids, params, prompt=text, cache_salt=cache_salt,
                           block_size=self.config.block_size if self.prefix_caching else None)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
-        self.runner.add_request(request_id, params, token_ids)
+        self.runner.add_request(request_id, params, token_ids, matcher)
+        self.constrained.add(request_id, matcher)
         self.scheduler.add(request)
         if self.prefix_caching:
             self.breakpoints.add(request_id, pins)
@@ -104,8 +113,10 @@ class Engine:
         return request_id
 
     def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError if `add_request` would refuse these; safe from any thread."""
+        """Raise InvalidRequestError if `add_request` would refuse these; safe from any thread. A structured
+        outputs spec is compiled here (bounded in time, then cached, so the add finds it ready)."""
         self.limits.validate(token_ids, params)
+        self.constrained.compile(params)
 
     def step(self) -> list[RequestDelta]:
         """Run one batched forward. A request that fails in it (its sampling, its post-processing,
@@ -135,7 +146,15 @@ class Engine:
             kept, reason = self.outputs.accept(request, accepted) if accepted else ([], None)
             if kept and request.new_logprobs is not None:
                 request.new_logprobs.extend(result.logprobs[item.request_id][: len(kept)])
+            drafted = bool(item.draft_token_ids) and self.draft_slots is not None
+            pending = self.draft_slots.written(item.request_id, item.num_computed_tokens, item.num_new_tokens,
+                                               len(item.draft_token_ids)) if drafted else None
             num_accepted_drafts = self.scheduler.advance(item, len(accepted), len(kept))
+            if drafted:
+                self.draft_slots.settled(pending, len(item.draft_token_ids), num_accepted_drafts,
+                                         request.num_computed_tokens)
+            if kept and reason is None and (reason := self.constrained.after_step(request)) is not None:
+                self.outputs.tracker(request.request_id).finish(reason)  # the grammar is complete
             if item.draft_token_ids and self.drafting is not None:
                 self.drafting.observe(request, len(item.draft_token_ids), num_accepted_drafts)
             if not kept:
@@ -161,6 +180,7 @@ class Engine:
         delta = self.outputs.delta(request, list(new_token_ids), error)
         self.outputs.remove(request.request_id)
         self.runner.remove_request(request.request_id)
+        self.constrained.remove(request.request_id)
         self.breakpoints.remove(request.request_id)
         return delta
 

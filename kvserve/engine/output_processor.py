@@ -59,7 +59,7 @@ class OutputTracker:
         """Record one token; returns the finish reason once finished ("stop" / "length")."""
         self.token_ids.append(token_id)
         if token_id in self._eos_ids or token_id in self._stop_ids:
-            self._finish("stop")
+            self.finish("stop")
             return self.finish_reason
         if self._detokenizer is not None:
             searched_from = max(len(self.text) - self._holdback, 0)
@@ -67,7 +67,7 @@ class OutputTracker:
             if self._find_stop_string(searched_from):
                 return self.finish_reason
         if len(self.token_ids) >= self.params.max_tokens:
-            self._finish("length")
+            self.finish("length")
         return self.finish_reason
 
     def _find_stop_string(self, searched_from: int) -> bool:
@@ -78,7 +78,8 @@ class OutputTracker:
         self.finish_reason = "stop"
         return True
 
-    def _finish(self, reason: str) -> None:
+    def finish(self, reason: str) -> None:
+        """Finish now (also from outside: a structured output's grammar completes), flushing the text."""
         if self._detokenizer is not None:
             searched_from = max(len(self.text) - self._holdback, 0)
             self.text += self._detokenizer.flush()

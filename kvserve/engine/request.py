@@ -55,6 +55,10 @@ class Request:
         # Tokens a proposer guessed follow all_token_ids (speculative decoding): the next step computes them
         # after the last token and keeps those the model agrees with. Never part of all_token_ids.
         self.draft_token_ids: list[int] = []
+        # Tokens a request's grammar forces next (structured outputs, engine/constrained.py), already
+        # consumed by its matcher: the step that reaches the last token computes them too and they become
+        # outputs without sampling. Kept across a preemption (the grammar has moved past them).
+        self.forced_token_ids: list[int] = []
         self.num_shifted_tokens = 0  # dropped from the context by context shifts (engine/context_shift.py)
         # Prefix cache outcome at first admission: prompt tokens served from the
         # cache, and where the prompt left the closest cached chain (or None).

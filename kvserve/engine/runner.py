@@ -18,6 +18,7 @@ from kvserve.kv.attention import AttentionBackend, SequenceSlice
 from kvserve.kv.context_shift import ShiftPlan, TokenMoves
 from kvserve.kv.storage import PagedKVCache
 from kvserve.model.causal_lm import CausalLM
+from kvserve.structured.matcher import GrammarMatcher
 
 
 @dataclass
@@ -51,8 +52,9 @@ class ModelRunner:
         # Per request, per KV group: its block table, kept across steps and changed by each step's updates.
         self._block_tables: dict[str, list[list[int]]] = {}
 
-    def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int]) -> None:
-        self.acceptor.add_request(request_id, params, prompt_token_ids)
+    def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int],
+                    matcher: GrammarMatcher | None = None) -> None:
+        self.acceptor.add_request(request_id, params, prompt_token_ids, matcher)
 
     def remove_request(self, request_id: str) -> None:
         self.acceptor.remove_request(request_id)
@@ -121,10 +123,12 @@ class ModelRunner:
             if offset + count < len(item.token_ids):
                 continue  # more of this request's tokens follow in the next units
             if item.sample:
-                # From the row of the last forced token (or the request's last token): one per draft more.
-                num_rows = len(item.draft_token_ids) + 1
-                inputs.accept_rows.append(AcceptRows(item.request_id, len(inputs.sample_rows), item.forced_token_ids,
-                                                     item.draft_token_ids))
+                # From the row of the last forced token (or the request's last token): one per draft more;
+                # with logprobs, the rows that score the forced tokens before those.
+                forced_rows = len(item.forced_token_ids) if self.acceptor.wants_logprobs(item.request_id) else 0
+                num_rows = forced_rows + len(item.draft_token_ids) + 1
+                inputs.accept_rows.append(AcceptRows(item.request_id, len(inputs.sample_rows) + forced_rows,
+                                                     item.forced_token_ids, item.draft_token_ids, forced_rows))
                 inputs.sample_rows.extend(rows[item.request_id][-num_rows:])
             prompt = self.acceptor.prompt_token_ids(item.request_id)
             if prompt is not None:
@@ -138,11 +142,14 @@ class ModelRunner:
 
     def _units(self, item: ScheduledRequest) -> list[tuple[ScheduledRequest, int, int]]:
         """(item, offset, count) pieces of a request's tokens, each one slice of the forward. A decode that
-        carries drafts is split into single-token decodes (one per query, each attending over the keys
-        before it and its own: the step writes every token's K/V before any attention reads them), so
+        carries drafts or forced tokens is split into single-token decodes (one per query, each attending over
+        the keys before it and its own: the step writes every token's K/V before any attention reads them), so
         its k + 1 queries go through the backend's batched decode kernel instead of its prefill path."""
         count = len(item.token_ids)
-        if item.draft_token_ids and count > 1 and self._single_token_decodes:
+        # Only a decode (the last token and what it carries) is split: forced tokens riding on a prefill's
+        # last chunk (after a preemption) go with the chunk.
+        carried = count == item.num_speculative_tokens + 1
+        if carried and count > 1 and self._single_token_decodes:
             return [(item, offset, 1) for offset in range(count)]
         return [(item, 0, count)]
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.errors import InvalidRequestError
+from kvserve.structured.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by a
 # tiny temperature only amplifies float noise.
@@ -48,6 +49,9 @@ class SamplingParams:
     # the chosen token's plus the top-k alternatives; 0 = the chosen one only.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Constrain the output to a JSON schema / regex / choice / grammar (kvserve/structured); the logprobs
+    # above stay the raw model's, before the grammar's mask (as vLLM's default).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +98,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 fail(f"stop_token_ids must be non-negative integers, got {t!r}", "stop_token_ids")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
 
     @property
     def greedy(self) -> bool:

@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
+from kvserve.engine.constrained import with_forced
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.block_updates import BlockTableUpdate
 from kvserve.kv.context_shift import ShiftPlan, shift_amount
@@ -130,7 +131,10 @@ class Scheduler:
             remaining = request.num_tokens - request.num_computed_tokens
             if request.draft_token_ids and (remaining != 1 or len(request.draft_token_ids) >= budget):
                 request.draft_token_ids = []  # drafts ride on a decode, and only whole
-            count = min(remaining, budget) + len(request.draft_token_ids)
+            count = with_forced(request, min(remaining, budget), remaining, budget)
+            if count == 0:
+                continue  # its last token waits for room for its forced tokens
+            count += len(request.draft_token_ids)
             while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + count):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -186,7 +190,10 @@ class Scheduler:
                 if self.kv.next_block_key(request.all_token_ids, request.block_hashes, match) in in_flight:
                     break  # FCFS: nobody overtakes it; it is admitted once the block is cached
             num_hit = match.num_tokens if match is not None else 0
-            count = min(request.num_tokens - num_hit, budget)
+            count = with_forced(request, min(request.num_tokens - num_hit, budget), request.num_tokens - num_hit,
+                                budget)
+            if count == 0:
+                break  # FCFS: it waits for a step with room for its forced tokens
             # The watermark keeps room for running requests to grow; with none
             # running, a request that needs the whole pool must still get in.
             keep_watermark = bool(self.running)
@@ -218,12 +225,15 @@ class Scheduler:
         """What the runner needs of a request this step (it lays the batch out in its backend's order)."""
         start, drafts = request.num_computed_tokens, tuple(request.draft_token_ids)
         end = start + count - len(drafts)
+        forced = tuple(request.forced_token_ids) if end > request.num_tokens else ()
+        end -= len(forced)
         return ScheduledRequest(
             request.request_id,
-            request.all_token_ids[start:end] + list(drafts),
+            request.all_token_ids[start:end] + list(forced) + list(drafts),
             start,
             self.kv.take_block_updates(request.request_id),
             sample=end == request.num_tokens,
+            forced_token_ids=forced,
             draft_token_ids=drafts,
         )
 
@@ -231,7 +241,7 @@ class Scheduler:
         self.running.remove(request)
         out.shifts = [shift for shift in out.shifts if shift[0] != request.request_id]  # its blocks are gone
         self.kv.free(request.request_id)
-        request.draft_token_ids = []
+        request.draft_token_ids = []  # (forced tokens stay: its grammar has consumed them)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -253,6 +263,8 @@ class Scheduler:
         num_rejected = item.num_speculative_tokens - num_valid
         request.num_computed_tokens += item.num_new_tokens - num_rejected
         request.draft_token_ids = []
+        if item.forced_token_ids:
+            request.forced_token_ids = []  # now outputs (the engine puts the next ones on after this)
         if num_rejected:
             # The tables may keep less than asked (a cut inside a block others share): recompute from there.
             request.num_computed_tokens = self.kv.truncate(request.request_id, request.num_computed_tokens)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.spec_decode.slots import DraftSlotLog
 from kvserve.engine.spec_decode.stats import DraftCounters
 from kvserve.engine.stats import BlockView, EngineStats, StepWork, take_block_view, take_stats, with_added
 from kvserve.engine.tiering import TierTraffic
@@ -18,10 +19,11 @@ class SnapshotKeeper:
     only when asked (it is O(blocks))."""
 
     def __init__(self, scheduler: Scheduler, tiering: TierTraffic | None,
-                 drafts: DraftCounters | None = None) -> None:
+                 drafts: DraftCounters | None = None, draft_slots: DraftSlotLog | None = None) -> None:
         self.scheduler = scheduler
         self.tiering = tiering
         self.drafts = drafts
+        self.draft_slots = draft_slots
         self.num_steps = self.num_generated_tokens = 0
         self.last_step = StepWork()
         self._block_view: BlockView | None = None  # the last one built, carried into later snapshots
@@ -32,6 +34,8 @@ class SnapshotKeeper:
         self.num_steps += 1
         self.num_generated_tokens += num_generated_tokens
         self.last_step = work
+        if self.draft_slots is not None:
+            self.draft_slots.end_step(self.num_steps)
 
     def take(self) -> EngineStats:
         """A new snapshot after the pool changed (a step, an abort); it becomes `current`."""
@@ -40,11 +44,14 @@ class SnapshotKeeper:
         self._block_view_current = self._block_view_wanted
         if self._block_view_wanted:
             self._block_view_wanted = False
-            self._block_view = take_block_view(self.scheduler.kv, self.num_steps)
+            # With the draft slots of the same step: the map draws them on the blocks as they were then.
+            drafts = self.draft_slots.current if self.draft_slots is not None else None
+            self._block_view = take_block_view(self.scheduler.kv, self.num_steps, drafts)
         tier = self.tiering.stats() if self.tiering is not None else None
         self.current = take_stats(self.scheduler, self.num_steps, self.num_generated_tokens, self.last_step,
                                   self._block_view, tier, pins=self.scheduler.kv.pin_stats(),
-                                  spec_decode=self.drafts.snapshot() if self.drafts is not None else None)
+                                  spec_decode=self.drafts.snapshot() if self.drafts is not None else None,
+                                  draft_slots=self.draft_slots.current if self.draft_slots is not None else None)
         return self.current
 
     def added(self, request: Request) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.spec_decode.slots import StepDrafts
 from kvserve.engine.spec_decode.stats import SpecDecodeStats
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pins import PinStats
@@ -59,6 +60,7 @@ class BlockView:
     ref_counts: tuple[int, ...]  # by block id
     hashed: tuple[bool, ...]  # by block id: holds a reusable prefix (in use or free)
     tables: tuple[tuple[str, tuple[int, ...]], ...]  # (request id, its block ids)
+    drafts: StepDrafts | None = None  # the draft slots step `num_steps` wrote and rolled back (None: drafting off)
 
     def state_counts(self) -> dict[str, int]:
         """Blocks per state: free, cached (free but still holding a prefix), used (one holder), shared (several)."""
@@ -69,10 +71,10 @@ class BlockView:
         return counts
 
 
-def take_block_view(kv: KVCacheManager, num_steps: int) -> BlockView:
+def take_block_view(kv: KVCacheManager, num_steps: int, drafts: StepDrafts | None = None) -> BlockView:
     ref_counts, hashed, tables = kv.block_states()
     return BlockView(num_steps, tuple(ref_counts), tuple(hashed),
-                     tuple((request_id, tuple(ids)) for request_id, ids in tables.items()))
+                     tuple((request_id, tuple(ids)) for request_id, ids in tables.items()), drafts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,7 @@ class EngineStats:
     last_step: StepWork = StepWork()  # what the last step that ran a batch computed
     blocks: BlockView | None = None  # the pool block by block, as of blocks.num_steps (only once asked for)
     spec_decode: SpecDecodeStats | None = None  # drafts and acceptances (None: speculative decoding off)
+    draft_slots: StepDrafts | None = None  # the last step's draft slots in the cache (None: drafting off)
 
     @property
     def num_running(self) -> int:
@@ -136,7 +139,8 @@ def request_stats(request: Request, kv: KVCacheManager) -> RequestStats:
 
 def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int, last_step: StepWork = StepWork(),
                blocks: BlockView | None = None, tier: TierStats | None = None,
-               pins: PinStats | None = None, spec_decode: SpecDecodeStats | None = None) -> EngineStats:
+               pins: PinStats | None = None, spec_decode: SpecDecodeStats | None = None,
+               draft_slots: StepDrafts | None = None) -> EngineStats:
     """A snapshot of the pool and of every unfinished request. Call it between steps, on the engine's thread."""
     kv = scheduler.kv
     num_free = kv.num_free_blocks
@@ -149,7 +153,7 @@ def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int, 
         num_steps=num_steps, num_generated_tokens=num_generated_tokens,
         running=tuple(request_stats(r, kv) for r in scheduler.running),
         waiting=tuple(request_stats(r, kv) for r in scheduler.waiting), last_step=last_step, blocks=blocks,
-        tier=tier, pins=pins, spec_decode=spec_decode,
+        tier=tier, pins=pins, spec_decode=spec_decode, draft_slots=draft_slots,
     )
 
 

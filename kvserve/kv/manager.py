@@ -203,9 +203,10 @@ class KVCacheManager:
     def pin_stats(self) -> PinStats:
         return self.pins.stats()
 
-    def block_ids(self, request_id: str) -> list[list[int]]:
-        """The request's block table of each group (NULL_BLOCK_ID where a window freed the block)."""
-        return [table_ids(group.tables.get(request_id, ())) for group in self.groups]
+    def block_ids(self, request_id: str, start: int = 0) -> list[list[int]]:
+        """The request's block table of each group (NULL_BLOCK_ID where a window freed the block), from its
+        `start`-th block on (a step's drafts need only the tail)."""
+        return [table_ids(group.tables.get(request_id, ())[start:]) for group in self.groups]
 
     def blocks_held_by_group(self, request_id: str) -> list[int]:
         return [sum(block is not None for block in group.tables.get(request_id, ())) for group in self.groups]

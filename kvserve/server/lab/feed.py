@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.spec_decode.slots import StepDrafts
 from kvserve.engine.stats import BlockView, EngineStats, RequestStats
 
 FEED_INTERVAL_S = 0.25  # four updates a second: live to the eye, a rounding error for the engine
@@ -29,13 +30,36 @@ class FeedSettings:
 
 
 def block_view_json(view: BlockView) -> dict:
-    """Compact: ref counts as a list, hashed flags as a '0'/'1' string, tables by request id."""
+    """Compact: ref counts as a list, hashed flags as a '0'/'1' string, tables by request id, and the
+    draft slots the view's step wrote (None with drafting off)."""
     return {
         "step": view.num_steps,
         "ref": list(view.ref_counts),
         "hashed": "".join("1" if hashed else "0" for hashed in view.hashed),
         "tables": {request_id: list(block_ids) for request_id, block_ids in view.tables},
         "counts": view.state_counts(),
+        "drafts": draft_slots_json(view.drafts) if view.drafts is not None else None,
+    }
+
+
+def _flat(slots: tuple[tuple[int, int], ...]) -> list[int]:
+    return [number for slot in slots for number in slot]
+
+
+def draft_slots_json(drafts: StepDrafts) -> list[dict]:
+    """A step's draft slots per request, as flat [block, offset, block, offset, ...] lists."""
+    return [{"id": r.request_id, "written": _flat(r.written), "rolled_back": _flat(r.rolled_back),
+             "freed_blocks": list(r.freed_blocks)} for r in drafts.requests]
+
+
+def draft_counts_json(drafts: StepDrafts) -> dict:
+    """Draft tokens written, accepted and rolled back (and blocks the rollbacks freed): the last step's and in total."""
+    return {
+        "step": drafts.num_steps,
+        "last": {"written": drafts.num_written, "accepted": drafts.num_accepted,
+                 "rolled_back": drafts.num_rolled_back, "freed_blocks": drafts.num_freed_blocks},
+        "total": {"written": drafts.total_written, "accepted": drafts.total_accepted,
+                  "rolled_back": drafts.total_rolled_back, "freed_blocks": drafts.total_freed_blocks},
     }
 
 
@@ -65,6 +89,7 @@ def snapshot_json(stats: EngineStats, include_blocks: bool = True) -> dict:
         "running": [_request_json(r) for r in stats.running],
         "waiting": [_request_json(r) for r in stats.waiting],
         "blocks": block_view_json(stats.blocks) if include_blocks and stats.blocks is not None else None,
+        "drafts": draft_counts_json(stats.draft_slots) if stats.draft_slots is not None else None,
     }
 
 

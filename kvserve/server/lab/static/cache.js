@@ -3,7 +3,8 @@
 
 const COLORS = { free: "#e4e8ee", cached: "#8fc1e3", used: "#2f9e5b", shared: "#e0672b" };
 const HISTORY = 120; // points per chart (30 s at four updates a second)
-const state = { view: null, holders: [], selected: null, hover: null, layout: null, history: [], info: null };
+const state = { view: null, holders: [], selected: null, hover: null, layout: null, history: [], info: null,
+                drafts: new Map() };
 
 function blockState(view, id) {
   const ref = view.ref[id];
@@ -25,6 +26,7 @@ function cellState(view, cell, group) {
 
 function setView(view) {
   state.view = view;
+  state.drafts = drafts.byBlock(view);
   state.holders = view.ref.map(() => []);
   for (const [requestId, ids] of Object.entries(view.tables)) for (const id of ids) state.holders[id].push(requestId);
   const counts = view.counts;
@@ -71,6 +73,7 @@ function drawMap() {
       ctx.fillRect(x + l.cell / 2 - 2, y + l.cell / 2 - 2, 3, 3);
     }
   }
+  drafts.draw(ctx, l, gap, state.drafts, state.info ? state.info.block_size : 16);
   const mark = state.selected !== null ? state.selected : state.hover;
   if (mark !== null && mark < l.cells) {
     ctx.strokeStyle = "#111"; ctx.lineWidth = 2;
@@ -111,11 +114,13 @@ function showBlock(id) {
   const holders = state.holders[id];
   panel.innerHTML = `<h2>Block ${id}${state.selected === id ? " (pinned)" : ""}</h2><dl>
     <dt>state</dt><dd id="info-state"></dd><dt>ref count</dt><dd id="info-ref"></dd>
-    <dt>hashed</dt><dd id="info-hashed"></dd><dt>held by</dt><dd id="info-holders"></dd></dl>`;
+    <dt>hashed</dt><dd id="info-hashed"></dd><dt>held by</dt><dd id="info-holders"></dd>
+    <dt>drafts</dt><dd id="info-drafts"></dd></dl>`;
   lab.text("info-state", STATE_TEXT[blockState(view, id)]);
   lab.text("info-ref", view.ref[id]);
   lab.text("info-hashed", view.hashed[id] === "1" ? "yes: a full block of a cached prefix" : "no");
   lab.text("info-holders", holders.length ? holders.join(", ") : "nobody");
+  lab.text("info-drafts", drafts.describe(state.drafts.get(id)));
 }
 
 function cellAt(event) {
@@ -188,6 +193,7 @@ function recordHistory(snapshot) {
 
 function apply(snapshot) {
   if (snapshot.blocks) setView(snapshot.blocks);
+  drafts.showCounts(snapshot.drafts);
   // A snapshot without a new block view is of the same blocks as the last one (the feed sends a view
   // only when it changed): cards and chart both read the view shown, never two different moments.
   const counts = state.view ? state.view.counts : null;

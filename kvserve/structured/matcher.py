@@ -1,0 +1,94 @@
+"""One request's grammar state: the allowed-token bitmask, accepted tokens in, forced tokens out.
+
+In trigger mode the output is free text (no mask) until its bytes contain the trigger; bytes a token
+carries past the trigger are the constrained part's first bytes and go through the grammar (a token that
+ends the trigger and starts something the grammar refuses fails the request: GrammarStateError).
+"""
+
+from __future__ import annotations
+
+import llguidance
+import torch
+
+from kvserve.errors import KVServeError
+from kvserve.structured.compiler import CompiledGrammar
+
+
+class GrammarStateError(KVServeError):
+    """A token reached a grammar that refuses it (a bug or a trigger token the grammar cannot continue)."""
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one row of the allowed-token bitmask (one bit per token)."""
+    return (vocab_size + 31) // 32
+
+
+class GrammarMatcher:
+    """A request's matcher. `force` False turns forced tokens off (benchmarks compare both)."""
+
+    def __init__(self, compiled: CompiledGrammar, vocabulary: llguidance.LLTokenizer, trigger: str | None = None,
+                 force: bool = True) -> None:
+        self._state = compiled.new_state()
+        self._vocabulary = vocabulary
+        self._trigger = trigger.encode() if trigger is not None else None
+        self._tail = b""  # the free text's last bytes, where a trigger may be starting
+        self.force = force
+        self.num_consumed = 0  # tokens consumed by the grammar (after any trigger)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the grammar constrains the next token (False while a trigger is awaited)."""
+        return self._trigger is None
+
+    @property
+    def is_stopped(self) -> bool:
+        """The grammar is complete and allows nothing more (only EOS)."""
+        return self.constrained and self._state.is_stopped()
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        """Write the allowed next tokens into `row` (int32, CPU, contiguous, bitmask_words(vocab) words)."""
+        if row.dtype != torch.int32 or not row.is_contiguous() or row.device.type != "cpu":
+            raise ValueError("the bitmask row must be a contiguous int32 CPU tensor")
+        self._state.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        self._check()
+
+    def consume(self, token_ids: list[int]) -> None:
+        """Advance over accepted tokens (free text first, in trigger mode)."""
+        for index, token in enumerate(token_ids):
+            if not self.constrained:
+                self._watch_trigger(token)
+                continue
+            if not self._state.consume_token(token):
+                self._check()
+                raise GrammarStateError(f"the grammar refused token {token} at output token {index}")
+            self.num_consumed += 1
+
+    def take_forced(self, limit: int) -> list[int]:
+        """The tokens the grammar allows alone next (llguidance's fast-forward tokens), at most `limit`,
+        consumed: the caller must append them to the output."""
+        if not self.force or limit <= 0 or not self.constrained or self._state.is_stopped():
+            return []
+        forced = self._state.compute_ff_tokens()[:limit]
+        self.consume(forced)
+        return forced
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` grammar-consumed tokens (not past the trigger)."""
+        if num_tokens > self.num_consumed or not self._state.rollback(num_tokens):
+            raise GrammarStateError(f"cannot roll back {num_tokens} of {self.num_consumed} tokens")
+        self.num_consumed -= num_tokens
+
+    def _watch_trigger(self, token: int) -> None:
+        text = self._tail + self._vocabulary.decode_bytes([token])
+        found = text.find(self._trigger)
+        if found < 0:
+            self._tail = text[-(len(self._trigger) - 1):] if len(self._trigger) > 1 else b""
+            return
+        rest = text[found + len(self._trigger):]
+        self._trigger, self._tail = None, b""
+        if rest:
+            self.consume(self._vocabulary.tokenize_bytes(rest))
+
+    def _check(self) -> None:
+        if self._state.is_error():
+            raise GrammarStateError(f"grammar error: {self._state.get_error()}")
