@@ -1,5 +1,7 @@
 """The miss explainer's causes for agent loops."""
 
+import pytest
+
 from kvserve.tools.miss_cause import divergence_cause
 from kvserve.tools.rendering import default_tools_block
 from kvserve.tools.calls import FunctionTool
@@ -24,3 +26,28 @@ def test_a_divergence_on_a_time_blames_the_timestamp():
 def test_other_divergences_have_no_guess():
     assert divergence_cause("<tool_call>\n{}\n</tool_call>\nThe answer is ", "blue", "red") is None
     assert divergence_cause("prompt number ", "2", "1") is None
+
+
+@pytest.mark.slow
+def test_the_prefix_report_names_changed_tool_definitions(embedded):
+    from kvserve.config import EngineConfig
+    from kvserve.engine.engine import Engine
+    from kvserve.engine.sampling import SamplingParams
+    from kvserve.tools.rendering import Turn, render_conversation
+    from tests.helpers import run_to_finals
+
+    engine = Engine(EngineConfig(kv_cache_memory="64MiB"), loaded=embedded)
+    tokenizer = engine.tokenizer
+    weather = FunctionTool("get_weather", "The weather in a city", {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"type": "string"}}})
+    # the client re-serialized the schema with its keys sorted
+    resorted = FunctionTool("get_weather", "The weather in a city", {"properties": {
+        "city": {"type": "string"}, "unit": {"type": "string"}}, "type": "object"})
+    turns = [Turn("system", "You are a weather assistant."), Turn("user", "Weather in Paris?")]
+    reports = []
+    for tools in ([weather], [resorted]):
+        messages, variables = render_conversation(turns, tools, tokenizer.chat_template)
+        request_id = engine.add_request(tokenizer.encode_chat(messages, **variables),
+                                        SamplingParams(max_tokens=1, temperature=0.0))
+        reports.append(run_to_finals(engine)[request_id].prefix_cache)
+    assert "likely cause: the tool definitions changed" in reports[1].reason
