@@ -189,13 +189,13 @@ class ContentPart(BaseModel):
 
 
 # Only an assistant turn may come without content (OpenAI's, where tool calls stand in for it).
-_CONTENT_REQUIRED = {"if": {"properties": {"role": {"enum": ["system", "developer", "user", "tool"]}}},
+_CONTENT_REQUIRED = {"if": {"properties": {"role": {"enum": ["system", "developer", "user"]}}},
                      "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}}
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", json_schema_extra={
-        "allOf": [_CONTENT_REQUIRED, *required_when("role", {"tool": ("tool_call_id",)})]})
+        **_CONTENT_REQUIRED, "allOf": required_when("role", {"tool": ("content", "tool_call_id")})})
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
