@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.server.conftest import start_server, stop_server
-from tests.server.lab.browser import Browser, requires_chromium
+from tests.server.lab.browser import requires_chromium
 from tests.server.lab.test_memory import cli_json
 
 pytestmark = [pytest.mark.browser, requires_chromium]
@@ -28,12 +28,6 @@ def lab_server(tmp_path_factory):
     stop_server(server)
     assert server.process.returncode == 0, server.log()
 
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    page = Browser(tmp_path_factory.mktemp("chromium-profile"))
-    yield page
-    page.close()
 
 
 @pytest.fixture(scope="module")

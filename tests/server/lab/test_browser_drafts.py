@@ -14,9 +14,10 @@ import httpx
 import pytest
 
 from tests.server.conftest import start_server, stop_server
-from tests.server.lab.browser import Browser, requires_chromium
+from tests.server.lab.browser import requires_chromium
 
 pytestmark = [pytest.mark.browser, requires_chromium]
+BROWSER_HEIGHT = 900  # the cache map and its legend in one screen (conftest's browser fixture)
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n" * 12,
            "".join(f"x{n} = add({n}, {n + 1})\n" for n in range(1, 30))]
@@ -30,12 +31,6 @@ def drafting_server(tmp_path_factory):
     stop_server(server)
     assert server.process.returncode == 0, server.log()
 
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    page = Browser(tmp_path_factory.mktemp("chromium-profile"), height=900)
-    yield page
-    page.close()
 
 
 def test_cache_map_draws_draft_slots_written_and_rolled_back(drafting_server, browser, tmp_path):

@@ -15,9 +15,10 @@ import httpx
 import pytest
 
 from tests.server.conftest import start_server, stop_server
-from tests.server.lab.browser import Browser, requires_chromium
+from tests.server.lab.browser import requires_chromium
 
 pytestmark = [pytest.mark.browser, requires_chromium]
+BROWSER_HEIGHT = 900  # the cache map and its legend in one screen (conftest's browser fixture)
 
 TENANT, ADMIN = {"Authorization": "Bearer ka"}, "adm"
 
@@ -31,12 +32,6 @@ def big_server(tmp_path_factory):
     stop_server(server)
     assert server.process.returncode == 0, server.log()
 
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    page = Browser(tmp_path_factory.mktemp("chromium-profile"), height=900)
-    yield page
-    page.close()
 
 
 @pytest.fixture(scope="module")
