@@ -65,8 +65,10 @@ class StructuredOutputsParams:
 
     def cache_key(self) -> str:
         """A canonical text of the spec (the trigger aside: it does not change the grammar), so equal specs
-        share one compiled grammar; a dict schema's key order does not matter."""
+        share one compiled grammar, given as a dict or as JSON text alike. Key order is kept: a schema's
+        property order is the order the output writes its keys in, so two schemas that differ only there
+        are two grammars."""
         value = getattr(self, self.kind)
         if self.kind == "json" and isinstance(value, str):
             value = json_module.loads(value)
-        return self.kind + ":" + json_module.dumps(value, sort_keys=True, separators=(",", ":"))
+        return self.kind + ":" + json_module.dumps(value, separators=(",", ":"))

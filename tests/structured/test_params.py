@@ -25,11 +25,14 @@ def test_each_kind_alone_is_accepted_and_named():
     assert StructuredOutputsParams(json_object=True, trigger="<tool_call>").kind == "json_object"
 
 
-def test_cache_key_ignores_key_order_and_text_form():
-    a = StructuredOutputsParams(json={"type": "object", "properties": {"x": {"type": "integer"}}})
-    b = StructuredOutputsParams(json='{"properties": {"x": {"type": "integer"}}, "type": "object"}')
+def test_cache_key_ignores_text_form_but_keeps_property_order():
+    a = StructuredOutputsParams(json={"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}})
+    b = StructuredOutputsParams(json='{"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}')
     assert a.cache_key() == b.cache_key()
     assert a.cache_key() != StructuredOutputsParams(json={"type": "object"}).cache_key()
+    # The output writes keys in the schema's property order: reordered properties are another grammar.
+    swapped = StructuredOutputsParams(json={"type": "object", "properties": {"y": {"type": "integer"}, "x": {"type": "integer"}}})
+    assert swapped.cache_key() != a.cache_key()
 
 
 def test_sampling_params_carries_structured_outputs():
