@@ -10,8 +10,11 @@ client sees it (first streamed delta).
 Engines, one after another in one sitting, on the embedded SmolLM2 GGUF:
   kvserve            `kvserve serve` (prefix caching on)
   kvserve-no-cache   `kvserve serve --no-prefix-caching`
-  llama-server       llama.cpp's `llama-server --jinja` on the same GGUF (its own chat template handling of
-                     tools; its prompt cache on), when bench/llama_server.py finds the binary
+  llama-server       llama.cpp's `llama-server --jinja` on the same GGUF, when bench/llama_server.py finds the
+                     binary. Its chat template handling drops the tools for this model's template (SmolLM2's
+                     has no tool support: the prompt would lack the manifest), so it is sent each turn's exact
+                     prompt tokens (kvserve's /tokenize of the same request) on its /completion endpoint with
+                     its prompt cache on: the same loop, the same tokens; its own greedy answer follows
 
     .venv/bin/python bench/agent_loop.py [--turns 8] [--tools 17] [--engines kvserve kvserve-no-cache llama-server]
 """
@@ -34,6 +37,7 @@ SYSTEM = ("You are a careful coding agent working in a repository. Think about w
           "tool per turn, read its result, then continue until the task is done. Never invent file contents: "
           "read them. Keep edits minimal and explain nothing unless asked.")
 TASK = "The test suite fails in tests/test_cache.py. Find out why and fix it."
+MAX_TOKENS = 160  # a call with its arguments fits
 AREAS = ["file", "directory", "git", "test", "package", "process", "http", "database", "log", "config",
          "issue", "branch", "symbol", "docs"]
 VERBS = [("read", "Reads"), ("search", "Searches")]
@@ -66,7 +70,7 @@ def manifest(count: int) -> list[dict]:
 def tool_result(turn: int, call: dict) -> str:
     """A deterministic result, the size a real tool returns (a few hundred characters)."""
     entries = [{"name": f"entry_{turn}_{i}", "size": 100 * i + turn, "status": "ok" if i % 3 else "stale"}
-               for i in range(6)]
+               for i in range(4)]
     return json.dumps({"tool": call["name"], "turn": turn, "entries": entries})
 
 
@@ -82,9 +86,6 @@ def stream_turn(http: httpx.Client, url: str, body: dict) -> dict:
                 continue
             chunk = json.loads(line[6:])
             usage = chunk.get("usage") or usage
-            timings = chunk.get("timings")
-            if timings and "cache_n" in timings:
-                usage = {**usage, "llama_cache_n": timings["cache_n"]}
             for choice in chunk.get("choices") or []:
                 delta = choice.get("delta") or {}
                 if ttft is None and (delta.get("content") or delta.get("tool_calls")):
@@ -97,30 +98,51 @@ def stream_turn(http: httpx.Client, url: str, body: dict) -> dict:
     return {"ttft_s": ttft, "call": call, "usage": usage}
 
 
-def run_loop(url: str, model: str, tools: list[dict], turns: int) -> list[dict]:
+def run_loop(url: str, model: str | None, tools: list[dict], turns: int, prompts: list[list[int]]) -> list[dict]:
+    """The loop through kvserve's chat completions; each turn's prompt tokens (/tokenize) go into `prompts`."""
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
     rows = []
     with httpx.Client(timeout=600) as http:
         for turn in range(1, turns + 1):
             name = tools[(turn * 5) % len(tools)]["function"]["name"]
-            body = {"model": model, "messages": messages, "tools": tools, "temperature": 0, "max_tokens": 160,
+            body = {"model": model, "messages": messages, "tools": tools, "temperature": 0, "max_tokens": MAX_TOKENS,
                     "tool_choice": {"type": "function", "function": {"name": name}}, "parallel_tool_calls": False,
                     "stream": True, "stream_options": {"include_usage": True}}
+            prompts.append(http.post(url.removesuffix("/v1") + "/tokenize", json=body).json()["tokens"])
             done = stream_turn(http, url, body)
             call, usage = done["call"], done["usage"]
             prompt = usage.get("prompt_tokens", 0)
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-            if cached is None:
-                cached = usage.get("llama_cache_n", 0)
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             rows.append({"turn": turn, "prompt_tokens": prompt, "cached_tokens": cached, "ttft_s": done["ttft_s"],
                          "call": call["name"]})
-            print(f"  turn {turn}: prompt {prompt:5d} tokens, cached {cached:5d} ({cached / max(prompt, 1):6.1%}), "
-                  f"TTFT {done['ttft_s'] * 1e3 if done['ttft_s'] else float('nan'):8.1f} ms, called {call['name']}",
-                  flush=True)
+            report(rows[-1])
             call_id = call["id"] or f"call_{turn}"
             messages.append({"role": "assistant", "content": None, "tool_calls": [
                 {"id": call_id, "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]})
             messages.append({"role": "tool", "tool_call_id": call_id, "content": tool_result(turn, call)})
+    return rows
+
+
+def report(row: dict) -> None:
+    print(f"  turn {row['turn']}: prompt {row['prompt_tokens']:5d} tokens, cached {row['cached_tokens']:5d} "
+          f"({row['cached_tokens'] / max(row['prompt_tokens'], 1):6.1%}), TTFT {(row['ttft_s'] or 0) * 1e3:8.1f} ms"
+          + (f", called {row['call']}" if row.get("call") else ""), flush=True)
+
+
+def replay_llama_server(prompts: list[list[int]]) -> list[dict] | None:
+    """kvserve's prompts, turn by turn, through llama-server's /completion (prompt cache on)."""
+    binary = find_llama_server()
+    if binary is None:
+        return None
+    rows = []
+    with LlamaServer(binary, embedded_model_path(), "--jinja", ctx=16384) as server:
+        server.complete([1, 2, 3], 2)  # warm-up, then the loop's slot starts empty
+        server.complete([4], 1, cache_prompt=False)
+        for turn, prompt in enumerate(prompts, 1):
+            done = server.complete(prompt, MAX_TOKENS)
+            rows.append({"turn": turn, "prompt_tokens": len(prompt), "cached_tokens": done.cached_tokens,
+                         "ttft_s": done.ttft_s})
+            report(rows[-1])
     return rows
 
 
@@ -132,23 +154,23 @@ def main() -> None:
     args = parser.parse_args()
     print(f"CPU: {describe_cpu()}", flush=True)
     tools = manifest(args.tools)
-    results = {}
-    for engine in args.engines:
+    results, prompts = {}, []
+    for engine in [e for e in args.engines if e != "llama-server"]:
         print(f"{engine}:", flush=True)
-        if engine == "llama-server":
-            binary = find_llama_server()
-            if binary is None:
-                continue
-            with LlamaServer(binary, embedded_model_path(), "--jinja", ctx=16384) as server:
-                results[engine] = run_loop(f"http://127.0.0.1:{server.port}/v1", "smollm2", tools, args.turns)
-            continue
         extra = ["--kv-cache-memory", "1GiB"] + (["--no-prefix-caching"] if engine == "kvserve-no-cache" else [])
         process, url = start_server(extra)
         try:
-            results[engine] = run_loop(url, "kvserve", tools, args.turns)
+            turn_prompts: list[list[int]] = []
+            results[engine] = run_loop(url, None, tools, args.turns, turn_prompts)
+            prompts = prompts or turn_prompts
         finally:
             process.terminate()
             process.wait(timeout=30)
+    if "llama-server" in args.engines and prompts:
+        print("llama-server (kvserve's prompt tokens, turn by turn):", flush=True)
+        rows = replay_llama_server(prompts)
+        if rows is not None:
+            results["llama-server"] = rows
     summarize(results)
     print(f"wrote {save('agent_loop', {'args': vars(args), 'results': results})}")
 

@@ -32,9 +32,14 @@ class ChatServing:
         fmt = ChatFormat(serving, body.include_usage, body.prompt_logprobs is not None, tool_use, tenant)
         return await serving.respond(fmt, jobs, http, api_key, body.cache_salt, body.stream)
 
-    def _jobs(self, body: ChatCompletionRequest, tool_use: ToolUse, tenant: str) -> list[Job]:
-        """(worker) Render, tokenize and validate the conversation; answers that made tool calls keep the
-        ids they were generated as (server/core/call_tokens.py)."""
+    async def tokenize(self, body: ChatCompletionRequest, api_key: str) -> list[int]:
+        """The prompt tokens a chat request would be computed on (/tokenize), tools and spliced calls included."""
+        self.serving.check_model(body.model)
+        return await self.serving.off_loop(self.render, body, body.tool_use(), tenant_id(api_key))
+
+    def render(self, body: ChatCompletionRequest, tool_use: ToolUse, tenant: str) -> list[int]:
+        """(worker) The conversation's prompt tokens; answers that made tool calls keep the ids they were
+        generated as (server/core/call_tokens.py)."""
         serving = self.serving
         tokenizer = serving.require_tokenizer()
         turns = body.turns()
@@ -44,6 +49,12 @@ class ChatServing:
         if generated:
             token_ids = encode_spliced(tokenizer, messages, body.add_generation_prompt, variables, generated) \
                 or token_ids
+        return token_ids
+
+    def _jobs(self, body: ChatCompletionRequest, tool_use: ToolUse, tenant: str) -> list[Job]:
+        """(worker) Render, tokenize and validate the conversation."""
+        serving = self.serving
+        token_ids = self.render(body, tool_use, tenant)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:
             max_tokens = serving.default_max_tokens(len(token_ids))

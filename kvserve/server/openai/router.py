@@ -1,4 +1,5 @@
-"""OpenAI's chat and text completions: /v1/models (and one model), /v1/completions, /v1/chat/completions."""
+"""OpenAI's chat and text completions: /v1/models (and one model), /v1/completions, /v1/chat/completions;
+and /tokenize (vLLM's, chat form)."""
 
 from __future__ import annotations
 
@@ -44,5 +45,12 @@ def openai_router(serving: Serving) -> APIRouter:
     @router.post("/v1/chat/completions", responses=generation_errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request, key: str = Depends(api_key)):
         return await chat_serving.create(body, request, key)
+
+    @router.post("/tokenize", responses=error_responses(400, 401, 404))
+    async def tokenize(body: ChatCompletionRequest, key: str = Depends(api_key)) -> dict:
+        """vLLM's and llama-server's /tokenize, chat form: the prompt tokens the request would be computed on
+        (chat template, tools and token-exact earlier calls included): what a client or a benchmark replays."""
+        tokens = await chat_serving.tokenize(body, key)
+        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
 
     return router
