@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvserve.errors import KVIntegrityError
 from kvserve.kv import block_file
-from kvserve.kv.hashing import BlockHash
+from kvserve.kv.hashing import BlockHash, hash_block
 from kvserve.kv.tier import BlockKey
 
 log = logging.getLogger(__name__)
@@ -124,3 +126,24 @@ def unlink(path: Path) -> None:
         path.unlink()
     except OSError:
         pass
+
+
+def check_entries(index: Mapping[BlockHash, DiskEntry], pending: Mapping[BlockHash, tuple[BlockKey, bytes | memoryview]],
+                  shape: BlockShape, file_len: int) -> None:
+    """Raise KVIntegrityError unless every indexed or queued block is filed under its own key, and sized right.
+
+    Every key, on disk or in flight to it, must be the chained digest of its own parent and tokens: a key
+    that is not would let one block's K/V be served for another's tokens."""
+    keys = [(h, e.key) for h, e in index.items()] + [(h, k) for h, (k, _) in pending.items()]
+    for block_hash, key in keys:
+        if key.block_hash != block_hash or len(key.token_ids) != shape.block_size:
+            raise KVIntegrityError(f"disk tier: entry {block_hash.hex()} is filed under the wrong key")
+        if hash_block(key.parent_hash, key.token_ids) != block_hash:
+            raise KVIntegrityError(f"disk tier: block {block_hash.hex()} does not hash to its name")
+    for block_hash, (_, payload) in pending.items():
+        if len(payload) != shape.payload_len:
+            raise KVIntegrityError(f"disk tier: block {block_hash.hex()} in flight holds {len(payload)} "
+                                   f"bytes, not {shape.payload_len}")
+    bad = next((h for h, e in index.items() if e.size != file_len), None)
+    if bad is not None:
+        raise KVIntegrityError(f"disk tier: block {bad.hex()} is indexed with a wrong file size")

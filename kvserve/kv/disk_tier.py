@@ -29,9 +29,10 @@ from typing import Sequence
 
 from kvserve.errors import KVIntegrityError
 from kvserve.kv import block_file
-from kvserve.kv.disk_files import (BlockShape, DiskEntry, block_path, prepare_directory, scan_foreign_files,
-                                   scan_own_files, unlink, write_atomically)
-from kvserve.kv.hashing import BlockHash, hash_block
+from kvserve.kv.events import BlockRemoved, BlockStored, KVEventSubscribers
+from kvserve.kv.disk_files import (BlockShape, DiskEntry, block_path, check_entries, prepare_directory,
+                                   scan_foreign_files, scan_own_files, unlink, write_atomically)
+from kvserve.kv.hashing import BlockHash
 from kvserve.kv.tier import BlockKey, KVTier, Payload, TierCounters, TierStats
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class DiskTier(KVTier):
         self._pending: dict[BlockHash, tuple[BlockKey, Payload]] = {}  # queued for the writer
         self._pending_bytes = 0
         self._counters = TierCounters()
+        # Hear blocks land on and leave the disk (the KV events' DISK medium). Called on the writer's thread
+        # or the engine's, under the tier's lock: a callback only queues the event (engine/kv_publisher.py).
+        self.subscribers = KVEventSubscribers()
         self._queue: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
         try:
@@ -197,21 +201,8 @@ class DiskTier(KVTier):
                 raise KVIntegrityError(f"disk tier holds {self._bytes_used} bytes, over its capacity {self.capacity_bytes}")
             if sum(len(payload) for _, payload in self._pending.values()) != self._pending_bytes:
                 raise KVIntegrityError("disk tier: queued payloads and the pending byte count disagree")
-            # Every key, on disk or in flight to it, must be the chained digest of its own parent and
-            # tokens: a key that is not would let one block's K/V be served for another's tokens.
-            keys = [(h, e.key) for h, e in self._index.items()] + [(h, k) for h, (k, _) in self._pending.items()]
-            for block_hash, key in keys:
-                if key.block_hash != block_hash or len(key.token_ids) != self.block_size:
-                    raise KVIntegrityError(f"disk tier: entry {block_hash.hex()} is filed under the wrong key")
-                if hash_block(key.parent_hash, key.token_ids) != block_hash:
-                    raise KVIntegrityError(f"disk tier: block {block_hash.hex()} does not hash to its name")
-            for block_hash, (_, payload) in self._pending.items():
-                if len(payload) != self.payload_len:
-                    raise KVIntegrityError(f"disk tier: block {block_hash.hex()} in flight holds {len(payload)} "
-                                           f"bytes, not {self.payload_len}")
-            bad = next((h for h, e in self._index.items() if e.size != self.file_len), None)
-            if bad is not None:
-                raise KVIntegrityError(f"disk tier: block {bad.hex()} is indexed with a wrong file size")
+            check_entries(self._index, self._pending, BlockShape(self.fingerprint, self.block_size, self.payload_len),
+                          self.file_len)
 
     # -- the writer thread -----------------------------------------------------------------------
 
@@ -250,6 +241,8 @@ class DiskTier(KVTier):
             self._bytes_used += size
             self._counters.blocks_written += 1
             self._counters.bytes_written += size
+            if self.subscribers:
+                self.subscribers.emit(BlockStored(-1, key.block_hash, key.parent_hash, key.token_ids, 0))
             self._evict_to_capacity()
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -269,7 +262,7 @@ class DiskTier(KVTier):
     def _drop(self, block_hash: BlockHash) -> None:
         """Under the lock: evict an indexed block (its file goes)."""
         entry = self._index.pop(block_hash)
-        self._bytes_used -= entry.size
+        self._forget_entry(block_hash, entry)
         self._counters.blocks_evicted += 1
         self._counters.bytes_evicted += entry.size
         unlink(block_path(self.directory, block_hash))
@@ -278,7 +271,13 @@ class DiskTier(KVTier):
         with self._lock:
             entry = self._index.pop(block_hash, None)
             if entry is not None:
-                self._bytes_used -= entry.size
+                self._forget_entry(block_hash, entry)
+
+    def _forget_entry(self, block_hash: BlockHash, entry: DiskEntry) -> None:
+        """Under the lock: an entry left the index."""
+        self._bytes_used -= entry.size
+        if self.subscribers:
+            self.subscribers.emit(BlockRemoved(block_hash, 0))
 
     def _disable(self, why: str) -> None:
         with self._lock:
