@@ -66,7 +66,8 @@ def start(config: EngineConfig, settings: ServerSettings, options: ReplicaOption
     from ray import serve
 
     if not ray.is_initialized():
-        ray.init(address=ray_address, namespace="kvserve", log_to_driver=False)
+        # "local": a fresh Ray of our own, never a stale cluster that an earlier `ray start` left recorded.
+        ray.init(address=ray_address or "local", namespace="kvserve", log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_application(config, settings, options), name=APP_NAME, route_prefix="/", blocking=False)
 

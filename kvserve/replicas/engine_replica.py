@@ -59,6 +59,7 @@ class EngineReplica:
         engine.kv_manager.pool.subscribe(self.held.on_event)  # before the first step
         self.app = create_app(engine, ServerSettings(**settings))
         self._lifespan: contextlib.AbstractAsyncContextManager | None = None
+        self.replica_id = _serve_replica_id()
         self._starting = asyncio.Lock()
 
     async def _started(self) -> None:
@@ -110,8 +111,8 @@ class EngineReplica:
                     return
                 message = getter.result()
                 if message["type"] == "http.response.start":
-                    yield {"status": message["status"],
-                           "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"]]}
+                    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"]]
+                    yield {"status": message["status"], "headers": headers + [("x-kvserve-replica", self.replica_id)]}
                 elif message["type"] == "http.response.body":
                     if message.get("body"):
                         yield bytes(message["body"])
@@ -120,3 +121,13 @@ class EngineReplica:
         finally:
             if not task.done():
                 task.cancel()  # the ingress's client went away: the app aborts the request
+
+
+def _serve_replica_id() -> str:
+    """Which replica answered (the `x-kvserve-replica` header: per-replica load in bench/replicas.py, logs)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside a Serve replica (a test driving the class directly)
+        return "local"
