@@ -128,8 +128,9 @@ def main() -> None:
 
     prompts = workload(args)
     blocks_per_prompt = -(-(args.prefix_tokens + args.own_tokens + 1) // args.block_size)
-    # A quarter of the system prompts per replica (with 4), plus room for the requests in flight.
-    replica_blocks = (args.prompts // args.replicas) * blocks_per_prompt + 2 * args.concurrency * blocks_per_prompt
+    # A quarter of the system prompts per replica (with 4), plus room for its share of the requests in flight.
+    in_flight = max(1, args.concurrency // args.replicas)
+    replica_blocks = (args.prompts // args.replicas + in_flight) * blocks_per_prompt
     per_replica = pool_bytes(replica_blocks, args.block_size)
     print(f"W10: {args.prompts} system prompts x {args.prefix_tokens} tokens, {args.uses} uses each "
           f"({len(prompts)} requests, shuffled), concurrency {args.concurrency}; {args.replicas} replicas of "
