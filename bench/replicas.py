@@ -11,7 +11,7 @@ token ids, max_tokens 1, so the latency is the TTFT). Three setups, one after an
 Each replica's pool holds about prompts/replicas system prompts (a quarter with 4 replicas). Printed per
 setup: aggregate prefix hit rate, prefill tokens computed, mean / p90 TTFT, requests per replica (the
 `x-kvserve-replica` header) and the largest over the mean. Then what Ray costs: the resident memory of
-Ray's own processes (GCS, raylets, controller, proxy, ingress) with the replicas up, a replica's against
+Ray's own processes (GCS, raylet, controller, proxy) and of the ingress with the replicas up, a replica's against
 the single server's, and the latency of one short request at a time (batch 1) against the single server.
 The machine may be shared: compare the ratios of one run, not absolute times.
 
@@ -89,8 +89,9 @@ def rss_mib(pid: int) -> float:
 
 
 def ray_processes() -> dict[str, float]:
-    """Resident MiB by kind: Ray's own processes, and the engine replicas."""
-    memory = {"ray": 0.0, "replicas": []}
+    """Resident MiB by kind: Ray's own processes, the ingress (it holds the tokenizer: for a GGUF model,
+    the model), and the engine replicas."""
+    memory = {"ray": 0.0, "ingress": 0.0, "replicas": []}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -100,6 +101,8 @@ def ray_processes() -> dict[str, float]:
             continue
         if "ServeReplica:kvserve:engine" in command:
             memory["replicas"].append(rss_mib(int(entry.name)))
+        elif "ServeReplica:kvserve:ingress" in command:
+            memory["ingress"] += rss_mib(int(entry.name))
         elif "ray::" in command or "/ray/" in command or "ray.util.client" in command:
             memory["ray"] += rss_mib(int(entry.name))
     return memory
@@ -192,7 +195,8 @@ def report(results: dict[str, dict], args) -> None:
           f"(target >= 3)")
     print(f"busiest replica / mean (cache-aware): {aware['max_over_mean']:.2f} (target <= 1.5)")
     memory = aware["memory"]
-    print(f"\nRay's own processes: {memory['ray']:.0f} MiB resident with {args.replicas} replicas up; a replica "
+    print(f"\nRay's own processes: {memory['ray']:.0f} MiB resident with {args.replicas} replicas up, the ingress "
+          f"{memory.get('ingress', 0):.0f} MiB; a replica "
           f"{statistics.mean(memory['replicas'] or [0]):.0f} MiB, the single server {single['rss_mib']:.0f} MiB")
     print(f"batch 1 (16-token prompt, 1 token): {aware['batch1_s'] * 1000:.1f} ms through Ray, "
           f"{single['batch1_s'] * 1000:.1f} ms single: +{(aware['batch1_s'] - single['batch1_s']) * 1000:.1f} ms "
