@@ -24,6 +24,11 @@ KEYS = ["tenant-a", "tenant-b"]
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 12
 
 
+# A test cluster on localhost: no usage reports, and no token auth (a token another local Ray left in
+# ~/.ray would otherwise be required by some clients and not others).
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -35,7 +40,7 @@ def ray_node(*args: str) -> subprocess.Popen:
     ray_cli = Path(sys.executable).with_name("ray")
     return subprocess.Popen([str(ray_cli), "start", "--block", "--disable-usage-stats", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+                            env={**os.environ, **RAY_ENV})
 
 
 def wait_for(check, timeout: float, what: str):
@@ -54,6 +59,8 @@ def wait_for(check, timeout: float, what: str):
 @pytest.fixture(scope="module")
 def cluster():
     """A head node and a second node, as `ray start --head` / `ray start --address` on two machines would."""
+    saved = {name: os.environ.get(name) for name in RAY_ENV}
+    os.environ.update(RAY_ENV)  # this process's ray.init and `ray status` too
     port = free_port()
     address = f"127.0.0.1:{port}"
     head = ray_node("--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false")
@@ -71,7 +78,12 @@ def cluster():
             ray.shutdown()
         for node in reversed(nodes):
             os.killpg(node.pid, signal.SIGTERM)  # the node's own process group: only what it started
-            node.wait(timeout=60)
+            node.wait(timeout=90)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +147,9 @@ def test_a_killed_replica_fails_its_own_requests_clearly_and_comes_back(app):
     def ask(index: int) -> None:
         try:
             with httpx.stream("POST", f"{app}/v1/chat/completions", headers={"authorization": f"Bearer {KEYS[0]}"},
+                              # Each its own salt: no shared prefix, so load alone spreads them over both.
                               json={"model": "smol", "max_tokens": 400, "stream": True, "ignore_eos": True,
+                                    "cache_salt": f"request-{index}",
                                     "messages": [{"role": "user", "content": f"count to a thousand, {index}"}]},
                               timeout=120) as stream:
                 body = "".join(stream.iter_text())
