@@ -14,7 +14,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: install install-dev serve generate test bench clean
+.PHONY: install install-dev install-ray serve serve-replicas generate test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,11 +46,22 @@ $(VENV)/.dev-stamp: pyproject.toml $(VENV)/.install-stamp
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $@
 
+# Ray Serve for `kvserve serve --replicas N` (the kvserve[ray] extra; `make install-dev` has it too).
+$(VENV)/.ray-stamp: pyproject.toml $(VENV)/.install-stamp
+	$(BIN)/pip install --quiet -e ".[ray]"
+	touch $@
+
 install: $(VENV)/.install-stamp
+install-ray: $(VENV)/.ray-stamp
 install-dev: $(VENV)/.dev-stamp $(VENV)/.gemma3-stamp
 
 serve: install
 	$(BIN)/kvserve serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+REPLICAS ?= 4
+ROUTER ?= cache_aware
+serve-replicas: install-ray
+	$(BIN)/kvserve serve --replicas $(REPLICAS) --router $(ROUTER) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 generate: install
 	$(BIN)/kvserve generate $(GENERATE_ARGS) --max-tokens $(MAX_TOKENS) "$(PROMPT)"

@@ -184,6 +184,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     settings = server_settings_from_args(args, "")  # refuses conflicting keys before the model loads
+    if args.replicas:
+        return _serve_replicas(args, config, settings)
     # Bind before the model loads: a taken port fails in a second, not after the load.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -206,6 +208,22 @@ def _serve(args: argparse.Namespace) -> int:
     lab_access = "admin key required" if admin_key else "closed: set --admin-key" if api_keys else "open"
     log.info("lab on http://%s:%d/lab (%s)", host, port, lab_access)
     serve(app, sock, app.state.async_engine, args.shutdown_timeout)
+    return 0
+
+
+def _serve_replicas(args: argparse.Namespace, config, settings) -> int:
+    """`serve --replicas N`: the same API from N engines on Ray Serve (kvserve/replicas/)."""
+    if args.replicas < 0:
+        raise KVServeError(f"--replicas must be >= 0, got {args.replicas}")
+    try:
+        from kvserve.replicas.app import ReplicaOptions, serve_until_stopped
+    except ImportError as exc:
+        raise KVServeError(f"--replicas needs Ray Serve: pip install 'kvserve[ray]' ({exc})") from None
+    from kvserve.model.loader import embedded_model_path
+
+    settings.model_name = args.served_model_name or _model_name(str(config.model or embedded_model_path()))
+    serve_until_stopped(config, settings, ReplicaOptions(args.replicas, args.router, args.replica_cpus),
+                        args.host, args.port, args.ray_address)
     return 0
 
 

@@ -188,6 +188,13 @@ class EngineConfig:
     kv_disk_size: int | str = field(default="8GiB", metadata=engine_arg(
         "capacity of the disk tier, e.g. 20GiB; least recently used blocks go beyond it",
         check=memory_size(parse_memory)))
+    kv_events_endpoint: str | None = field(default=None, metadata=engine_arg(
+        "publish the prefix cache's changes on this ZMQ PUB endpoint, as vLLM does (e.g. tcp://*:5557; a "
+        "wildcard host, ipc:// or inproc:// binds, another address connects): BlockStored / BlockRemoved / "
+        "AllBlocksCleared in vLLM's msgpack schema, for KV-aware routers (needs kvserve[events])"))
+    kv_events_replay_endpoint: str | None = field(default=None, metadata=engine_arg(
+        "with {kv_events_endpoint}: a ZMQ ROUTER endpoint that resends recent event batches from a sequence "
+        "number on (vLLM's replay protocol), e.g. tcp://*:5558"))
     max_pinned_fraction: float = field(default=0.5, metadata=engine_arg(
         "most of the KV pool that pinned prefixes (cache breakpoints with a TTL, kv/pins.py) may hold; past it "
         "the least recently refreshed pins lapse (pins are evicted last, never \"never\")", check=fraction))
@@ -215,6 +222,11 @@ class EngineConfig:
         if self.kv_disk_path is not None and not (self.enable_prefix_caching and self.enable_kv_cache):
             raise ConfigError("kv_disk_path needs the KV cache and prefix caching on: the disk tier holds "
                               "prefix-cache blocks")
+        if self.kv_events_endpoint is not None and not (self.enable_prefix_caching and self.enable_kv_cache):
+            raise ConfigError("kv_events_endpoint publishes the prefix cache: it needs the KV cache and prefix "
+                              "caching on")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ConfigError("kv_events_replay_endpoint replays the events of kv_events_endpoint: set that too")
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -48,6 +48,19 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                             "input items and the exact token ids of its conversation) persist as JSON files, so a "
                             "restart keeps them and previous_response_id goes on; one directory per model (default: "
                             "in memory only, forgotten at restart)")
+    replicas = serve.add_argument_group("replicas (Ray Serve; needs kvserve[ray])")
+    replicas.add_argument("--replicas", type=int, default=0, metavar="N",
+                          help="run N engine replicas on Ray Serve behind one ingress with this same API "
+                               "(default 0: one process, no Ray)")
+    replicas.add_argument("--ray-address", default=None,
+                          help="with --replicas: join this Ray cluster (e.g. HEAD:6379 after `ray start --head`) "
+                               "instead of starting a local one")
+    replicas.add_argument("--router", default="cache_aware", choices=("cache_aware", "round_robin", "pow2"),
+                          help="with --replicas: cache_aware (default: the replica holding most of the prompt's "
+                               "leading blocks, unless load is imbalanced), round_robin or pow2")
+    replicas.add_argument("--replica-cpus", type=float, default=0.0,
+                          help="with --replicas: Ray CPUs each replica reserves (default 0: engines size their "
+                               "own threads; reserving makes Ray spread replicas over nodes)")
 
 
 def server_settings_from_args(args: argparse.Namespace, model_name: str):

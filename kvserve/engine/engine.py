@@ -11,6 +11,7 @@ from kvserve.engine.constrained import ConstrainedRequests
 from kvserve.engine.drafting import Proposer
 from kvserve.engine.fault_isolation import execute_isolating_failures
 from kvserve.engine.integrity import check_engine_integrity
+from kvserve.engine.kv_publisher import open_kv_events
 from kvserve.engine.output import PrefixCacheReport, RequestDelta
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.prefix_report import explain_prompt
@@ -72,6 +73,9 @@ class Engine:
                                         self.drafting.counters if self.drafting is not None else None,
                                         self.draft_slots)
         self._ids = itertools.count()
+        # Last: a publisher is a thread and sockets, not to be left behind by a failed start.
+        self.kv_events = open_kv_events(self.config, self.kv_manager.pool,
+                                        self.tiering.tier if self.tiering is not None else None)
 
     @property
     def tokenizer(self):
@@ -238,9 +242,11 @@ class Engine:
         return self.kv_cache.bytes_allocated
 
     def close(self) -> None:
-        """Finish background work (the disk tier's queued writes). The engine is not used after."""
+        """Finish background work (the disk tier's queued writes, the KV events). Not used after."""
         if self.tiering is not None:
             self.tiering.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def check_integrity(self) -> None:
         """Block accounting holds (DESIGN §4), in the pool and in a lower tier; raises KVIntegrityError."""

@@ -6,6 +6,7 @@ request's prefix continues here. Files are written to a temporary name and
 renamed, so a finished name always held a complete file when it was written;
 a crash, a full disk or a stray edit can still leave a bad one, which the
 checksum catches when it is read (block_file.py).
+Replicas on one host may share the directory (disk_files.py says how).
 
 Entries of another fingerprint (another model, KV dtype, block size or
 layout) live in their own directory and are never read; they count against
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import queue
 import threading
 import time
@@ -29,9 +29,10 @@ from typing import Sequence
 
 from kvserve.errors import KVIntegrityError
 from kvserve.kv import block_file
-from kvserve.kv.disk_files import (BlockShape, DiskEntry, block_path, prepare_directory, scan_foreign_files,
-                                   scan_own_files, unlink, write_atomically)
-from kvserve.kv.hashing import BlockHash, hash_block
+from kvserve.kv.events import BlockRemoved, BlockStored, KVEventSubscribers
+from kvserve.kv.disk_files import (BlockShape, DiskEntry, block_path, check_entries, open_directory, read_entry,
+                                   touch, unlink, write_atomically)
+from kvserve.kv.hashing import BlockHash
 from kvserve.kv.tier import BlockKey, KVTier, Payload, TierCounters, TierStats
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class DiskTier(KVTier):
         self.file_len = block_file.header_bytes_needed(block_size) + payload_len
         self.max_pending_bytes = max(max_pending_bytes, self.file_len)
         self.directory = self.root / fingerprint.hex()
+        self._shape = BlockShape(fingerprint, block_size, payload_len)
         self.enabled = True
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockHash, DiskEntry] = OrderedDict()  # least recently used first
@@ -60,6 +62,8 @@ class DiskTier(KVTier):
         self._pending: dict[BlockHash, tuple[BlockKey, Payload]] = {}  # queued for the writer
         self._pending_bytes = 0
         self._counters = TierCounters()
+        # Blocks landing on / leaving the disk (KV events, medium DISK): called under the lock, must only queue.
+        self.subscribers = KVEventSubscribers()
         self._queue: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
         try:
@@ -75,16 +79,12 @@ class DiskTier(KVTier):
     # -- startup ---------------------------------------------------------------------------------
 
     def _open(self) -> None:
-        prepare_directory(self.root, self.directory)
         started = time.perf_counter()
-        entries, rejected = scan_own_files(self.directory, BlockShape(self.fingerprint, self.block_size,
-                                                                      self.payload_len))
+        entries, rejected, self._foreign = open_directory(self.root, self.directory, self._shape)
         for entry in entries:
             self._index[entry.key.block_hash] = entry
-            self._bytes_used += entry.size
+        self._bytes_used = sum(e.size for e in entries) + sum(size for _, _, size in self._foreign)
         self._counters.files_rejected += rejected
-        self._foreign = scan_foreign_files(self.root, self.directory)
-        self._bytes_used += sum(size for _, _, size in self._foreign)
         with self._lock:
             self._evict_to_capacity()
         log.info("KV disk tier: %s, %d blocks (%.1f MiB) of this model and cache layout, capacity %.1f MiB, "
@@ -105,7 +105,11 @@ class DiskTier(KVTier):
                 if entry is None or entry.key != key:  # absent, or a digest collision
                     break
                 held += 1
-            return held
+        # A replica sharing the directory may have written what this process never indexed: look on disk.
+        while held < len(keys) and (entry := read_entry(self.directory, keys[held], self._shape)) is not None:
+            self._adopt(entry)
+            held += 1
+        return held
 
     def load(self, keys: Sequence[BlockKey]) -> list[Payload]:
         started = time.perf_counter()
@@ -140,10 +144,7 @@ class DiskTier(KVTier):
                 self._index.move_to_end(key.block_hash)
             self._counters.blocks_read += 1
             self._counters.bytes_read += len(data)
-        try:
-            os.utime(path)  # LRU order that survives a restart
-        except OSError:
-            pass
+        touch(path)  # LRU order that survives a restart
         return payload
 
     def store(self, entries: Sequence[tuple[BlockKey, Payload]]) -> None:
@@ -197,21 +198,7 @@ class DiskTier(KVTier):
                 raise KVIntegrityError(f"disk tier holds {self._bytes_used} bytes, over its capacity {self.capacity_bytes}")
             if sum(len(payload) for _, payload in self._pending.values()) != self._pending_bytes:
                 raise KVIntegrityError("disk tier: queued payloads and the pending byte count disagree")
-            # Every key, on disk or in flight to it, must be the chained digest of its own parent and
-            # tokens: a key that is not would let one block's K/V be served for another's tokens.
-            keys = [(h, e.key) for h, e in self._index.items()] + [(h, k) for h, (k, _) in self._pending.items()]
-            for block_hash, key in keys:
-                if key.block_hash != block_hash or len(key.token_ids) != self.block_size:
-                    raise KVIntegrityError(f"disk tier: entry {block_hash.hex()} is filed under the wrong key")
-                if hash_block(key.parent_hash, key.token_ids) != block_hash:
-                    raise KVIntegrityError(f"disk tier: block {block_hash.hex()} does not hash to its name")
-            for block_hash, (_, payload) in self._pending.items():
-                if len(payload) != self.payload_len:
-                    raise KVIntegrityError(f"disk tier: block {block_hash.hex()} in flight holds {len(payload)} "
-                                           f"bytes, not {self.payload_len}")
-            bad = next((h for h, e in self._index.items() if e.size != self.file_len), None)
-            if bad is not None:
-                raise KVIntegrityError(f"disk tier: block {bad.hex()} is indexed with a wrong file size")
+            check_entries(self._index, self._pending, self._shape, self.file_len)
 
     # -- the writer thread -----------------------------------------------------------------------
 
@@ -238,7 +225,9 @@ class DiskTier(KVTier):
         header = block_file.encode_header(self.fingerprint, key, payload)
         path = block_path(self.directory, key.block_hash)
         try:
-            write_atomically(path, header, payload)
+            if not write_atomically(path, header, payload):  # on disk already, or another replica writes it
+                self._adopt(read_entry(self.directory, key, self._shape))  # None while that write goes on
+                return
         except OSError as exc:
             self._disable(f"cannot write {path}: {exc}")
             with self._lock:
@@ -246,10 +235,19 @@ class DiskTier(KVTier):
             return
         size = len(header) + len(payload)
         with self._lock:
-            self._index[key.block_hash] = DiskEntry(key, size)
-            self._bytes_used += size
             self._counters.blocks_written += 1
             self._counters.bytes_written += size
+        self._adopt(DiskEntry(key, size))
+
+    def _adopt(self, entry: DiskEntry | None) -> None:
+        """Index a block file now on disk (written here, or by a replica sharing the directory)."""
+        with self._lock:
+            if entry is None or (key := entry.key).block_hash in self._index:
+                return
+            self._index[key.block_hash] = entry
+            self._bytes_used += entry.size
+            if self.subscribers:
+                self.subscribers.emit(BlockStored(-1, key.block_hash, key.parent_hash, key.token_ids, 0))
             self._evict_to_capacity()
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -268,17 +266,23 @@ class DiskTier(KVTier):
 
     def _drop(self, block_hash: BlockHash) -> None:
         """Under the lock: evict an indexed block (its file goes)."""
-        entry = self._index.pop(block_hash)
-        self._bytes_used -= entry.size
+        entry = self._unindex(block_hash)
         self._counters.blocks_evicted += 1
         self._counters.bytes_evicted += entry.size
         unlink(block_path(self.directory, block_hash))
 
     def _forget(self, block_hash: BlockHash) -> None:
         with self._lock:
-            entry = self._index.pop(block_hash, None)
-            if entry is not None:
-                self._bytes_used -= entry.size
+            self._unindex(block_hash)
+
+    def _unindex(self, block_hash: BlockHash) -> DiskEntry | None:
+        """Under the lock: a block leaves the index (its file is another matter)."""
+        entry = self._index.pop(block_hash, None)
+        if entry is not None:
+            self._bytes_used -= entry.size
+            if self.subscribers:
+                self.subscribers.emit(BlockRemoved(block_hash, 0))
+        return entry
 
     def _disable(self, why: str) -> None:
         with self._lock:

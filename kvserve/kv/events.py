@@ -14,7 +14,7 @@ caused them: they must not call back into the pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from kvserve.kv.hashing import BlockHash
@@ -29,6 +29,9 @@ class BlockStored:
     parent_hash: BlockHash | None  # the previous block's hash (the salt's chain root for a first block)
     token_ids: tuple[int, ...]
     group: int  # the KV group (kv/groups.py) whose content it caches
+    # The chain's first block: its parent is the salt's root, not a block (vLLM publishes no parent then).
+    # Not compared: it follows from where the parent came from, which equality already checks.
+    first: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

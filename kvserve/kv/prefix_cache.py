@@ -167,7 +167,7 @@ class PrefixCache:
             for group, table in enumerate(tables):
                 block = table[index]
                 if block is not None:  # None: freed behind a window before it was full, nothing to share
-                    self.pool.cache_block(block, hashes[index], parent, chunk, group)
+                    self.pool.cache_block(block, hashes[index], parent, chunk, group, first=index == 0)
         self._num_cached[request_id] = end
 
     def pinnable_blocks(self, block_hashes: BlockHashChain, num_tokens: int) -> list[CacheKey]:

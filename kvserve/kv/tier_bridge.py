@@ -51,9 +51,10 @@ def adopt_loaded(kv: KVCacheManager, match: PrefixMatch, keys: Sequence[BlockKey
     try:
         fresh = pool.allocate(len(keys))
         fill([block.block_id for block in fresh])
-        for block, key in zip(fresh, keys):
+        for index, (block, key) in enumerate(zip(fresh, keys), start=len(match.blocks)):
             # A key already cached in the pool (past a gap in the chain) keeps its pool copy.
-            block.from_tier = pool.cache_block(block, key.block_hash, key.parent_hash, key.token_ids)
+            block.from_tier = pool.cache_block(block, key.block_hash, key.parent_hash, key.token_ids,
+                                               first=index == 0)
     finally:
         # Tail first, as a finished request frees: chain ends are evicted before their roots.
         pool.free(reversed(fresh))

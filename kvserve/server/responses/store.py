@@ -175,14 +175,32 @@ class ResponsesStore:
     def get(self, response_id: str, tenant: str) -> StoredResponse | None:
         with self._lock:
             entry = self._entries.get(response_id)
+        if entry is None:
+            entry = self._read_back(response_id)
+        with self._lock:
             if entry is None or entry.tenant != tenant:
                 return None
-            self._entries.move_to_end(response_id)
+            if response_id in self._entries:
+                self._entries.move_to_end(response_id)
         if self.directory is not None:
             try:
                 os.utime(self._path(response_id))  # LRU order that survives a restart
             except OSError:
                 pass
+        return entry
+
+    def _read_back(self, response_id: str) -> StoredResponse | None:
+        """A response that another process sharing the directory stored (kvserve replicas on one host)."""
+        if self.directory is None or not _ID.fullmatch(response_id):
+            return None
+        try:
+            entry = StoredResponse.from_json(json.loads(self._path(response_id).read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if entry.response_id != response_id:
+            return None
+        with self._lock:
+            self._remember(entry)
         return entry
 
     def delete(self, response_id: str, tenant: str) -> bool:

@@ -42,3 +42,13 @@ def test_an_unusable_directory_leaves_the_store_in_memory(tmp_path, caplog):
     store.put(item)
     assert not store.persistent and store.get(item.response_id, "t1") == item
     assert "keeping them in memory only" in caplog.text
+
+
+def test_replicas_sharing_a_directory_find_each_others_responses_for_the_same_tenant_only(tmp_path):
+    one, other = ResponsesStore(directory=tmp_path), ResponsesStore(directory=tmp_path)  # two replicas, one host
+    stored = entry()
+    one.put(stored)
+    assert other.get(stored.response_id, "t2") is None  # another tenant: not found, as on one server
+    found = other.get(stored.response_id, "t1")
+    assert found is not None and found.turns == stored.turns and len(other) == 1
+    assert other.get("resp_" + "0" * 32, "t1") is None and other.get("../etc/passwd", "t1") is None

@@ -1,0 +1,89 @@
+"""`kvserve serve --replicas N`: a Ray Serve application of N engine replicas behind one ingress.
+
+Ray Serve runs the replicas (one actor each, restarted by Serve when one
+dies), health-checks them, and routes the ingress's calls through
+`KVServeRequestRouter` (replicas/router.py). `--ray-address` joins an
+existing cluster (`ray start --head` on one machine, `ray start --address
+HEAD:6379` on the others); without it a local Ray instance is started. The
+replicas reserve no Ray CPUs (`num_cpus=0`): each engine sizes its own
+threads, and Ray's CPU accounting would otherwise refuse more replicas than
+a node has cores; `--replica-cpus` reserves some (Ray then spreads them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from kvserve.config import EngineConfig
+from kvserve.replicas.engine_replica import EngineReplica
+from kvserve.replicas.ingress import Ingress
+from kvserve.replicas.router import KVServeRequestRouter
+from kvserve.server.core.serving import ServerSettings
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "kvserve"
+ROUTING_STATS_PERIOD_S = 0.5  # how often each replica reports its blocks and load to the router
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaOptions:
+    num_replicas: int = 2
+    router: str = "cache_aware"
+    replica_cpus: float = 0.0
+    health_check_period_s: float = 2.0
+
+
+def build_application(config: EngineConfig, settings: ServerSettings, options: ReplicaOptions):
+    """The Ray Serve application (not yet running)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    router = RequestRouterConfig(request_router_class=KVServeRequestRouter,
+                                 request_router_kwargs={"policy": options.router},
+                                 request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+                                 request_routing_stats_timeout_s=5.0)
+    replica = serve.deployment(EngineReplica, name="engine", num_replicas=options.num_replicas,
+                               # Past its batch and queue a replica answers 429 itself (the server's rule).
+                               max_ongoing_requests=settings.max_waiting_requests + config.max_num_seqs,
+                               ray_actor_options={"num_cpus": options.replica_cpus},
+                               request_router_config=router, health_check_period_s=options.health_check_period_s,
+                               health_check_timeout_s=10.0 * options.health_check_period_s)
+    ingress = serve.deployment(Ingress, name="ingress", num_replicas=1, max_ongoing_requests=10_000,
+                               ray_actor_options={"num_cpus": 0})
+    engine_fields = dataclasses.asdict(config)
+    return ingress.bind(replica.bind(engine_fields, dataclasses.asdict(settings)), config.model, config.block_size,
+                        list(settings.api_keys))
+
+
+def start(config: EngineConfig, settings: ServerSettings, options: ReplicaOptions, host: str, port: int,
+          ray_address: str | None = None) -> None:
+    """Start Ray (or join `ray_address`), Serve's HTTP proxy on host:port, and the application; returns
+    once every replica is up."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        # "local": a fresh Ray of our own, never a stale cluster that an earlier `ray start` left recorded.
+        ray.init(address=ray_address or "local", namespace="kvserve", log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_application(config, settings, options), name=APP_NAME, route_prefix="/", blocking=False)
+
+
+def serve_until_stopped(config: EngineConfig, settings: ServerSettings, options: ReplicaOptions, host: str,
+                        port: int, ray_address: str | None = None) -> None:
+    """`kvserve serve --replicas N`: start, then run until Ctrl-C / SIGTERM, then tear the application down."""
+    from ray import serve
+
+    start(config, settings, options, host, port, ray_address)
+    log.info("serving %s on http://%s:%d/v1 with %d replicas (router %s)", settings.model_name, host, port,
+             options.num_replicas, options.router)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.delete(APP_NAME)
