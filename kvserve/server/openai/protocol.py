@@ -46,8 +46,14 @@ def _needs(field: str, field_type: str, then: dict) -> dict:
 
 _TRUE = {"const": True}
 # stream_options only with stream=true; prompt_logprobs only without it.
+# A JSON response_format and vLLM's structured_outputs both constrain the output: one at a time.
+_ONE_CONSTRAINT = {
+    "if": {"required": ["response_format"], "properties": {"response_format": {
+        "type": "object", "required": ["type"], "properties": {"type": {"enum": ["json_object", "json_schema"]}}}}},
+    "then": {"properties": {"structured_outputs": {"type": "null"}}}}
 _SAMPLING_RULES = [_needs("stream_options", "object", {"required": ["stream"], "properties": {"stream": _TRUE}}),
-                   _needs("prompt_logprobs", "integer", {"properties": {"stream": {"not": _TRUE}}})]
+                   _needs("prompt_logprobs", "integer", {"properties": {"stream": {"not": _TRUE}}}),
+                   _ONE_CONSTRAINT]
 # top_logprobs needs logprobs=true; a tool_choice that demands a call needs tools.
 _CHAT_RULES = [*_SAMPLING_RULES,
                _needs("top_logprobs", "integer", {"required": ["logprobs"], "properties": {"logprobs": _TRUE}}),
