@@ -112,7 +112,7 @@ def pool_bytes(blocks: int, block_size: int) -> int:
     from kvserve.kv.spec import kv_spec
     from kvserve.model.loader import load_model
 
-    loaded = load_model()
+    loaded = load_model(weights_dtype="auto")  # as the replicas load it: the KV dtype follows the weights
     return blocks * block_size * kv_spec(loaded.config, "auto", loaded.linear_dtype).bytes_per_token
 
 

@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    loaded = load_model()
+    loaded = load_model(weights_dtype="auto")  # the server's default weights (int4 or int8 here), not the library's fp32
     prompt = loaded.require_tokenizer().apply_chat_template(
         [{"role": "user", "content": "List three customer records as JSON."}])
     spec = StructuredOutputsParams(json=SCHEMA)
