@@ -148,7 +148,8 @@ def _parser_flags() -> dict[str, set[str]]:
 
 
 # Flags the README mentions that belong to other tools (pip, llama.cpp).
-_OTHER_TOOLS_FLAGS = {"--no-deps", "--cache-type-k", "--head", "--address"}  # pip, llama.cpp, `ray start`
+_OTHER_TOOLS_FLAGS = {"--no-deps", "--cache-type-k", "--head", "--address",  # pip, llama.cpp, `ray start`
+                      "--no-repack", "--spec-type", "--spec-draft-n-max", "--jinja"}  # llama-server
 
 
 def test_readme_flags_exist_on_the_commands_that_document_them():
