@@ -143,28 +143,39 @@ def test_a_shared_system_prompt_is_cached_where_it_was_routed_and_tenants_never_
 def test_a_killed_replica_fails_its_own_requests_clearly_and_comes_back(app):
     pids = wait_for(lambda: (p := replica_pids()) and len(p) == 2 and p, 60, "two replicas")
     outcomes: dict[int, str] = {}
+    streaming = [threading.Event() for _ in range(4)]
 
     def ask(index: int) -> None:
         try:
             with httpx.stream("POST", f"{app}/v1/chat/completions", headers={"authorization": f"Bearer {KEYS[0]}"},
                               # Each its own salt: no shared prefix, so load alone spreads them over both.
-                              json={"model": "smol", "max_tokens": 400, "stream": True, "ignore_eos": True,
+                              # Long enough to be mid-stream at the kill however fast drafting makes them.
+                              json={"model": "smol", "max_tokens": 2000, "stream": True, "ignore_eos": True,
                                     "cache_salt": f"request-{index}",
                                     "messages": [{"role": "user", "content": f"count to a thousand, {index}"}]},
-                              timeout=120) as stream:
-                body = "".join(stream.iter_text())
+                              timeout=300) as stream:
+                pieces = []
+                for piece in stream.iter_text():
+                    pieces.append(piece)
+                    streaming[index].set()
+                body = "".join(pieces)
             outcomes[index] = ("done" if "data: [DONE]" in body else
                                "replica_unavailable" if "replica_unavailable" in body else body[-200:])
         except Exception as exc:  # noqa: BLE001
             outcomes[index] = repr(exc)
+        finally:
+            streaming[index].set()
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
     for thread in threads:
         thread.start()
-    time.sleep(4)  # every request is streaming by now, spread over both replicas by load
+    # Kill as soon as every request is streaming (spread over both replicas by load), not after a fixed wait
+    # that a fast machine outruns.
+    for event in streaming:
+        event.wait(timeout=120)
     os.kill(pids[0], signal.SIGKILL)
     for thread in threads:
-        thread.join(timeout=180)
+        thread.join(timeout=300)
     assert not any(thread.is_alive() for thread in threads), "a request hung"
     assert set(outcomes.values()) <= {"done", "replica_unavailable"}, outcomes
     assert "done" in outcomes.values() and "replica_unavailable" in outcomes.values(), outcomes
