@@ -16,7 +16,8 @@ from pydantic_core import PydanticCustomError
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import TTL_SECONDS
-from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded, needs_tools,
+from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
+                                     check_typed_fields, needs_tools,
                                      required_in_schema, required_when, sampling_params)
 from kvserve.server.core.tool_use import ToolUse
 from kvserve.tools.calls import FunctionTool
@@ -75,14 +76,7 @@ class ContentBlock(BaseModel):
 
     @model_validator(mode="after")
     def _known_block(self) -> "ContentBlock":
-        needs = _BLOCK_FIELDS
-        if self.type not in needs:
-            raise PydanticCustomError("unsupported_content", "{block_type} content blocks are not supported "
-                                      "(text, tool_use, tool_result)", {"block_type": self.type})
-        missing = [name for name in needs[self.type] if getattr(self, name) is None]
-        if missing:
-            raise PydanticCustomError("missing_field", "a {block_type} block needs {fields}",
-                                      {"block_type": self.type, "fields": ", ".join(f"`{m}`" for m in missing)})
+        check_typed_fields(self, _BLOCK_FIELDS, "content blocks", "unsupported_content")
         return self
 
     def result_text(self) -> str:

@@ -122,3 +122,16 @@ def needs_tools(choice_rule: dict) -> dict:
     """A schema rule: a tool_choice matching `choice_rule` (one that demands a call) needs tools."""
     return {"if": {"required": ["tool_choice"], "properties": {"tool_choice": choice_rule}},
             "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
+
+
+def check_typed_fields(model: BaseModel, table: Mapping[str, tuple[str, ...]], noun: str, code: str) -> None:
+    """A part whose `type` picks the fields it must carry (an Anthropic content block, a Responses input
+    item): an unknown type, or a known one missing a field, is a validation error naming them."""
+    if model.type not in table:
+        raise PydanticCustomError(code, "{part_type} {noun} are not supported ({known})",
+                                  {"part_type": model.type, "noun": noun, "known": ", ".join(table)})
+    missing = [name for name in table[model.type] if getattr(model, name) is None]
+    if missing:
+        raise PydanticCustomError("missing_field", "a {part_type} {noun} needs {fields}",
+                                  {"part_type": model.type, "noun": noun.removesuffix("s"),
+                                   "fields": ", ".join(f"`{m}`" for m in missing)})

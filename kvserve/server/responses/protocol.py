@@ -17,7 +17,8 @@ from pydantic_core import PydanticCustomError
 from kvserve.engine.sampling import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import TTL_SECONDS
-from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded, needs_tools,
+from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
+                                     check_typed_fields, needs_tools,
                                      non_empty_list, required_in_schema, required_when, sampling_params)
 from kvserve.server.core.structured_output import text_format_constraint
 from kvserve.server.core.tool_use import ToolUse, link_tool_results
@@ -68,13 +69,7 @@ class InputMessage(BaseModel):
 
     @model_validator(mode="after")
     def _known_item(self) -> "InputMessage":
-        if self.type not in _ITEM_FIELDS:
-            raise PydanticCustomError("unsupported_item", "{item_type} input items are not supported (messages, "
-                                      "function_call, function_call_output)", {"item_type": self.type})
-        missing = [name for name in _ITEM_FIELDS[self.type] if getattr(self, name) is None]
-        if missing:
-            raise PydanticCustomError("missing_field", "a {item_type} item needs {fields}",
-                                      {"item_type": self.type, "fields": ", ".join(f"`{m}`" for m in missing)})
+        check_typed_fields(self, _ITEM_FIELDS, "input items", "unsupported_item")
         return self
 
     def item(self) -> dict:
