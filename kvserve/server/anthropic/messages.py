@@ -55,7 +55,8 @@ class MessagesServing:
     def _job(self, body: MessagesRequest, tool_use: ToolUse) -> Job:
         """(worker) Render, tokenize, place the breakpoints, validate."""
         token_ids, pins = self._render(body, tool_use)
-        job = self.serving.jobs(0, token_ids, body.sampling_params(body.max_tokens, tool_use.constraint()), 1, 0)[0]
+        job = self.serving.jobs(0, token_ids, body.sampling_params(body.max_tokens, tool_use.constraint()), 1, 0,
+                                constraint_param="tools")[0]
         job.pins = tuple(pins)
         return job
 

@@ -33,6 +33,7 @@ from kvserve.server.core.errors import bad_request, model_not_found, overloaded
 from kvserve.server.core.pin_owners import PinOwners
 from kvserve.server.core.streaming import Job, OutputFormat, run_jobs
 from kvserve.server.core.tenancy import Tenancy, tenant_id
+from kvserve.structured.params import PARAM as STRUCTURED_PARAM
 
 log = logging.getLogger(__name__)
 
@@ -183,9 +184,18 @@ class Serving:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False) if self.tokenizer else ""
 
     def jobs(self, prompt_index: int, token_ids: list[int], params: SamplingParams, n: int, first_index: int,
-             prompt_text: str = "") -> list[Job]:
-        """(worker) The `n` choices of one prompt, validated as the engine will validate them."""
-        self.engine.validate_request(token_ids, params)
+             prompt_text: str = "", constraint_param: str | None = None) -> list[Job]:
+        """(worker) The `n` choices of one prompt, validated as the engine will validate them. A constraint
+        that does not compile is a 400 naming `constraint_param` (the field the API took it from), not the
+        engine's own name for it."""
+        try:
+            self.engine.validate_request(token_ids, params)
+        except InvalidRequestError as error:
+            if constraint_param is None or error.param != STRUCTURED_PARAM:
+                raise
+            detail = str(error).split("does not compile: ", 1)[-1]
+            raise InvalidRequestError(f"{constraint_param}: the schema does not compile: {detail}",
+                                      param=constraint_param) from error
         jobs = []
         for choice in range(n):
             choice_params = params

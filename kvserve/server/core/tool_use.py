@@ -22,6 +22,13 @@ class ToolUse:
     parallel: bool = True
     output: StructuredOutputsParams | None = None  # response_format / text.format / structured_outputs
     call_id_prefix: str = "call_"
+    output_param: str = "response_format"  # the request field `output` came from
+
+    @property
+    def constraint_param(self) -> str:
+        """The request field a constraint that does not compile is blamed on: the tools' schemas, or the
+        output format the request gave."""
+        return "tools" if self.parses_calls else self.output_param
 
     def check(self, param: str = "tool_choice") -> None:
         names = [tool.name for tool in self.tools]

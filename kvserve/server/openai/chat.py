@@ -59,7 +59,7 @@ class ChatServing:
         if max_tokens is None:
             max_tokens = serving.default_max_tokens(len(token_ids))
         params = body.sampling_params(max_tokens, tool_use)
-        return serving.jobs(0, token_ids, params, body.n, 0)
+        return serving.jobs(0, token_ids, params, body.n, 0, constraint_param=tool_use.constraint_param)
 
 
 def _finish_reason(finish_reason: str | None, has_calls: bool) -> str | None:

@@ -80,6 +80,8 @@ def chat_tool_use(tools: list[ChatTool] | None, choice: ChatToolChoice | None, p
     definitions = [tool.definition() for tool in tools or []]
     output = one_constraint(("response_format", response_format_constraint(response_format)),
                             ("structured_outputs", vllm_structured_outputs(structured_outputs)))
-    use = ToolUse(definitions, tool_choice(choice, bool(definitions)), parallel is not False, output)
+    output_param = "structured_outputs" if structured_outputs is not None else "response_format"
+    use = ToolUse(definitions, tool_choice(choice, bool(definitions)), parallel is not False, output,
+                  output_param=output_param)
     use.check()
     return use

@@ -168,7 +168,8 @@ class ResponsesRequest(NullMeansDefault):
         else:
             choice = ToolChoice("named", self.tool_choice.name) if isinstance(self.tool_choice, NamedFunction) \
                 else ToolChoice(self.tool_choice)
-        use = ToolUse(tools, choice, self.parallel_tool_calls is not False, text_format_constraint(self.text))
+        use = ToolUse(tools, choice, self.parallel_tool_calls is not False, text_format_constraint(self.text),
+                      output_param="text.format")
         use.check()
         return use
 

@@ -119,7 +119,8 @@ class ResponsesServing:
         prompt = [t for segment in (instruction_ids, *turns, new_turn) for t in segment]
         max_tokens = body.max_output_tokens if body.max_output_tokens is not None else \
             serving.default_max_tokens(len(prompt))
-        job = serving.jobs(0, prompt, body.sampling_params(max_tokens, tool_use), 1, 0)[0]
+        job = serving.jobs(0, prompt, body.sampling_params(max_tokens, tool_use), 1, 0,
+                           constraint_param=tool_use.constraint_param)[0]
         if body.pin_ttl_s is not None:
             job.pins = (PinRequest(len(prompt), body.pin_ttl_s),)
         return PreparedTurn(tuple(instruction_ids), tuple(turns), tuple(new_turn), job, num_dropped)

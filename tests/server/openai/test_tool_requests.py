@@ -14,6 +14,7 @@ from kvserve.engine.sampling import SamplingParams
 from kvserve.server.core.streaming import Job
 from kvserve.server.core.tool_use import ToolUse
 from kvserve.server.openai.chat import ChatFormat
+from kvserve.structured.params import StructuredOutputsParams
 from kvserve.tools.calls import FunctionTool, ToolCall, calls_text
 from kvserve.tools.grammar import ToolChoice
 
@@ -88,3 +89,29 @@ def test_other_apis_refuse_bad_tools_by_name(tiny_app):
     response = tiny_app.post("/v1/completions", json={"prompt": "a", "structured_outputs": {"choice": []}})
     assert response.status_code == 400 and response.json()["error"]["param"] == "structured_outputs"
 
+
+
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": BAD_SCHEMA}}}, "response_format"),
+    ("/v1/chat/completions", {"messages": USER, "structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                          "schema": BAD_SCHEMA}}}, "text.format"),
+])
+def test_a_schema_that_does_not_compile_is_blamed_on_the_field_that_sent_it(tiny_app, path, body, param):
+    response = tiny_app.post(path, json={"max_tokens": 4, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: the schema does not compile: ")
+
+
+def test_a_constraint_from_tools_is_blamed_on_the_tools():
+    # (The tiny app's 256-token context cannot hold a tool block: the field is checked where it is chosen.)
+    output = StructuredOutputsParams(json=BAD_SCHEMA)
+    assert ToolUse(TOOLS, ToolChoice("required")).constraint_param == "tools"
+    assert ToolUse(TOOLS, ToolChoice("none"), output=output, output_param="text.format").constraint_param == \
+        "text.format"
+    assert ToolUse(output=output).constraint_param == "response_format"
