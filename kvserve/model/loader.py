@@ -20,6 +20,7 @@ from kvserve.kv.spec import kv_spec
 from kvserve.model.causal_lm import CausalLM
 from kvserve.model.checkpoint import load_checkpoint
 from kvserve.model.gguf import load_gguf
+from kvserve.model.gguf_file import GGUFFile
 from kvserve.model.quantized_linear import EXACT_INT4_SOURCES, convert_linear_weights
 from kvserve.model.registry import model_class
 from kvserve.model.tokenizer import Tokenizer
@@ -180,6 +181,17 @@ def _describe_bytes(by_dtype: dict[str, int]) -> str:
         return f"{total:.1f} MiB {next(iter(by_dtype))}"
     parts = ", ".join(f"{dtype} {size / 2**20:.1f} MiB" for dtype, size in by_dtype.items())
     return f"{total:.1f} MiB ({parts})"
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer | None:
+    """A model's tokenizer without its weights (a router or an ingress that only tokenizes): a Hugging Face
+    directory's files, or a GGUF file's vocabulary read from its header (memory-mapped, no tensor read)."""
+    path = embedded_model_path() if path is None else Path(path)
+    if path.is_dir():
+        return Tokenizer.from_directory(path)
+    if not path.is_file():
+        raise ModelLoadError(f"model not found: {path} (expected a .gguf file or a Hugging Face checkpoint directory)")
+    return _gguf_tokenizer(GGUFFile(path).metadata, path)
 
 
 def _gguf_tokenizer(metadata: dict, path: Path) -> Tokenizer | None:

@@ -36,10 +36,10 @@ class Ingress:
     """The Ray Serve deployment class of the ingress (wrapped in replicas/app.py)."""
 
     def __init__(self, replicas, model: str | None, block_size: int, api_keys: list[str]) -> None:
-        from kvserve.replicas.tokenizer import ingress_tokenizer
+        from kvserve.model.loader import load_tokenizer  # the vocabulary only, never the weights
 
         self.replicas = replicas  # a DeploymentHandle to the EngineReplica deployment
-        self.keys = RoutingKeys(ingress_tokenizer(model), block_size, api_keys)
+        self.keys = RoutingKeys(load_tokenizer(model), block_size, api_keys)
 
     async def __call__(self, request: Request) -> Response:
         body = await request.body()

@@ -99,3 +99,15 @@ def test_flush_emits_an_incomplete_tail(embedded_tokenizer):
     detok = IncrementalDetokenizer(embedded_tokenizer)
     joined = "".join(detok.add(i) for i in ids) + detok.flush()
     assert joined == embedded_tokenizer.decode(ids)
+
+
+def test_a_gguf_tokenizer_loads_without_the_weights():
+    """What an ingress or router tokenizes with: the GGUF header's vocabulary, equal to a loaded model's."""
+    from kvserve.model.gguf import load_gguf
+    from kvserve.model.loader import embedded_model_path, load_tokenizer
+
+    alone = load_tokenizer()
+    with_model = Tokenizer.from_gguf_metadata(load_gguf(embedded_model_path()).tokenizer_metadata)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Caching, in a haiku?"}]
+    assert alone.encode_chat(messages) == with_model.encode_chat(messages)
+    assert alone.chat_template == with_model.chat_template and alone.eos_token_id == with_model.eos_token_id
