@@ -28,3 +28,9 @@ def browser(request, tmp_path_factory):
     page = Browser(tmp_path_factory.mktemp("chromium-profile"), height=getattr(request.module, "BROWSER_HEIGHT", 1000))
     yield page
     page.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory):
+    """Where a browser test module saves its screenshots."""
+    return tmp_path_factory.mktemp("lab-screenshots")

@@ -29,12 +29,6 @@ def lab_server(tmp_path_factory):
     assert server.process.returncode == 0, server.log()
 
 
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory):
-    return tmp_path_factory.mktemp("lab-screenshots")
-
-
 PAGE_COUNTS = """(() => {
   const n = (id) => Number(document.getElementById(id).textContent.replace(/,/g, ''));
   return {step: Number(document.body.dataset.viewStep), total: n('count-total'), free: n('count-free'),

@@ -32,7 +32,6 @@ def drafting_server(tmp_path_factory):
     assert server.process.returncode == 0, server.log()
 
 
-
 def test_cache_map_draws_draft_slots_written_and_rolled_back(drafting_server, browser, tmp_path):
     browser.goto(drafting_server.base_url + "/lab")
     browser.wait_for("Number(document.body.dataset.updates) >= 1")

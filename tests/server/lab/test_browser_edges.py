@@ -33,12 +33,6 @@ def big_server(tmp_path_factory):
     assert server.process.returncode == 0, server.log()
 
 
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory):
-    return tmp_path_factory.mktemp("lab-screenshots")
-
-
 def open_as_admin(browser: Browser, server, path: str) -> None:
     """Open a lab page with the admin key in the tab's session storage (where the key bar puts it)."""
     browser.goto(server.base_url + "/lab/static/lab.css")  # same origin, no page script
