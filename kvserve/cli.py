@@ -116,9 +116,12 @@ def _prompts(args: argparse.Namespace, engine) -> list[str | list[int]]:
         raise KVServeError("a prompt is required (or --token-ids)")
     if not args.chat:
         return list(args.prompt)
-    tokenizer = engine.loaded.require_tokenizer()
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    return [tokenizer.encode_chat(system + [{"role": "user", "content": text}]) for text in args.prompt]
+    from kvserve.server.prompt.builder import Conversation, PromptBuilder  # the server's one prompt builder
+    from kvserve.tools.rendering import Turn
+
+    builder = PromptBuilder(engine.loaded.require_tokenizer())
+    system = [Turn("system", args.system)] if args.system else []
+    return [builder.build(Conversation(system + [Turn("user", text)])).token_ids for text in args.prompt]
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -54,7 +54,7 @@ def build_application(config: EngineConfig, settings: ServerSettings, options: R
     ingress = serve.deployment(Ingress, name="ingress", num_replicas=1, max_ongoing_requests=10_000,
                                ray_actor_options={"num_cpus": 0})
     engine_fields = dataclasses.asdict(config)
-    return ingress.bind(replica.bind(engine_fields, dataclasses.asdict(settings)), config.model, config.block_size,
+    return ingress.bind(replica.bind(engine_fields, {**dataclasses.asdict(settings), "forward_answers": True}), config.model, config.block_size,
                         list(settings.api_keys))
 
 

@@ -78,8 +78,9 @@ class EngineReplica:
 
     async def handle_http(self, request: dict[str, Any], routing_hashes: list[int] | None = None
                           ) -> AsyncIterator[dict[str, Any] | bytes]:
-        """Run one HTTP request through the app: yields {"status", "headers"} first, then body chunks.
-        `routing_hashes` is for the router only (it reads the call's arguments)."""
+        """Run one HTTP request through the app: yields {"status", "headers"} first, then body chunks, then
+        {"answers": [...]} if the app remembered answers meanwhile (for the ingress's routing keys, never
+        sent on). `routing_hashes` is for the router only (it reads the call's arguments)."""
         await self._started()
         sent: asyncio.Queue = asyncio.Queue()
         body_given = False
@@ -117,6 +118,9 @@ class EngineReplica:
                     if message.get("body"):
                         yield bytes(message["body"])
                     if not message.get("more_body", False):
+                        answers = self.app.state.answers.take_new()
+                        if answers:
+                            yield {"answers": answers}
                         return
         finally:
             if not task.done():

@@ -58,12 +58,15 @@ class Ingress:
             log.warning("replica failed before answering %s: %s", path, exc)
             return _unavailable(path, type(exc).__name__)
         response_headers = {k: v for k, v in head["headers"] if k.lower() not in _HOP_BY_HOP}
-        return StreamingResponse(_rest(stream, path), status_code=head["status"], headers=response_headers)
+        return StreamingResponse(_rest(stream, path, self.keys), status_code=head["status"], headers=response_headers)
 
 
-async def _rest(stream, path: str) -> AsyncIterator[bytes]:
+async def _rest(stream, path: str, keys: RoutingKeys) -> AsyncIterator[bytes]:
     try:
         async for chunk in stream:
+            if isinstance(chunk, dict):  # the replica's remembered answers: the next turn routes by them
+                keys.remember(chunk.get("answers", []))
+                continue
             yield chunk
     except Exception as exc:  # noqa: BLE001 - the replica died mid-answer: say so in the stream, then end it
         log.warning("replica failed while answering %s: %s", path, exc)

@@ -52,6 +52,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.async_engine = async_engine
     app.state.responses_store = store
+    app.state.answers = serving.answers  # a replica forwards what it remembers to the ingress
     shapes = ErrorShapes()
     shapes.register("/v1/messages", anthropic_error_response)  # Anthropic's SDK reads its own error shape
     app.add_middleware(RefuseWhileDraining, async_engine=async_engine, shapes=shapes)

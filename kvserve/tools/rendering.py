@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.errors import InvalidRequestError
 from kvserve.tools.calls import CALL_CLOSE, CALL_OPEN, FunctionTool, ToolCall, calls_text, dumps
 
 DEFAULT_TOOLS_PREAMBLE = (
@@ -43,6 +44,9 @@ class Turn:
     tool_calls: list[ToolCall] = field(default_factory=list)  # assistant
     tool_call_id: str | None = None  # tool: the call it answers
     name: str | None = None  # tool: the function's name
+    # Places in `content` the caller wants found again in tokens (offset, tag): Anthropic's cache_control
+    # breakpoints (server/prompt/builder.py).
+    marks: list[tuple[int, Any]] = field(default_factory=list)
 
 
 def template_supports_tools(template: str | None) -> bool:
@@ -100,10 +104,21 @@ def _template_message(turn: Turn) -> dict[str, Any]:
     message: dict[str, Any] = {"role": turn.role, "content": turn.content}
     if turn.tool_calls:
         message["tool_calls"] = [{"id": call.id, "type": "function",
-                                  "function": {"name": call.name, "arguments": call.arguments_object()}}
+                                  "function": {"name": call.name, "arguments": _template_arguments(call)}}
                                  for call in turn.tool_calls]
     if turn.role == "tool":
         message["tool_call_id"] = turn.tool_call_id
         if turn.name is not None:
             message["name"] = turn.name
     return message
+
+
+def _template_arguments(call: ToolCall) -> Any:
+    """A history call's arguments as a template takes them: the object (Hugging Face templates write it
+    with `tojson`), or the text as the client sent it where that is not JSON. The one rule on every path:
+    a history call is never refused for its arguments (OpenAI accepts any string there), and the default
+    block writes the text as sent too."""
+    try:
+        return call.arguments_object()
+    except InvalidRequestError:
+        return call.arguments

@@ -95,6 +95,42 @@ def test_turn_two_of_a_tool_loop_hits_the_whole_of_turn_one(client, streamed):
     assert second.usage.prompt_tokens_details.cached_tokens >= turn_one // block * block
 
 
+def test_turn_two_of_an_anthropic_tool_loop_hits_the_whole_of_turn_one(server):
+    """tool_use blocks sent back as they came: the model's own ids for its call are spliced back, as in chat."""
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    tools = [{"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER_SCHEMA}]
+    question = [{"role": "user", "content": "Is it snowing in Riga?"}]
+    kwargs = dict(model="SmolLM2-135M-Instruct", system="You are a weather assistant.", tools=tools,
+                  extra_body={"temperature": 0})
+    first = client.messages.create(**kwargs, max_tokens=40, messages=question,
+                                   tool_choice={"type": "tool", "name": "get_weather"})
+    assert first.stop_reason == "tool_use"
+    use = first.content[-1]
+    second = client.messages.create(**kwargs, max_tokens=8, messages=[
+        *question, {"role": "assistant", "content": [block.model_dump() for block in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Snow, -3 C"}]}])
+    turn_one = first.usage.input_tokens + first.usage.cache_read_input_tokens + first.usage.output_tokens
+    assert second.usage.cache_read_input_tokens >= turn_one // 16 * 16
+
+
+def test_turn_two_of_a_stateless_responses_tool_loop_hits_the_whole_of_turn_one(client):
+    """The items resent (openai-agents' default, no previous_response_id): the call's generated ids come back."""
+    tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+              "parameters": WEATHER_SCHEMA}]
+    question = [{"role": "user", "content": "Is it windy in Lima?"}]
+    kwargs = dict(model=client.models.list().data[0].id, instructions="You are a weather assistant.", tools=tools,
+                  temperature=0, store=False)
+    first = client.responses.create(**kwargs, input=question, max_output_tokens=40,
+                                    tool_choice={"type": "function", "name": "get_weather"})
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert calls
+    items = [{"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments} for c in calls]
+    second = client.responses.create(**kwargs, max_output_tokens=8, input=[
+        *question, *items, {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Calm"}])
+    turn_one = first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= turn_one // 16 * 16
+
+
 def test_chat_completions_parse_gives_the_model(client):
     completion = client.chat.completions.parse(
         model=client.models.list().data[0].id, response_format=City, max_tokens=60, temperature=0,

@@ -1,9 +1,10 @@
 """/v1/messages: Anthropic's Messages API, with cache_control breakpoints that really pin the prefix.
 
-A breakpoint ends at a text block; its position in tokens is found by
-rendering the conversation with a marker after each such block, then taking
-the tokens the text up to the marker shares with the whole prompt (a token
-that straddles the boundary is not part of the prefix). The engine pins the
+A breakpoint ends at a text block; the prompt builder (server/prompt/) says
+where it falls in tokens (the tokens the text up to it shares with the whole
+prompt: a token that straddles the boundary is not part of the prefix). Answers
+that made tool calls are remembered, so a tool loop's next turn holds their
+generated ids exactly (server/prompt/answers.py). The engine pins the
 whole blocks up to each breakpoint for its TTL once the prompt is computed
 (kv/pins.py). Usage is the cache's own accounting: `cache_read_input_tokens`
 are the prompt tokens served from the prefix cache, `cache_creation_input_tokens`
@@ -16,20 +17,18 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 
-import jinja2
-
 from fastapi import Request as HTTPRequest
 
 from kvserve.engine.output import RequestDelta, RequestOutput
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.kv.pins import PinRequest, cache_write_tokens
 from kvserve.server.anthropic.protocol import MessagesPrompt, MessagesRequest
-from kvserve.server.anthropic.tool_blocks import BlockStream, marked_messages, output_blocks
+from kvserve.server.anthropic.conversation import messages_conversation
+from kvserve.server.anthropic.tool_blocks import BlockStream, output_blocks
 from kvserve.server.core.serving import Serving
 from kvserve.server.core.streaming import Job, OutputFormat, sse_event
+from kvserve.server.core.tenancy import tenant_id
 from kvserve.server.core.tool_use import ToolUse
-
-_MARKER = "\x00kvserve-breakpoint\x00"
 
 
 class MessagesServing:
@@ -41,59 +40,38 @@ class MessagesServing:
         serving.check_model(body.model)
         body.check()
         tool_use = body.tool_use()
-        job = await serving.off_loop(self._job, body, tool_use)
-        return await serving.respond(MessagesFormat(serving, body, job, tool_use), [job], http, api_key, None,
-                                     body.stream)
+        tenant = tenant_id(api_key)
+        job = await serving.off_loop(self._job, body, tool_use, tenant)
+        return await serving.respond(MessagesFormat(serving, body, job, tool_use, tenant), [job], http, api_key,
+                                     None, body.stream)
 
-    async def count_tokens(self, body: MessagesPrompt) -> dict:
+    async def count_tokens(self, body: MessagesPrompt, api_key: str) -> dict:
         """/v1/messages/count_tokens: the prompt's tokens, exactly as /v1/messages would send them."""
         self.serving.check_model(body.model)
         body.check()
-        token_ids, _ = await self.serving.off_loop(self._render, body, body.tool_use())
+        token_ids, _ = await self.serving.off_loop(self._render, body, body.tool_use(), tenant_id(api_key))
         return {"input_tokens": len(token_ids)}
 
-    def _job(self, body: MessagesRequest, tool_use: ToolUse) -> Job:
+    def _job(self, body: MessagesRequest, tool_use: ToolUse, tenant: str) -> Job:
         """(worker) Render, tokenize, place the breakpoints, validate."""
-        token_ids, pins = self._render(body, tool_use)
+        token_ids, pins = self._render(body, tool_use, tenant)
         job = self.serving.jobs(0, token_ids, body.sampling_params(body.max_tokens, tool_use.constraint()), 1, 0,
                                 constraint_param="tools")[0]
         job.pins = tuple(pins)
         return job
 
-    def _render(self, body: MessagesPrompt, tool_use: ToolUse) -> tuple[list[int], list[PinRequest]]:
-        """(worker) Render with breakpoint markers and tokenize: the prompt's ids and its breakpoints."""
-        serving = self.serving
-        tokenizer = serving.require_tokenizer()
-        if any(_MARKER in block.text for block in body.system_blocks()) or any(
-                _MARKER in (block.text or "") + block.result_text() for m in body.messages for block in m.blocks()):
-            raise InvalidRequestError("message text contains a reserved control sequence", param="messages")
-        messages, variables, ttls = marked_messages(body, tool_use, tokenizer.chat_template, _MARKER)
-        serving.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        try:
-            marked = tokenizer.apply_chat_template(messages, True, **variables)
-        except jinja2.TemplateError as exc:  # e.g. a template that requires alternating roles
-            raise InvalidRequestError(f"the model's chat template refused these messages: {exc}",
-                                      param="messages") from None
-        pieces = marked.split(_MARKER)
-        text = "".join(pieces)
-        token_ids = tokenizer.encode(text, add_special_tokens=False)
-        pins, end = [], 0
-        for piece, ttl in zip(pieces[:-1], ttls):
-            end += len(piece)
-            prefix = tokenizer.encode(text[:end], add_special_tokens=False)
-            common = 0
-            while common < len(prefix) and common < len(token_ids) and prefix[common] == token_ids[common]:
-                common += 1
-            if common:
-                pins.append(PinRequest(common, ttl))
-        return token_ids, pins
+    def _render(self, body: MessagesPrompt, tool_use: ToolUse, tenant: str) -> tuple[list[int], list[PinRequest]]:
+        """(worker) The prompt's ids and its breakpoints (each mark's tag is its TTL)."""
+        prompt = self.serving.prompts.build(messages_conversation(body, tool_use, tenant))
+        return prompt.token_ids, [PinRequest(num_tokens, ttl) for num_tokens, ttl in prompt.marks if num_tokens]
 
 
 class MessagesFormat(OutputFormat):
     """Anthropic's Message object, and its stream (message_start ... message_stop)."""
 
-    def __init__(self, serving: Serving, body: MessagesRequest, job: Job, tool_use: ToolUse) -> None:
+    def __init__(self, serving: Serving, body: MessagesRequest, job: Job, tool_use: ToolUse, tenant: str) -> None:
         self.serving = serving
+        self.tenant = tenant
         self.body = body
         self.job = job
         parser = tool_use.parser()  # None: plain text, one text block opened at once
@@ -137,6 +115,13 @@ class MessagesFormat(OutputFormat):
         return {"id": self.request_id, "type": "message", "role": "assistant", "model": self.body.model,
                 "content": content, "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
+    def _remember(self, final: RequestOutput) -> None:
+        """Keep an answer's generated ids for the turn that sends its tool_use blocks back (token-exact loops)."""
+        completion = final.outputs[0]
+        if self.blocks is not None and self.blocks.parser.calls and completion.finish_reason == "stop":
+            self.serving.answers.remember(self.tenant, self.blocks.parser.calls[0].id, completion.text,
+                                          completion.token_ids)
+
     def response(self, jobs: list[Job], finals: dict[int, RequestOutput]) -> dict:
         final = finals.get(0)
         if final is None:  # the client left; nobody reads this
@@ -144,6 +129,7 @@ class MessagesFormat(OutputFormat):
         completion = final.outputs[0]
         content = [{"type": "text", "text": completion.text}] if self.blocks is None else \
             output_blocks(completion.text, self.blocks.parser)
+        self._remember(final)
         return self._message(content, self._stop(final),
                              self._usage(final.num_cached_tokens, len(completion.token_ids)))
 
@@ -181,6 +167,7 @@ class MessagesFormat(OutputFormat):
             return
         if not self._started:
             yield from self._start(final.num_cached_tokens)
+        self._remember(final)
         usage = self._usage(final.num_cached_tokens, len(final.outputs[0].token_ids))
         stop_reason, stop_sequence = self._stop(final)
         if self.blocks is None:  # (the blocks' own events closed them)

@@ -22,7 +22,7 @@ def messages_router(serving: Serving) -> APIRouter:
         return await messages.create(body, request, key)
 
     @router.post("/v1/messages/count_tokens", responses=error_responses(400, 401, 404, 413, 503))
-    async def count_message_tokens(body: MessagesPrompt, _: str = Depends(api_key)) -> dict:
-        return await messages.count_tokens(body)
+    async def count_message_tokens(body: MessagesPrompt, key: str = Depends(api_key)) -> dict:
+        return await messages.count_tokens(body, key)
 
     return router

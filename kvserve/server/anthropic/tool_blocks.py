@@ -1,7 +1,6 @@
-"""Anthropic's blocks and kvserve's tool layer: a conversation with `tool_use` / `tool_result` blocks into
-template messages (with a marker after each block that carries cache_control, and after the tool
-definitions when one of them does), and an output into `text` / `tool_use` blocks, whole or streamed
-(content_block_start / text_delta / input_json_delta / content_block_stop)."""
+"""Anthropic's blocks out of kvserve's tool layer: an output into `text` / `tool_use` blocks, whole or streamed
+(content_block_start / text_delta / input_json_delta / content_block_stop). The request's blocks become a
+conversation in conversation.py."""
 
 from __future__ import annotations
 
@@ -9,49 +8,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from kvserve.server.anthropic.protocol import MessagesPrompt
-from kvserve.server.core.tool_use import ToolUse, link_tool_results
-from kvserve.tools.calls import ToolCall, dumps
 from kvserve.tools.parsing import ArgumentsDelta, CallStarted, ContentDelta, ToolCallParser
-from kvserve.tools.rendering import Turn
-
-
-def marked_messages(body: MessagesPrompt, tool_use: ToolUse, template: str | None, marker: str
-                    ) -> tuple[list[dict[str, Any]], dict[str, Any], list[float]]:
-    """(template messages, template variables, the TTL of each marker in the order they appear)."""
-    ttls: list[float] = []
-
-    def marked(text: str, cache_control) -> str:
-        if cache_control is None:
-            return text
-        ttls.append(cache_control.ttl_s)
-        return text + marker
-
-    system = "".join(marked(block.text, block.cache_control) for block in body.system_blocks())
-    turns = [Turn("system", system)] if system else []
-    for message in body.messages:
-        for block in message.blocks():
-            if block.type == "tool_result":
-                turns.append(Turn("tool", marked(block.result_text(), block.cache_control),
-                                  tool_call_id=block.tool_use_id))
-                continue
-            if message.role == "user" and (not turns or turns[-1].role != "user"):
-                turns.append(Turn("user"))
-            elif message.role == "assistant" and (not turns or turns[-1].role != "assistant"):
-                turns.append(Turn("assistant"))
-            if block.type == "text":
-                turns[-1].content += marked(block.text, block.cache_control)
-            else:  # a tool_use: its input written as the call grammar writes arguments
-                turns[-1].tool_calls.append(ToolCall(block.id, block.name, dumps(block.input)))
-    link_tool_results(turns)
-    messages, variables = tool_use.messages(turns, template)
-    tool_ttls = [tool.cache_control.ttl_s for tool in body.tools or [] if tool.cache_control is not None]
-    if tool_ttls and messages and messages[0]["role"] == "system":
-        # the definitions end the system message (kvserve's block); one breakpoint there, the longest TTL
-        messages[0]["content"] += marker
-        system_markers = messages[0]["content"].count(marker) - 1
-        ttls.insert(system_markers, max(tool_ttls))
-    return messages, variables, ttls
 
 
 def output_blocks(text: str, parser: ToolCallParser) -> list[dict]:

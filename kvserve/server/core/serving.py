@@ -20,7 +20,6 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, TypeVar
 
-import jinja2
 from fastapi import Request as HTTPRequest
 
 from kvserve.engine.async_engine import AsyncEngine
@@ -28,11 +27,12 @@ from kvserve.engine.output import RequestOutput
 from kvserve.engine.sampling import SEED_RANGE, SamplingParams
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.server.core.call_tokens import CallTokens
 from kvserve.server.core.errors import bad_request, model_not_found, overloaded
 from kvserve.server.core.pin_owners import PinOwners
 from kvserve.server.core.streaming import Job, OutputFormat, run_jobs
 from kvserve.server.core.tenancy import Tenancy, tenant_id
+from kvserve.server.prompt.answers import GeneratedAnswers
+from kvserve.server.prompt.builder import PromptBuilder
 from kvserve.structured.params import PARAM as STRUCTURED_PARAM
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,9 @@ class ServerSettings:
     # Output cap of a request that gives none (llama.cpp's --n-predict); None: to the end of the context.
     default_max_tokens: int | None = None
     metrics_key: str | None = None  # if set, /metrics needs it (or the admin key); otherwise /metrics is open
+    # A replica behind the ingress: the answers it remembers (server/prompt/answers.py) are also queued for
+    # the ingress, which hashes the next turn as this server builds it (replicas/routing_key.py).
+    forward_answers: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,8 +118,10 @@ class Serving:
         self.settings = settings
         self.tenancy = Tenancy(settings.api_keys)
         self.pin_owners = PinOwners(self.engine.config.block_size)
-        self.call_tokens = CallTokens()  # tool-calling answers' generated ids, for token-exact tool loops
+        # tool-calling answers' generated ids, for token-exact tool loops
+        self.answers = GeneratedAnswers(forward=settings.forward_answers)
         self.tokenizer: Tokenizer | None = self.engine.tokenizer
+        self._prompts: PromptBuilder | None = None
         self._token_text = lru_cache(maxsize=65536)(self._decode_token)
         self._pool = ThreadPoolExecutor(max_workers=_PREPROCESS_WORKERS, thread_name_prefix="kvserve-preprocess")
 
@@ -150,34 +155,14 @@ class Serving:
         """Run `fn(*args)` on the preprocessing pool; its exceptions are raised here."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def encode(self, text: str, param: str) -> list[int]:
-        """(worker) Token ids of a text prompt, refusing one that cannot fit before tokenizing it."""
-        tokenizer = self.require_tokenizer()
-        self.check_prompt_chars(len(text), param)
-        return tokenizer.encode(text)
-
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """(worker) Token ids of `messages` rendered by the model's chat template (`template_kwargs`: more
-        template variables, such as `tools`)."""
-        tokenizer = self.require_tokenizer()
-        self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        try:
-            return tokenizer.encode_chat(messages, add_generation_prompt, **(template_kwargs or {}))
-        except jinja2.TemplateError as exc:  # e.g. a template that requires alternating roles
-            raise InvalidRequestError(f"the model's chat template refused these messages: {exc}",
-                                      param="messages") from None
-
-    def check_prompt_chars(self, num_chars: int, param: str) -> None:
-        """Every token stands for at most `longest_token_chars` characters, so a text longer than
-        context x that can never fit: refuse it without tokenizing it. Never refuses one that fits."""
-        longest = self.require_tokenizer().longest_token_chars
-        limit = self.engine.max_model_len * longest
-        if num_chars > limit:
-            raise InvalidRequestError(
-                f"{param} is {num_chars:,} characters: more than any prompt that fits the model's context of "
-                f"{self.engine.max_model_len} tokens ({longest} characters per token at most, so {limit:,} "
-                f"characters)", param=param)
+    @property
+    def prompts(self) -> PromptBuilder:
+        """The one prompt builder (server/prompt/): every API's prompt is built by it (400 without a tokenizer)."""
+        if self._prompts is None:
+            tokenizer = self.require_tokenizer()
+            max_len = self.engine.max_model_len
+            self._prompts = PromptBuilder(tokenizer, self.answers, max_len * tokenizer.longest_token_chars, max_len)
+        return self._prompts
 
     def decode_prompt(self, token_ids: list[int]) -> str:
         """(worker) The text of prompt token ids (echo), special tokens included."""

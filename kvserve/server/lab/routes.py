@@ -94,7 +94,7 @@ def lab_router(async_engine: AsyncEngine, serving: Serving, access: LabAccess, r
 
     @api.post("/steps")
     async def run_steps(body: StepsBody) -> StreamingResponse:
-        token_ids = await serving.off_loop(serving.encode, body.prompt, "prompt")
+        token_ids = await serving.off_loop(serving.prompts.encode_text, body.prompt, "prompt")
         try:
             events = steps.start(token_ids, body.max_tokens)
         except StepsBusyError:
@@ -123,7 +123,7 @@ def lab_router(async_engine: AsyncEngine, serving: Serving, access: LabAccess, r
                                           settings.log_prompts, settings.log_prompts)
         if body.prompt is None:
             raise bad_request("give a prompt or a request_id")
-        token_ids = await serving.off_loop(serving.encode, body.prompt, "prompt")
+        token_ids = await serving.off_loop(serving.prompts.encode_text, body.prompt, "prompt")
         salt = serving.tenancy.cache_salt(serving.tenancy.key_of_tenant(body.tenant), body.cache_salt)
         report = await async_engine.call(lambda: engine.explain_prompt(token_ids, salt))
         # The pasted prompt's own text is the caller's; the cached side is someone else's prompt.

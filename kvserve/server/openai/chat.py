@@ -7,7 +7,6 @@ from fastapi import Request as HTTPRequest
 
 from kvserve.engine.output import RequestDelta, RequestOutput, TokenLogprob
 from kvserve.errors import KVServeError
-from kvserve.server.core.call_tokens import encode_spliced
 from kvserve.server.core.serving import Serving
 from kvserve.server.core.streaming import Job
 from kvserve.server.core.tenancy import tenant_id
@@ -38,18 +37,9 @@ class ChatServing:
         return await self.serving.off_loop(self.render, body, body.tool_use(), tenant_id(api_key))
 
     def render(self, body: ChatCompletionRequest, tool_use: ToolUse, tenant: str) -> list[int]:
-        """(worker) The conversation's prompt tokens; answers that made tool calls keep the ids they were
-        generated as (server/core/call_tokens.py)."""
-        serving = self.serving
-        tokenizer = serving.require_tokenizer()
-        turns = body.turns()
-        messages, variables = tool_use.messages(turns, tokenizer.chat_template)
-        token_ids = serving.encode_chat(messages, body.add_generation_prompt, variables)
-        generated = serving.call_tokens.generated(tenant, turns)
-        if generated:
-            token_ids = encode_spliced(tokenizer, messages, body.add_generation_prompt, variables, generated) \
-                or token_ids
-        return token_ids
+        """(worker) The conversation's prompt tokens (server/prompt/): answers that made tool calls keep the ids
+        they were generated as."""
+        return self.serving.prompts.build(body.to_conversation(tool_use, tenant)).token_ids
 
     def _jobs(self, body: ChatCompletionRequest, tool_use: ToolUse, tenant: str) -> list[Job]:
         """(worker) Render, tokenize and validate the conversation."""
@@ -82,7 +72,7 @@ class ChatFormat(OpenAIFormat):
         """Keep an answer's generated ids for the turn that sends it back (token-exact tool loops)."""
         completion = output.outputs[0]
         if calls and completion.finish_reason == "stop":
-            self.serving.call_tokens.remember(self.tenant, calls[0].id, completion.text, completion.token_ids)
+            self.serving.answers.remember(self.tenant, calls[0].id, completion.text, completion.token_ids)
 
     def final_choice(self, job: Job, output: RequestOutput) -> dict:
         completion = output.outputs[0]

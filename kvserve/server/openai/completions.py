@@ -30,7 +30,7 @@ class CompletionServing:
         serving = self.serving
         jobs: list[Job] = []
         for prompt_index, prompt in enumerate(prompts):
-            token_ids = serving.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+            token_ids = serving.prompts.encode_text(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
             max_tokens = body.requested_max_tokens
             if max_tokens is None:
                 max_tokens = serving.default_max_tokens(len(token_ids), body.API_DEFAULT_MAX_TOKENS)

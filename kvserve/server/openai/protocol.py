@@ -25,6 +25,7 @@ from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault,
 from kvserve.server.core.structured_output import (ResponseFormat, StructuredOutputsField, one_constraint,
                                                    response_format_constraint, vllm_structured_outputs)
 from kvserve.server.core.tool_use import ToolUse, link_tool_results
+from kvserve.server.prompt.builder import Conversation
 from kvserve.server.openai.tool_protocol import ChatTool, ChatToolCall, ChatToolChoice, chat_tool_use
 from kvserve.structured.params import StructuredOutputsParams
 from kvserve.tools.rendering import Turn
@@ -261,6 +262,11 @@ class ChatCompletionRequest(_SamplingRequest):
             renamed["max_tokens"] = "max_completion_tokens"
         constraint = (tool_use or self.tool_use()).constraint()
         return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, renamed, constraint)
+
+    def to_conversation(self, tool_use: ToolUse, tenant: str | None) -> Conversation:
+        """The request as the prompt builder takes it (`tenant`: whose generated answers are spliced back)."""
+        return Conversation(self.turns(), tool_use.tools, add_generation_prompt=self.add_generation_prompt,
+                            tenant=tenant)
 
     def turns(self) -> list[Turn]:
         """The conversation, API-neutral; a tool message must answer an earlier call (400 otherwise)."""

@@ -22,6 +22,7 @@ from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault,
                                      non_empty_list, required_in_schema, required_when, sampling_params)
 from kvserve.server.core.structured_output import text_format_constraint
 from kvserve.server.core.tool_use import ToolUse, link_tool_results
+from kvserve.server.prompt.builder import Conversation
 from kvserve.tools.calls import FunctionTool, ToolCall
 from kvserve.tools.grammar import ToolChoice
 from kvserve.tools.rendering import Turn
@@ -172,6 +173,13 @@ class ResponsesRequest(NullMeansDefault):
                       output_param="text.format")
         use.check()
         return use
+
+    def to_conversation(self, tool_use: ToolUse, tenant: str | None, earlier_calls: dict[str, str] | None = None
+                     ) -> Conversation:
+        """The request as the prompt builder takes it, the instructions a segment of their own, as a
+        conversation continued by previous_response_id tokenizes them (`earlier_calls`: see `turns`)."""
+        return Conversation(self.turns(earlier_calls or {}), tool_use.tools, instructions=self.instructions or "",
+                            tenant=tenant, split_instructions=True, param="input")
 
     def turns(self, earlier_calls: dict[str, str]) -> list[Turn]:
         """The input, API-neutral ("developer" is the system role to a template); a function_call_output must

@@ -1,8 +1,10 @@
 """/v1/responses: OpenAI's Responses API with token-exact continuation (previous_response_id).
 
 A follow-up's prompt is the previous response's exact token ids + the closing
-of its answer + the new turn's tokens (responses/conversation.py), so it hits
-every block the previous turn computed. `truncation="auto"` drops the oldest
+of its answer + the new turn's tokens (server/prompt/segments.py), so it hits
+every block the previous turn computed. A stateless follow-up (the items
+resent) is built by the same prompt builder as every API, with the ids of the
+answers that made tool calls spliced back (server/prompt/answers.py). `truncation="auto"` drops the oldest
 turns (never the instructions, never the new turn) until the prompt and
 `max_output_tokens` fit; "disabled" (the default) answers 400 with the counts.
 A `prompt_cache_key` with `prompt_cache_retention` pins the whole prompt for
@@ -27,11 +29,10 @@ from kvserve.server.core.serving import Serving
 from kvserve.server.core.streaming import Job, OutputFormat, sse_event
 from kvserve.server.core.tenancy import tenant_id
 from kvserve.server.core.tool_use import ToolUse
-from kvserve.server.responses.conversation import ChatRenderer
+from kvserve.server.prompt.segments import TurnSegments
 from kvserve.server.responses.output_items import OutputItems
 from kvserve.server.responses.protocol import ResponsesRequest
 from kvserve.server.responses.store import ResponsesStore, StoredResponse
-from kvserve.tools.rendering import render_conversation, system_with_tools, template_variables
 
 
 def not_found(response_id: str) -> APIError:
@@ -53,13 +54,13 @@ class ResponsesServing:
     def __init__(self, serving: Serving, store: ResponsesStore) -> None:
         self.serving = serving
         self.store = store
-        self._renderer: ChatRenderer | None = None
+        self._segments: TurnSegments | None = None
 
     @property
-    def renderer(self) -> ChatRenderer:
-        if self._renderer is None:
-            self._renderer = ChatRenderer(self.serving.require_tokenizer())
-        return self._renderer
+    def segments(self) -> TurnSegments:
+        if self._segments is None:
+            self._segments = TurnSegments(self.serving.prompts)
+        return self._segments
 
     async def create(self, body: ResponsesRequest, http: HTTPRequest, api_key: str):
         serving = self.serving
@@ -73,31 +74,32 @@ class ResponsesServing:
                 raise bad_request(f"Previous response with id '{body.previous_response_id}' not found.",
                                   "previous_response_id")
         tool_use = body.tool_use()
-        prepared = await serving.off_loop(self._prepare, body, previous, tool_use)
+        prepared = await serving.off_loop(self._prepare, body, previous, tool_use, tenant)
         fmt = ResponsesFormat(serving, self.store, body, prepared, tenant, tool_use)
         return await serving.respond(fmt, [prepared.job], http, api_key, None, body.stream)
 
-    def _prepare(self, body: ResponsesRequest, previous: StoredResponse | None, tool_use: ToolUse) -> PreparedTurn:
+    def _prepare(self, body: ResponsesRequest, previous: StoredResponse | None, tool_use: ToolUse,
+                 tenant: str) -> PreparedTurn:
         """(worker) Render the new turn, continue the stored token ids, truncate, validate. Tools go into the
         instructions (kvserve's default block) or the template's `tools`, the same bytes every turn."""
-        serving, renderer = self.serving, self.renderer
-        template = renderer.tokenizer.chat_template
+        serving, builder = self.serving, self.serving.prompts
         earlier = {item["call_id"]: item["name"] for item in (previous.body["output"] if previous else [])
                    if item["type"] == "function_call"}
-        messages, _ = render_conversation(body.turns(earlier), [], template)
-        variables = template_variables(tool_use.tools, template)
-        instructions = system_with_tools(body.instructions or "", tool_use.tools) \
-            if tool_use.tools and not variables else body.instructions
-        serving.check_prompt_chars(sum(len(m["content"]) for m in messages) + len(instructions or ""), "input")
+        conversation = body.to_conversation(tool_use, tenant, earlier)
         if previous is None:
-            instruction_ids, new_turn = renderer.first_turn(instructions, messages, variables)
+            prompt = builder.build(conversation)
+            split = prompt.num_instruction_tokens
+            instruction_ids, new_turn = prompt.token_ids[:split], prompt.token_ids[split:]
             turns: list[tuple[int, ...]] = []
         else:
             # OpenAI: a follow-up's instructions replace the previous ones (none: no system message).
-            instruction_ids = renderer.instructions(instructions, variables)
+            head = builder.instruction_messages(conversation)
+            messages, variables = builder.messages(conversation)
+            builder.check_chars(sum(len(m["content"]) for m in messages), "input")
+            instruction_ids = self.segments.instructions(head[0]["content"] if head else None, variables)
             turns = list(previous.turns)
-            turns[-1] = turns[-1] + tuple(renderer.close_answer(turns[-1]))
-            new_turn = renderer.next_turn(messages, variables)
+            turns[-1] = turns[-1] + tuple(self.segments.close_answer(turns[-1]))
+            new_turn = self.segments.next_turn(messages[len(head):], variables)
         limit = serving.context_limit()
         reserve = body.max_output_tokens or 1
 
@@ -216,6 +218,9 @@ class ResponsesFormat(OutputFormat):
             if not self.items.finished:  # not streamed: the whole text at once
                 self.items.feed(completion.text, True)
             output = self.items.final(item_status)
+            calls = self.items.parser.calls
+            if calls and completion.finish_reason == "stop":  # for the turn that resends its calls as items
+                self.serving.answers.remember(self.tenant, calls[0].id, completion.text, completion.token_ids)
         body = self._object(status, output, usage, incomplete)
         if self.body.store and status != "cancelled":
             self._store(body, completion.token_ids)

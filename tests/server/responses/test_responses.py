@@ -4,7 +4,9 @@ continuation over turns, streaming events, the store (GET / DELETE / input_items
 import openai
 import pytest
 
-from kvserve.server.responses.conversation import ChatRenderer
+from kvserve.server.prompt.builder import Conversation, PromptBuilder
+from kvserve.server.prompt.segments import TurnSegments
+from kvserve.tools.rendering import Turn
 from tests.server.inprocess import serve_in_process, tiny_tokenizer, with_tiny_tokenizer
 
 BS = 16
@@ -48,9 +50,13 @@ def test_a_follow_up_hits_every_full_block_of_every_earlier_turn(app):
 
 def test_continuation_is_the_stored_ids_plus_the_new_turn_as_a_full_render_would_tokenize_it():
     tokenizer = tiny_tokenizer()
-    renderer = ChatRenderer(tokenizer)
+    builder = PromptBuilder(tokenizer)
+    renderer = TurnSegments(builder)
     first = [{"role": "user", "content": "Hi."}]
-    head, turn = renderer.first_turn("Be brief.", first)
+    prompt = builder.build(Conversation([Turn("user", "Hi.")], instructions="Be brief.", split_instructions=True))
+    head = prompt.token_ids[:prompt.num_instruction_tokens]
+    turn = prompt.token_ids[prompt.num_instruction_tokens:]
+    assert head == renderer.instructions("Be brief.")
     assert head + turn == tokenizer.encode_chat([{"role": "system", "content": "Be brief."}] + first)
     for answer in ("Hello!<|im_end|>", "Hello, trunc"):  # ended on the end-of-turn token, or cut at a length
         output = tokenizer.encode(answer, add_special_tokens=False)

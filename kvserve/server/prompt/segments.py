@@ -1,4 +1,5 @@
-"""Token-exact conversations: the chat template rendered turn by turn, never the history again.
+"""Token-exact conversations (previous_response_id): the chat template rendered turn by turn, never the history
+again.
 
 A stored conversation is its exact token ids, kept as segments: the
 instructions (a system message; may be empty) and then one segment per turn
@@ -24,32 +25,28 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import jinja2
-
 from kvserve.errors import InvalidRequestError
-from kvserve.model.tokenizer import Tokenizer
+from kvserve.server.prompt.builder import PromptBuilder
 
 # Placeholder content that no template transforms and no message contains.
 _MARK = "\x00kvserve-answer\x00"
 _CONTEXT = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
 
 
-class ChatRenderer:
-    """Splits chat renderings into token segments (see the module doc). Thread-safe (no state but caches)."""
+class TurnSegments:
+    """A stored conversation's next segments (see the module doc). Thread-safe (no state but caches). The
+    first turn of a conversation is the builder's (`Conversation.split_instructions`): it splits the
+    instructions off as `instructions` here writes them."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, builder: PromptBuilder) -> None:
+        self.builder = builder
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool,
                 variables: dict | None = None) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **(variables or {}))
-        except jinja2.TemplateError as exc:
-            raise InvalidRequestError(f"the model's chat template refused these messages: {exc}",
-                                      param="input") from None
+        return self.builder.render(messages, add_generation_prompt, variables, param="input")
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        return self.builder.encode(text)
 
     def instructions(self, instructions: str | None, variables: dict | None = None) -> list[int]:
         """The tokens of the instructions as a leading system message (none without instructions).
@@ -57,17 +54,6 @@ class ChatRenderer:
         if not instructions:
             return []
         return self._encode(self._render([{"role": "system", "content": instructions}], False, variables))
-
-    def first_turn(self, instructions: str | None, messages: list[dict[str, str]], variables: dict | None = None
-                   ) -> tuple[list[int], list[int]]:
-        """(instructions' tokens, the first turn's tokens up to the generation prompt): together they are
-        the tokens of the whole rendering (the split falls on a message boundary)."""
-        system = [{"role": "system", "content": instructions}] if instructions else []
-        full = self._render(system + messages, True, variables)
-        head = self._render(system, False, variables) if system else ""
-        if not full.startswith(head):  # a template that renders the system message differently when not alone
-            return [], self._encode(full)
-        return self._encode(head), self._encode(full[len(head):])
 
     def next_turn(self, messages: list[dict[str, str]], variables: dict | None = None) -> list[int]:
         """The tokens of `messages` rendered after an assistant answer, up to the generation prompt."""
