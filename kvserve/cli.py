@@ -1,4 +1,5 @@
-"""`kvserve` command line: `kvserve generate "prompt"`."""
+"""The `kvserve` command line: `generate` (stream answers to prompts in the terminal), `serve` (the HTTP
+server, or `--replicas N` behind Ray Serve) and `memory` (what a KV budget holds for a model)."""
 
 from __future__ import annotations
 

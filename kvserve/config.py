@@ -1,4 +1,6 @@
-"""Model-shape configuration shared by every layer of kvserve."""
+"""The two configurations every layer reads: `ModelConfig` (a model's shape, from its GGUF or Hugging Face
+config) and `EngineConfig` (how the engine runs it: cache budget, dtypes, batching, prefix caching, tiers,
+drafting; each field carries its CLI flag and check, config_fields.py), plus memory sizes as text."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ class Drafting:
         # Constrained requests are not drafted: a guess the grammar refuses would need the matcher
         # rolled back per rejected draft, and forced tokens already skip what a grammar fixes.
         decoding = [r for r in running
-                    if r.num_tokens - r.num_computed_tokens == 1 and r.sampling_params.structured_outputs is None]
+                    if r.is_decoding and r.sampling_params.structured_outputs is None]
         for request in decoding:
             # Guesses past max_tokens or past the context would be thrown away unread.
             room = min(self.policy.num_tokens(request.request_id, len(decoding)),

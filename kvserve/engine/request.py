@@ -59,7 +59,7 @@ class Request:
         # consumed by its matcher: the step that reaches the last token computes them too and they become
         # outputs without sampling. Kept across a preemption (the grammar has moved past them).
         self.forced_token_ids: list[int] = []
-        self.num_shifted_tokens = 0  # dropped from the context by context shifts (engine/context_shift.py)
+        self.num_shifted_tokens = 0  # dropped from the context by context shifts (kv/context_shift.py)
         # Prefix cache outcome at first admission: prompt tokens served from the
         # cache, and where the prompt left the closest cached chain (or None).
         self.num_cached_tokens: int | None = None
@@ -88,6 +88,14 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_decoding(self) -> bool:
+        """Whether the request is in its decode phase: at most its last sampled token is still to compute
+        (drafts and forced tokens ride on it). The one rule for the scheduler's order, drafting and stats;
+        how a step's share of query tokens runs (a decode or a prefill chunk) is the attention backend's
+        `is_decode`, a separate question."""
+        return self.num_tokens - self.num_computed_tokens <= 1
 
     def append_output_tokens(self, token_ids: list[int]) -> None:
         """Record a step's accepted tokens (the output processor has already cut them at a stop)."""

@@ -117,8 +117,8 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, counts: dict[str, int], budget: int) -> int:
         """Give running requests their tokens, decodes before prefill chunks, preempting the most
         recently admitted when the pool runs dry. Returns the token budget left."""
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decoding = [r for r in self.running if r.is_decoding]
+        prefilling = [r for r in self.running if not r.is_decoding]
         for request in decoding + prefilling:
             if budget == 0:
                 break
@@ -168,7 +168,7 @@ class Scheduler:
         would compute the same block waits a step and then hits."""
         in_flight: set[BlockHash] = set()
         for request in self.running:
-            if request.num_tokens - request.num_computed_tokens > 1:
+            if not request.is_decoding:
                 in_flight |= self.kv.pending_block_keys(request.request_id, request.block_hashes,
                                                         request.num_prompt_tokens)
         return in_flight

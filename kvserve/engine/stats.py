@@ -126,7 +126,7 @@ class EngineStats:
 
 def request_stats(request: Request, kv: KVCacheManager) -> RequestStats:
     if request.status is RequestStatus.RUNNING:
-        status = "decoding" if request.num_tokens - request.num_computed_tokens <= 1 else "prefilling"
+        status = "decoding" if request.is_decoding else "prefilling"
     else:
         status = "preempted" if request.num_preemptions else request.status.value
     metrics = request.metrics
