@@ -19,7 +19,7 @@ from typing import Protocol
 
 from kvserve.engine.request import Request
 from kvserve.engine.spec_decode.policy import DraftPolicy
-from kvserve.engine.spec_decode.stats import DraftCounters
+from kvserve.engine.spec_decode.counters import DraftCounters
 
 
 class Proposer(Protocol):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.spec_decode.slots import DraftSlotLog
-from kvserve.engine.spec_decode.stats import DraftCounters
+from kvserve.engine.spec_decode.counters import DraftCounters
 from kvserve.engine.stats import BlockView, EngineStats, StepWork, take_block_view, take_stats, with_added
 from kvserve.engine.tiering import TierTraffic
 

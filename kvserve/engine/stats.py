@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.spec_decode.slots import StepDrafts
-from kvserve.engine.spec_decode.stats import SpecDecodeStats
+from kvserve.engine.spec_decode.counters import SpecDecodeStats
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pins import PinStats
 from kvserve.kv.tier import TierStats

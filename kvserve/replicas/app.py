@@ -2,7 +2,7 @@
 
 Ray Serve runs the replicas (one actor each, restarted by Serve when one
 dies), health-checks them, and routes the ingress's calls through
-`KVServeRequestRouter` (replicas/router.py). `--ray-address` joins an
+`KVServeRequestRouter` (replicas/request_router.py). `--ray-address` joins an
 existing cluster (`ray start --head` on one machine, `ray start --address
 HEAD:6379` on the others); without it a local Ray instance is started. The
 replicas reserve no Ray CPUs (`num_cpus=0`): each engine sizes its own
@@ -19,7 +19,7 @@ import time
 from kvserve.config import EngineConfig
 from kvserve.replicas.engine_replica import EngineReplica
 from kvserve.replicas.ingress import Ingress
-from kvserve.replicas.router import KVServeRequestRouter
+from kvserve.replicas.request_router import KVServeRequestRouter
 from kvserve.server.core.serving import ServerSettings
 
 log = logging.getLogger(__name__)
