@@ -24,6 +24,8 @@ from kvserve.server.core.routes import health_router, kv_cache_router
 from kvserve.server.core.serving import ServerSettings, Serving
 from kvserve.server.core.shutdown import RefuseWhileDraining
 from kvserve.server.lab import mount_lab
+from kvserve.server.ollama import ollama_router
+from kvserve.server.ollama.router import ollama_error_response
 from kvserve.server.openai import openai_router
 from kvserve.server.responses import responses_router, responses_store
 
@@ -55,6 +57,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app.state.answers = serving.answers  # a replica forwards what it remembers to the ingress
     shapes = ErrorShapes()
     shapes.register("/v1/messages", anthropic_error_response)  # Anthropic's SDK reads its own error shape
+    shapes.register("/api", ollama_error_response)  # Ollama's clients read `{"error": "..."}`
     app.add_middleware(RefuseWhileDraining, async_engine=async_engine, shapes=shapes)
 
     metrics_keys = [key for key in (settings.metrics_key, settings.admin_key) if key] if settings.metrics_key else []
@@ -62,6 +65,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app.include_router(openai_router(serving))
     app.include_router(messages_router(serving))
     app.include_router(responses_router(serving, store))
+    app.include_router(ollama_router(serving))
     app.include_router(kv_cache_router(async_engine, pool_viewer_dependency(serving.tenancy, settings.admin_key),
                                        serving.pin_owners))
     mount_lab(app, async_engine, serving)

@@ -45,7 +45,7 @@ def _is_union_tag(part: object) -> bool:
 
 # What kvserve serves, named in the 404 for any other path (e.g. /v1/embeddings).
 SERVED_ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-                    "/v1/messages/count_tokens", "/v1/kv_cache")
+                    "/v1/messages/count_tokens", "/v1/kv_cache", "/api/chat", "/api/generate", "/api/tags", "/api/show")
 
 
 def unsupported_endpoint(method: str, path: str) -> APIError:

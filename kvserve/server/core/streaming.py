@@ -56,6 +56,7 @@ class OutputFormat(abc.ABC):
     """
 
     request_id: str
+    media_type = "text/event-stream"  # of the stream (Ollama's: NDJSON)
 
     @abc.abstractmethod
     def response(self, jobs: list[Job], finals: dict[int, RequestOutput]) -> dict:
@@ -88,7 +89,7 @@ async def run_jobs(async_engine: AsyncEngine, fmt: OutputFormat, jobs: list[Job]
     or the body once every job finished."""
     fanout = Fanout(async_engine, jobs, fmt.request_id, cache_salt)
     if stream:
-        return FanoutStream(fanout, _events(fmt, jobs, fanout))
+        return FanoutStream(fanout, _events(fmt, jobs, fanout), fmt.media_type)
     try:
         finals = await _collect_unless_disconnected(fanout, http)
     finally:
@@ -142,8 +143,8 @@ class Fanout:
 class FanoutStream(StreamingResponse):
     """A streaming response that closes its fan-out however the response ends (done, error, disconnect)."""
 
-    def __init__(self, fanout: Fanout, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, fanout: Fanout, content: AsyncIterator[str], media_type: str = "text/event-stream") -> None:
+        super().__init__(content, media_type=media_type, headers={"Cache-Control": "no-cache"})
         self.fanout = fanout
 
     async def __call__(self, scope, receive, send) -> None:

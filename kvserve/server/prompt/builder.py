@@ -52,6 +52,7 @@ class Conversation:
     # default tool block. None: the tools go into the conversation's own first system message.
     instructions: str | None = None
     add_generation_prompt: bool = True
+    variables: dict[str, Any] = field(default_factory=dict)  # more template variables (`enable_thinking`)
     tenant: str | None = None  # whose generated answers are spliced back (None: none are)
     tools_mark: Any = None  # a mark (its tag) after the tool definitions, where they end a system message
     split_instructions: bool = False  # tokenize the instructions apart (Responses)
@@ -121,9 +122,11 @@ class PromptBuilder:
         turns = conversation.turns if turns is None else turns
         template, tools = self.tokenizer.chat_template, conversation.tools
         if conversation.instructions is None:
-            return render_conversation(turns, tools, template)
-        messages, _ = render_conversation(turns, [], template)
-        return self.instruction_messages(conversation) + messages, template_variables(tools, template)
+            messages, variables = render_conversation(turns, tools, template)
+        else:
+            messages, _ = render_conversation(turns, [], template)
+            messages, variables = self.instruction_messages(conversation) + messages, template_variables(tools, template)
+        return messages, {**conversation.variables, **variables}
 
     def instruction_messages(self, conversation: Conversation) -> list[dict[str, Any]]:
         """The leading system message of a conversation with `instructions` (none if it would be empty)."""

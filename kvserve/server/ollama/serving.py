@@ -1,0 +1,201 @@
+"""/api/chat and /api/generate: the prompt through the one prompt builder, the engine as for every API, and
+Ollama's answer: one JSON object per line (NDJSON; `stream` defaults to true), the last with `done: true`,
+`done_reason` and the counts and durations (nanoseconds) Ollama reports.
+
+Tool calls go out whole (Ollama's `arguments` are an object), in the line before the last; with `think`,
+a reasoning model's thinking goes in `message.thinking` (`thinking` for generate), apart from the answer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from datetime import datetime, timezone
+
+from fastapi import Request as HTTPRequest
+
+from kvserve.engine.output import RequestDelta, RequestOutput
+from kvserve.errors import KVServeError
+from kvserve.server.core.serving import Serving
+from kvserve.server.core.streaming import Job, OutputFormat
+from kvserve.server.core.tenancy import tenant_id
+from kvserve.server.core.tool_use import ToolUse
+from kvserve.server.ollama.protocol import (ChatRequest, GenerateRequest, GenerationRequest, as_json_arguments,
+                                            thinking_variables)
+from kvserve.server.prompt.builder import Conversation
+from kvserve.tools.parsing import ContentDelta, ToolCallParser
+from kvserve.tools.reasoning import THINK_OPEN, ThinkingSplitter, template_supports_thinking
+from kvserve.tools.rendering import Turn
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class OllamaServing:
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+
+    @property
+    def supports_thinking(self) -> bool:
+        tokenizer = self.serving.tokenizer
+        return tokenizer is not None and template_supports_thinking(tokenizer.chat_template)
+
+    async def chat(self, body: ChatRequest, http: HTTPRequest, api_key: str):
+        serving = self.serving
+        serving.check_model(body.model)
+        body.check()
+        tool_use = body.tool_use()
+        variables = thinking_variables(body.think, self.supports_thinking, body.model)
+        tenant = tenant_id(api_key)
+        conversation = body.to_conversation(tool_use, tenant, variables)
+        job = await serving.off_loop(self._job, body, conversation, tool_use)
+        fmt = OllamaFormat(serving, body, tool_use, tenant, chat=True, thinking=self._splitter(variables, job))
+        return await serving.respond(fmt, [job], http, api_key, None, body.stream is not False)
+
+    async def generate(self, body: GenerateRequest, http: HTTPRequest, api_key: str):
+        serving = self.serving
+        serving.check_model(body.model)
+        body.check()
+        variables = thinking_variables(body.think, self.supports_thinking, body.model)
+        if body.raw:  # the prompt as given, no template
+            conversation = None
+        else:
+            system = [Turn("system", body.system)] if body.system else []
+            conversation = Conversation(system + [Turn("user", body.prompt or "")], variables=variables, param="prompt")
+        job = await serving.off_loop(self._job, body, conversation, ToolUse())
+        fmt = OllamaFormat(serving, body, ToolUse(), tenant_id(api_key), chat=False,
+                           thinking=self._splitter(variables, job))
+        return await serving.respond(fmt, [job], http, api_key, None, body.stream is not False)
+
+    def _splitter(self, variables: dict, job: Job) -> ThinkingSplitter | None:
+        """With thinking on, what splits it from the answer (the prompt may have opened it already)."""
+        if not variables.get("enable_thinking"):
+            return None
+        tail = self.serving.tokenizer.decode(job.token_ids[-8:], skip_special_tokens=False)
+        return ThinkingSplitter(opened=tail.rstrip().endswith(THINK_OPEN))
+
+    def _job(self, body: GenerationRequest, conversation: Conversation | None, tool_use: ToolUse) -> Job:
+        """(worker) Build the prompt, validate."""
+        serving = self.serving
+        if conversation is None:
+            token_ids = serving.prompts.encode_text(body.prompt or "", "prompt")
+        else:
+            token_ids = serving.prompts.build(conversation).token_ids
+        body.note_num_ctx(serving.engine.max_model_len)
+        room = max(serving.context_limit() - len(token_ids), 1)
+        max_tokens = body.requested_max_tokens(room)
+        if max_tokens is None:
+            max_tokens = serving.default_max_tokens(len(token_ids))
+        params = body.sampling(max_tokens, tool_use.constraint())
+        constraint_param = "tools" if tool_use.parses_calls else "format"
+        return serving.jobs(0, token_ids, params, 1, 0, constraint_param=constraint_param)[0]
+
+
+class OllamaFormat(OutputFormat):
+    media_type = "application/x-ndjson"
+
+    def __init__(self, serving: Serving, body: GenerationRequest, tool_use: ToolUse, tenant: str, chat: bool,
+                 thinking: ThinkingSplitter | None) -> None:
+        self.serving = serving
+        self.body = body
+        self.tenant = tenant
+        self.chat = chat
+        self.request_id = f"ollama-{time.monotonic_ns()}"
+        self.parser: ToolCallParser | None = tool_use.parser()
+        self.splitter = thinking
+        self.started_ns = time.perf_counter_ns()
+
+    # --- pieces ------------------------------------------------------------------------
+
+    def _split(self, text: str, finished: bool) -> tuple[str, str]:
+        """(thinking, answer text) of new output text."""
+        if self.splitter is None:
+            return "", text
+        thinking, answer = self.splitter.feed(text)
+        if finished:
+            more_thinking, more_answer = self.splitter.finish()
+            thinking, answer = thinking + more_thinking, answer + more_answer
+        return thinking, answer
+
+    def _content(self, text: str, finished: bool) -> str:
+        if self.parser is None:
+            return text
+        events = self.parser.feed(text) + (self.parser.finish() if finished else [])
+        return "".join(e.text for e in events if isinstance(e, ContentDelta))
+
+    def _line(self, content: str, thinking: str, calls: list | None = None, done: dict | None = None) -> dict:
+        line: dict = {"model": self.body.model, "created_at": now_iso()}
+        if self.chat:
+            message: dict = {"role": "assistant", "content": content}
+            if thinking:
+                message["thinking"] = thinking
+            if calls:
+                message["tool_calls"] = calls
+            line["message"] = message
+        else:
+            line["response"] = content
+            if thinking:
+                line["thinking"] = thinking
+        line["done"] = done is not None
+        return {**line, **(done or {})}
+
+    def _calls(self, output: RequestOutput | None = None) -> list[dict]:
+        if self.parser is None:
+            return []
+        calls = self.parser.calls
+        if calls and output is not None and output.outputs[0].finish_reason == "stop":
+            completion = output.outputs[0]  # so the turn that sends these calls back holds their ids
+            self.serving.answers.remember(self.tenant, calls[0].id, completion.text, completion.token_ids)
+        parsed = [(c.name, as_json_arguments(c.arguments)) for c in calls]
+        return [{"function": {"name": name, "arguments": arguments}} for name, arguments in parsed
+                if arguments is not None]
+
+    def _done(self, final: RequestOutput) -> dict:
+        metrics, completion = final.metrics, final.outputs[0]
+        end_ns = time.perf_counter_ns()
+        first = metrics.first_token_time
+        arrival_ns = int(metrics.arrival_time * 1e9)
+        prompt_ns = int((first - metrics.arrival_time) * 1e9) if first is not None else end_ns - arrival_ns
+        done = {"done_reason": "length" if completion.finish_reason == "length" else "stop",
+                "total_duration": end_ns - self.started_ns, "load_duration": 0,
+                "prompt_eval_count": len(final.prompt_token_ids) - final.num_cached_tokens,
+                "prompt_eval_duration": prompt_ns, "eval_count": len(completion.token_ids),
+                "eval_duration": max(end_ns - arrival_ns - prompt_ns, 0)}
+        if not self.chat:
+            done["context"] = []  # kvserve keeps the context in its prefix cache: resend the prompt
+        return done
+
+    # --- whole ---------------------------------------------------------------------------
+
+    def response(self, jobs: list[Job], finals: dict[int, RequestOutput]) -> dict:
+        final = finals.get(0)
+        if final is None:  # the client left; nobody reads this
+            return {"model": self.body.model, "done": False}
+        thinking, text = self._split(final.outputs[0].text, True)
+        return self._line(self._content(text, True), thinking, self._calls(final), self._done(final))
+
+    # --- streamed ------------------------------------------------------------------------
+
+    def output_events(self, job: Job, delta: RequestDelta) -> Iterable[str]:
+        thinking, text = self._split(delta.new_text, delta.finished)
+        content = self._content(text, delta.finished)
+        if not content and not thinking:
+            return ()
+        return (_ndjson(self._line(content, thinking)),)
+
+    def closing_events(self, jobs: list[Job], finals: dict[int, RequestOutput], error: KVServeError | None
+                       ) -> Iterable[str]:
+        final = finals.get(0)
+        if error is not None or final is None:
+            yield _ndjson({"error": str(error or "the request ended without an answer")})
+            return
+        calls = self._calls(final)
+        if calls:
+            yield _ndjson(self._line("", "", calls))
+        yield _ndjson(self._line("", "", None, self._done(final)))
+
+
+def _ndjson(payload: dict) -> str:
+    return json.dumps(payload, ensure_ascii=False) + "\n"
