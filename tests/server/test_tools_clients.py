@@ -56,9 +56,13 @@ def test_streamed_tool_calls_assemble_to_the_same_call(client):
     with client.chat.completions.stream(model=model, messages=QUESTION, tools=[WEATHER, CLOCK], max_tokens=40,
                                         tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                         temperature=0) as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         final = stream.get_final_completion()
+    kinds = [event.type for event in events]
     assert "tool_calls.function.arguments.delta" in kinds
+    for chunk in [event.chunk for event in events if event.type == "chunk"]:
+        indexes = [call.index for call in chunk.choices[0].delta.tool_calls or []] if chunk.choices else []
+        assert len(indexes) == len(set(indexes)), chunk  # one entry per call in a chunk, as OpenAI sends them
     streamed = final.choices[0].message.tool_calls[0]
     assert final.choices[0].finish_reason == "tool_calls"
     assert (streamed.function.name, streamed.function.arguments) == (full.function.name, full.function.arguments)
