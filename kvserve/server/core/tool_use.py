@@ -64,7 +64,11 @@ class ToolUse:
         return render_conversation(turns, self.tools, template)
 
     def parser(self) -> ToolCallParser | None:
-        return ToolCallParser(self.call_id_prefix) if self.parses_calls else None
+        """The output's parser (None: no calls to look for). Under "required" or a named function the output
+        is calls from its first token, so a call cut short is never content."""
+        if not self.parses_calls:
+            return None
+        return ToolCallParser(self.call_id_prefix, calls_only=self.choice.mode in ("required", "named"))
 
 
 def link_tool_results(turns: list[Turn], param: str = "messages", earlier: dict[str, str] | None = None) -> None:

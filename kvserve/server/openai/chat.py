@@ -14,7 +14,7 @@ from kvserve.server.core.tenancy import tenant_id
 from kvserve.server.core.tool_use import ToolUse
 from kvserve.server.openai.format import OpenAIFormat
 from kvserve.server.openai.protocol import ChatCompletionRequest
-from kvserve.tools.parsing import ArgumentsDelta, CallStarted, ContentDelta, ToolCallParser, parse_output
+from kvserve.tools.parsing import ArgumentsDelta, CallStarted, ContentDelta, ToolCallParser
 
 
 class ChatServing:
@@ -104,7 +104,7 @@ class ChatFormat(OpenAIFormat):
         message: dict = {"role": "assistant", "content": completion.text}
         calls = []
         if self.tool_use.parses_calls:
-            parsed = parse_output(completion.text, self.tool_use.call_id_prefix)
+            parsed = self.tool_use.parser().parse(completion.text)
             calls = parsed.calls
             self._remember(calls, output)
             message["content"] = parsed.content or None if calls else parsed.content
