@@ -46,7 +46,10 @@ class ToolUse:
         return bool(self.tools) and self.choice.mode != "none"
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """What the engine constrains the output to: the calls the choice demands, or the structured output."""
+        """What the engine constrains the output to: the calls the choice demands, or the structured output;
+        under tool_choice "none" (without one) text that never opens a call."""
+        if self.choice.mode == "none" and self.output is None:
+            return tool_call_constraint(self.tools, self.choice)
         if not self.parses_calls:
             return self.output
         answer = None
