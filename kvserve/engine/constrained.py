@@ -15,6 +15,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.structured.compiler import CompiledGrammar, GrammarCompiler
+from kvserve.structured.excluded import ExcludedText, ExcludedTextMatcher
 from kvserve.structured.matcher import GrammarMatcher, GrammarStateError
 from kvserve.structured.vocabulary import build_grammar_vocabulary
 
@@ -40,16 +41,18 @@ class ConstrainedRequests:
                 self._compiler = GrammarCompiler(build_grammar_vocabulary(self._tokenizer, self._vocab_size))
             return self._compiler
 
-    def compile(self, params: SamplingParams) -> CompiledGrammar | None:
+    def compile(self, params: SamplingParams) -> CompiledGrammar | ExcludedText | None:
         """The request's compiled grammar (cached), None when unconstrained; InvalidRequestError when it
         does not compile. Thread-safe: servers call it off the event loop before adding the request."""
         spec = params.structured_outputs
         return self.compiler.compile(spec) if spec is not None else None
 
-    def new_matcher(self, params: SamplingParams) -> GrammarMatcher | None:
+    def new_matcher(self, params: SamplingParams) -> GrammarMatcher | ExcludedTextMatcher | None:
         compiled = self.compile(params)
         if compiled is None:
             return None
+        if isinstance(compiled, ExcludedText):
+            return ExcludedTextMatcher(compiled)
         spec = params.structured_outputs
         return GrammarMatcher(compiled, self.compiler.vocabulary, spec.trigger, force=self.force)
 

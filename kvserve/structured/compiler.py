@@ -19,6 +19,7 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from kvserve.errors import InvalidRequestError
+from kvserve.structured.excluded import ExcludedText
 from kvserve.structured.params import PARAM, StructuredOutputsParams
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -65,14 +66,14 @@ class GrammarCompiler:
         self.vocabulary = vocabulary
         self.timeout_s = timeout_s
         self.cache_size = cache_size
-        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[str, CompiledGrammar | ExcludedText] = OrderedDict()
         self._lock = threading.Lock()
         self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
         self.num_compiled = 0  # compilations run (cache misses), for tests and stats
 
-    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        """The spec's grammar, from the cache or compiled now; InvalidRequestError if it does not compile
-        or takes longer than `timeout_s`."""
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar | ExcludedText:
+        """The spec's grammar (an excluded text's bans), from the cache or compiled now; InvalidRequestError
+        if it does not compile or takes longer than `timeout_s`."""
         key = spec.cache_key()
         with self._lock:
             if key in self._cache:
@@ -86,7 +87,10 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
-    def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+    def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar | ExcludedText:
+        if spec.excluded_text is not None:  # no grammar: a token ban per state (~0.1 s once per vocabulary)
+            self.num_compiled += 1
+            return ExcludedText(self.vocabulary, spec.excluded_text)
         text = grammar_text(spec)
         future = self._workers.submit(llguidance.LLMatcher, self.vocabulary, text, log_level=0)
         try:

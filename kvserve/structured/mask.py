@@ -7,6 +7,11 @@ import torch
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one row of the allowed-token bitmask (one bit per token)."""
+    return (vocab_size + 31) // 32
+
+
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """A bool `[vocab_size]` tensor from one bitmask row: True where the token is allowed."""
     bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1

@@ -7,20 +7,20 @@ ends the trigger and starts something the grammar refuses fails the request: Gra
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import llguidance
 import torch
 
 from kvserve.errors import KVServeError
-from kvserve.structured.compiler import CompiledGrammar
+from kvserve.structured.mask import bitmask_words  # noqa: F401 (the engine's name for it is here)
+
+if TYPE_CHECKING:  # (the compiler builds excluded texts, whose matcher shares this module's names)
+    from kvserve.structured.compiler import CompiledGrammar
 
 
 class GrammarStateError(KVServeError):
     """A token reached a grammar that refuses it (a bug or a trigger token the grammar cannot continue)."""
-
-
-def bitmask_words(vocab_size: int) -> int:
-    """int32 words of one row of the allowed-token bitmask (one bit per token)."""
-    return (vocab_size + 31) // 32
 
 
 class GrammarMatcher:

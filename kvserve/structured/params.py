@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from kvserve.errors import InvalidRequestError
 
 PARAM = "structured_outputs"
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "excluded_text")
 
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """vLLM's names (SamplingParams.structured_outputs): exactly one of json / regex / choice / grammar / json_object."""
+    """vLLM's names (SamplingParams.structured_outputs): exactly one of json / regex / choice / grammar / json_object,
+    or kvserve's excluded_text."""
 
     json: dict | str | None = None  # a JSON schema (dict or its JSON text)
     regex: str | None = None
@@ -22,6 +23,8 @@ class StructuredOutputsParams:
     json_object: bool | None = None  # any JSON object
     trigger: str | None = None  # kvserve: output is free text until it ends with this string; from then on the
     # rest of the output is constrained (tool_choice "auto": trigger "<tool_call>")
+    excluded_text: str | None = None  # kvserve: free text that never contains this string (tool_choice "none":
+    # the call opener; structured/excluded.py)
 
     def __post_init__(self) -> None:
         given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
@@ -57,6 +60,8 @@ class StructuredOutputsParams:
             fail("structured_outputs.json_object must be a boolean")
         if self.trigger is not None and (not isinstance(self.trigger, str) or not self.trigger):
             fail("structured_outputs.trigger must be a non-empty string")
+        if self.excluded_text is not None and (not isinstance(self.excluded_text, str) or not self.excluded_text):
+            fail("structured_outputs.excluded_text must be a non-empty string")
 
     @property
     def kind(self) -> str:

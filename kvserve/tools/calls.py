@@ -14,14 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.errors import InvalidRequestError
+from kvserve.tools.layouts import HERMES
 
-CALL_OPEN = "<tool_call>"
+# The default (Hermes) layout's fixed text around a call's name and arguments (tools/layouts.py).
+CALL_OPEN = HERMES.opener
 CALL_CLOSE = "</tool_call>"
-CALL_SEPARATOR = "\n"
-# The fixed text of a call around its name and arguments.
-NAME_PREFIX = '\n{"name": '
-ARGUMENTS_PREFIX = ', "arguments": '
-CALL_SUFFIX = "}\n" + CALL_CLOSE
+CALL_SEPARATOR = HERMES.separator
+NAME_PREFIX = HERMES.name_prefix
+ARGUMENTS_PREFIX = HERMES.arguments_prefix
+CALL_SUFFIX = HERMES.suffix
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ The grammar spells the call layout of tools/calls.py byte for byte, so a constra
 and renders back to the same text. tool_choice:
 - "required": one or more calls (exactly one when parallel calls are off), nothing else;
 - a named function: exactly one call of it;
-- "auto": free text until the model writes `<tool_call>` (the trigger), then the rest is calls.
+- "auto": free text until the model writes `<tool_call>` (the trigger), then the rest is calls;
+- "none": free text without `<tool_call` (a token ban, structured/excluded.py).
 After the last call only the end of the output may follow (the engine allows EOS alone once the
 grammar is complete).
 """
@@ -69,10 +70,13 @@ def call_body_grammar(tools: list[FunctionTool]) -> list[str]:
 
 def tool_call_constraint(tools: list[FunctionTool], choice: ToolChoice, parallel: bool = True,
                          answer_schema: dict[str, Any] | None = None) -> StructuredOutputsParams | None:
-    """The constraint for `choice` over `tools` (None: the output is free, tool_choice "none" or no tools).
-    With `answer_schema` (structured output asked for as well), "auto" is that JSON or calls, no free text."""
-    if choice.mode == "none" or not tools:
+    """The constraint for `choice` over `tools` (None: no tools, the output is free). With `answer_schema`
+    (structured output asked for as well), "auto" is that JSON or calls, no free text. "none" is free text
+    that never opens a call (the tools stay in the prompt, so the model knows the layout and would write it)."""
+    if not tools:
         return None
+    if choice.mode == "none":  # (without its last character: a model kept from `<tool_call>` wrote `<tool_call]`)
+        return StructuredOutputsParams(excluded_text=CALL_OPEN[:-1])
     choice.check(tools)
     if choice.mode == "named":
         tools = [tool for tool in tools if tool.name == choice.name]

@@ -56,9 +56,13 @@ def test_streamed_tool_calls_assemble_to_the_same_call(client):
     with client.chat.completions.stream(model=model, messages=QUESTION, tools=[WEATHER, CLOCK], max_tokens=40,
                                         tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                         temperature=0) as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         final = stream.get_final_completion()
+    kinds = [event.type for event in events]
     assert "tool_calls.function.arguments.delta" in kinds
+    for chunk in [event.chunk for event in events if event.type == "chunk"]:
+        indexes = [call.index for call in chunk.choices[0].delta.tool_calls or []] if chunk.choices else []
+        assert len(indexes) == len(set(indexes)), chunk  # one entry per call in a chunk, as OpenAI sends them
     streamed = final.choices[0].message.tool_calls[0]
     assert final.choices[0].finish_reason == "tool_calls"
     assert (streamed.function.name, streamed.function.arguments) == (full.function.name, full.function.arguments)
@@ -241,3 +245,23 @@ def test_langchain_bind_tools_and_structured_output(server):
     for method in ("json_schema", "function_calling"):
         city = llm.with_structured_output(City, method=method).invoke("Describe Paris: name and population.")
         assert isinstance(city, City)
+
+
+def test_tool_choice_none_keeps_the_prompt_and_never_opens_a_call(client):
+    """After a few turns that each made a call, the model calls again under "auto"; under "none" it used to
+    write the call as text (`<tool_call>`, then near misses like `<tool_call]` once that was banned)."""
+    history = []
+    for i, city in enumerate(["Oslo", "Rome", "Bern", "Kyiv"]):
+        history += [{"role": "user", "content": f"Weather in {city}?"},
+                    {"role": "assistant", "content": None, "tool_calls": [{
+                        "id": f"call_{i}", "type": "function",
+                        "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}]
+    kwargs = dict(model=client.models.list().data[0].id, tools=[WEATHER], max_tokens=30, temperature=0,
+                  messages=[*history, {"role": "user", "content": "Weather in Paris?"}])
+    auto = client.chat.completions.create(tool_choice="auto", **kwargs)
+    none = client.chat.completions.create(tool_choice="none", **kwargs)
+    assert auto.choices[0].message.tool_calls  # here the model calls, so "none" has a call to refuse
+    assert "<tool_call" not in none.choices[0].message.content and not none.choices[0].message.tool_calls
+    # the same prompt (the tools stay in it): the second request reads the first's cache
+    assert none.usage.prompt_tokens == auto.usage.prompt_tokens
+    assert none.usage.prompt_tokens_details.cached_tokens >= auto.usage.prompt_tokens // 16 * 16

@@ -42,7 +42,7 @@ def test_parallel_off_and_named_are_exactly_one_call():
 def test_auto_starts_after_the_trigger_and_none_is_free():
     auto = tool_call_constraint([WEATHER], ToolChoice("auto"))
     assert auto.trigger == "<tool_call>" and auto.grammar.startswith("start: body")
-    assert tool_call_constraint([WEATHER], ToolChoice("none")) is None
+    assert tool_call_constraint([WEATHER], ToolChoice("none")).excluded_text == "<tool_call"
     assert tool_call_constraint([], ToolChoice("auto")) is None
 
 

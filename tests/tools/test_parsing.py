@@ -70,3 +70,62 @@ def test_the_start_of_a_tag_is_held_back_until_it_is_known():
     parser = ToolCallParser()
     assert parser.feed("Hi <tool_") == [ContentDelta("Hi ")]
     assert parser.feed("box>") == [ContentDelta("<tool_box>")]
+
+
+# --- a call cut by max_tokens ---------------------------------------------------------------------------
+
+CUT = ToolCall("z", "get_weather", '{"city": "Paris", "when": {"day": 1}}')
+
+
+def _cut_parses(text: str, calls_only: bool):
+    """Every prefix of `text`, parsed whole and streamed a character at a time: the two must agree."""
+    for end in range(len(text) + 1):
+        prefix = text[:end]
+        whole = parse_output(prefix, calls_only=calls_only)
+        parser = ToolCallParser(calls_only=calls_only)
+        events = [e for char in prefix for e in parser.feed(char)] + parser.finish()
+        assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == whole.content
+        assert [(c.name, c.arguments) for c in parser.calls] == [(c.name, c.arguments) for c in whole.calls]
+        yield prefix, whole
+
+
+def test_a_required_call_cut_anywhere_is_a_call_or_nothing_never_text():
+    text = calls_text([CUT])
+    head_end = text.index(CUT.arguments) - len(', "arguments": ')  # where the name's closing quote ends
+    for prefix, parsed in _cut_parses(text, calls_only=True):
+        assert parsed.content == ""
+        if len(prefix) < head_end:
+            assert parsed.calls == [], prefix
+            continue
+        (call,) = parsed.calls
+        assert call.name == "get_weather"
+        # exactly the argument text generated so far: no piece of the wrapper's tail (`}\n</tool_call`)
+        generated = prefix[head_end:].removeprefix(', "arguments": '[:len(prefix) - head_end])
+        assert call.arguments == generated[:len(CUT.arguments)], prefix
+        assert CUT.arguments.startswith(call.arguments)
+
+
+def test_an_auto_call_cut_after_its_trigger_is_no_text():
+    text = "Let me see.\n" + calls_text([CUT])
+    for prefix, parsed in _cut_parses(text, calls_only=False):
+        if "<tool_call>" in prefix:  # from the trigger on the output is the grammar's: calls only
+            assert parsed.content == "Let me see.\n", prefix
+        else:  # free text until the trigger is whole
+            assert parsed.content == prefix and parsed.calls == []
+        assert all(CUT.arguments.startswith(call.arguments) for call in parsed.calls)
+
+
+def test_a_further_call_cut_anywhere_leaves_the_first_whole_and_no_text():
+    first = calls_text([CALLS[0]])
+    text = calls_text([CALLS[0], CUT])
+    for prefix, parsed in _cut_parses(text, calls_only=True):
+        if len(prefix) < len(first):
+            continue
+        assert parsed.content == "" and parsed.calls[0].arguments == CALLS[0].arguments, prefix
+        assert all(CUT.arguments.startswith(call.arguments) for call in parsed.calls[1:])
+
+
+def test_arguments_end_with_their_json_not_at_the_first_suffix_like_text():
+    tricky = ToolCall("t", "say", '{"text": "}\\n</tool_call> is how a call ends", "n": [1, {"a": "]"}]}')
+    parsed = parse_output(calls_text([tricky]) + "\n", calls_only=True)
+    assert parsed.content == "" and parsed.calls[0].arguments == tricky.arguments

@@ -12,18 +12,22 @@ from kvserve.tools.parsing import ArgumentsDelta, CallStarted, ContentDelta, Too
 
 
 def output_blocks(text: str, parser: ToolCallParser) -> list[dict]:
-    events = parser.feed(text) + parser.finish()
-    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
-    blocks = [{"type": "text", "text": content}] if content or not parser.calls else []
-    return blocks + [tool_use_block(call.id, call.name, call.arguments) for call in parser.calls]
+    """The blocks of a whole output: its text (none when empty, as Anthropic answers an empty turn or a call
+    cut before its name), then a tool_use block per call."""
+    parsed = parser.parse(text)
+    blocks = [{"type": "text", "text": parsed.content}] if parsed.content else []
+    return blocks + [tool_use_block(call.id, call.name, call.arguments) for call in parsed.calls]
 
 
 def tool_use_block(call_id: str, name: str, arguments: str | None) -> dict:
+    """A `tool_use` block. A call cut by max_tokens (stop_reason "max_tokens") keeps its block with the input
+    its arguments parse to, `{}` where they are not whole JSON yet: Anthropic's input is always an object
+    (a stream's client reads the partial JSON itself from its input_json_delta events)."""
     try:
         value = json.loads(arguments) if arguments else {}
-    except json.JSONDecodeError:  # cut off by max_tokens: the arguments so far, as text
-        value = {"_partial_json": arguments}
-    return {"type": "tool_use", "id": call_id, "name": name, "input": value}
+    except json.JSONDecodeError:
+        value = {}
+    return {"type": "tool_use", "id": call_id, "name": name, "input": value if isinstance(value, dict) else {}}
 
 
 class BlockStream:

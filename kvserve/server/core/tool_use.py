@@ -46,7 +46,10 @@ class ToolUse:
         return bool(self.tools) and self.choice.mode != "none"
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """What the engine constrains the output to: the calls the choice demands, or the structured output."""
+        """What the engine constrains the output to: the calls the choice demands, or the structured output;
+        under tool_choice "none" (without one) text that never opens a call."""
+        if self.choice.mode == "none" and self.output is None:
+            return tool_call_constraint(self.tools, self.choice)
         if not self.parses_calls:
             return self.output
         answer = None
@@ -64,7 +67,11 @@ class ToolUse:
         return render_conversation(turns, self.tools, template)
 
     def parser(self) -> ToolCallParser | None:
-        return ToolCallParser(self.call_id_prefix) if self.parses_calls else None
+        """The output's parser (None: no calls to look for). Under "required" or a named function the output
+        is calls from its first token, so a call cut short is never content."""
+        if not self.parses_calls:
+            return None
+        return ToolCallParser(self.call_id_prefix, calls_only=self.choice.mode in ("required", "named"))
 
 
 def link_tool_results(turns: list[Turn], param: str = "messages", earlier: dict[str, str] | None = None) -> None:

@@ -13,7 +13,7 @@ from kvserve.server.core.tenancy import tenant_id
 from kvserve.server.core.tool_use import ToolUse
 from kvserve.server.openai.format import OpenAIFormat
 from kvserve.server.openai.protocol import ChatCompletionRequest
-from kvserve.tools.parsing import ArgumentsDelta, CallStarted, ContentDelta, ToolCallParser, parse_output
+from kvserve.tools.parsing import ArgumentsDelta, CallStarted, ContentDelta, ToolCallParser
 
 
 class ChatServing:
@@ -52,6 +52,21 @@ class ChatServing:
         return serving.jobs(0, token_ids, params, body.n, 0, constraint_param=tool_use.constraint_param)
 
 
+def tool_call_entries(events: list) -> list[dict]:
+    """One chunk's `delta.tool_calls`: one entry per call index, as OpenAI sends them (a call's id and name
+    with the first fragment of its arguments, the fragments of one chunk joined). Two entries with the same
+    index in one chunk corrupt the arguments in the openai SDK's stream helper (1.x, 2.x)."""
+    entries: dict[int, dict] = {}
+    for event in events:
+        if isinstance(event, CallStarted):
+            entries[event.index] = {"index": event.index, "id": event.id, "type": "function",
+                                    "function": {"name": event.name, "arguments": ""}}
+        elif isinstance(event, ArgumentsDelta):
+            entry = entries.setdefault(event.index, {"index": event.index, "function": {"arguments": ""}})
+            entry["function"]["arguments"] += event.fragment
+    return list(entries.values())
+
+
 def _finish_reason(finish_reason: str | None, has_calls: bool) -> str | None:
     return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
 
@@ -79,7 +94,7 @@ class ChatFormat(OpenAIFormat):
         message: dict = {"role": "assistant", "content": completion.text}
         calls = []
         if self.tool_use.parses_calls:
-            parsed = parse_output(completion.text, self.tool_use.call_id_prefix)
+            parsed = self.tool_use.parser().parse(completion.text)
             calls = parsed.calls
             self._remember(calls, output)
             message["content"] = parsed.content or None if calls else parsed.content
@@ -125,14 +140,8 @@ class ChatFormat(OpenAIFormat):
         if delta.finished:
             events += parser.finish()
         text = "".join(e.text for e in events if isinstance(e, ContentDelta))
-        calls = []
-        for event in events:
-            if isinstance(event, CallStarted):
-                calls.append({"index": event.index, "id": event.id, "type": "function",
-                              "function": {"name": event.name, "arguments": ""}})
-            elif isinstance(event, ArgumentsDelta):
-                calls.append({"index": event.index, "function": {"arguments": event.fragment}})
         content: dict = {"content": text} if text else {}
+        calls = tool_call_entries(events)
         if calls:
             content["tool_calls"] = calls
         return content, _finish_reason(delta.finish_reason, bool(parser.calls))

@@ -19,8 +19,9 @@ class OutputItems:
         self._open: dict | None = None
         self.finished = False
 
-    def feed(self, text: str, finished: bool) -> list[str]:
-        """Events for `text` (and the end of the output when `finished`)."""
+    def feed(self, text: str, finished: bool, status: str = "completed") -> list[str]:
+        """Events for `text` (and the end of the output when `finished`, the last item closing with `status`:
+        "incomplete" where max_output_tokens cut it, a function call's arguments included)."""
         events = self.parser.feed(text)
         if finished:
             events += self.parser.finish()
@@ -45,7 +46,7 @@ class OutputItems:
                 out.append(self._event("response.function_call_arguments.delta", item_id=self._open["item"]["id"],
                                        output_index=self._index(), delta=event.fragment))
         if finished:
-            out += self._close()
+            out += self._close(status)
         return out
 
     def final(self, status: str) -> list[dict]:
@@ -69,12 +70,12 @@ class OutputItems:
                             output_index=self._index(), content_index=0,
                             part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
 
-    def _close(self) -> list[str]:
+    def _close(self, status: str = "completed") -> list[str]:
         entry, self._open = self._open, None
         if entry is None:
             return []
         index = self.items.index(entry)
-        item = self._finished_item(entry, "completed")
+        item = self._finished_item(entry, status)
         if item["type"] == "message":
             text = item["content"][0]["text"]
             return [self._event("response.output_text.done", item_id=item["id"], output_index=index,

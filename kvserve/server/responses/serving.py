@@ -261,7 +261,8 @@ class ResponsesFormat(OutputFormat):
 
     def output_events(self, job: Job, delta: RequestDelta) -> Iterable[str]:
         if self.items is not None:
-            return self.items.feed(delta.new_text, delta.finished)
+            return self.items.feed(delta.new_text, delta.finished,
+                                   "completed" if delta.finish_reason == "stop" else "incomplete")
         if not delta.new_text:
             return ()
         self._text.append(delta.new_text)

@@ -13,10 +13,11 @@ from kvserve.engine.output import RequestDelta, RequestMetrics
 from kvserve.engine.sampling import SamplingParams
 from kvserve.server.core.streaming import Job
 from kvserve.server.core.tool_use import ToolUse
-from kvserve.server.openai.chat import ChatFormat
+from kvserve.server.openai.chat import ChatFormat, tool_call_entries
 from kvserve.structured.params import StructuredOutputsParams
 from kvserve.tools.calls import FunctionTool, ToolCall, calls_text
 from kvserve.tools.grammar import ToolChoice
+from kvserve.tools.parsing import ArgumentsDelta, CallStarted
 
 TOOLS = [FunctionTool("get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}}),
          FunctionTool("get_time")]
@@ -41,12 +42,25 @@ def test_streamed_chunks_assemble_in_the_openai_client_to_content_and_calls(cuts
                                           for i, p in enumerate(pieces)]
     for chunk in chunks:
         if chunk is not None:
+            indexes = [entry["index"] for entry in chunk["choices"][0]["delta"].get("tool_calls", [])]
+            assert len(indexes) == len(set(indexes)), chunk  # one entry per call in a chunk
             state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
     choice = state.get_final_completion().choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look.\n"
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
         [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
     assert all(c.id.startswith("call_") for c in choice.message.tool_calls)
+
+
+def test_a_chunk_carries_one_tool_calls_entry_per_call():
+    """The id and name of a call and every argument fragment of the same chunk go in one entry (the openai
+    SDK's stream helper, 1.x and 2.x, corrupts the arguments of two entries with one index)."""
+    events = [ArgumentsDelta(0, '"}'), CallStarted(1, "call_b", "get_time"), ArgumentsDelta(1, '{"tz": '),
+              ArgumentsDelta(1, '"UTC"'), CallStarted(2, "call_c", "get_weather")]
+    assert tool_call_entries(events) == [
+        {"index": 0, "function": {"arguments": '"}'}},
+        {"index": 1, "id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"'}},
+        {"index": 2, "id": "call_c", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]
 
 
 def _chat(app, **body):
