@@ -12,7 +12,7 @@ from kvserve.structured.params import StructuredOutputsParams
 from kvserve.tools.calls import FunctionTool
 from kvserve.tools.grammar import ToolChoice, tool_call_constraint
 from kvserve.tools.parsing import ToolCallParser
-from kvserve.tools.rendering import Turn, render_conversation
+from kvserve.tools.rendering import Turn
 
 
 @dataclass
@@ -60,11 +60,6 @@ class ToolUse:
             # a dict: the server's mapping (structured_output.py) parses schemas given as text
             answer = self.output.json if self.output.json is not None else {"type": "object"}
         return tool_call_constraint(self.tools, self.choice, self.parallel, answer)
-
-    def messages(self, turns: list[Turn], template: str | None) -> tuple[list[dict], dict]:
-        """(template messages, extra template variables): the tools are rendered even under "none", so the
-        prompt, and so the cache, does not change with tool_choice."""
-        return render_conversation(turns, self.tools, template)
 
     def parser(self) -> ToolCallParser | None:
         """The output's parser (None: no calls to look for). Under "required" or a named function the output
