@@ -194,6 +194,8 @@ class Serving:
             if constraint_param is None or error.param != STRUCTURED_PARAM:
                 raise
             detail = str(error).split("does not compile: ", 1)[-1]
+            # (the grammar engine's own account, with its state, was logged where it failed: structured/)
+            log.warning("refused a request: its %s does not compile: %s", constraint_param, detail)
             raise InvalidRequestError(f"{constraint_param}: the schema does not compile: {detail}",
                                       param=constraint_param) from error
         jobs = []
