@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -80,7 +81,10 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
         self._order: np.ndarray | None = None  # token ids, longest first, for the probe (structured/probe.py)
-        self.num_compiled = 0  # compilations run (cache misses), for tests and stats
+        self.num_compiled = 0  # grammars compiled (cache misses that were not refused), for tests and stats
+        self.num_cache_hits = 0  # specs found compiled (or refused) already
+        self.num_refused = 0  # specs refused: did not compile, failed their probe, or timed out
+        self.compile_seconds = 0.0  # spent compiling (and probing), successes and failures alike
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar | ExcludedText:
         """The spec's grammar (an excluded text's bans), from the cache or compiled now; InvalidRequestError
@@ -90,13 +94,17 @@ class GrammarCompiler:
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
+                self.num_cache_hits += 1
         if cached is None:
+            started = time.perf_counter()
             try:
                 cached = self._compile(spec)
             except CompileTimeout:  # may pass on a quieter machine: not kept
+                self._count(time.perf_counter() - started, refused=True)
                 raise
             except InvalidRequestError as error:
                 cached = error
+            self._count(time.perf_counter() - started, refused=isinstance(cached, InvalidRequestError))
             with self._lock:
                 self._cache[key] = cached
                 self._cache.move_to_end(key)
@@ -106,9 +114,14 @@ class GrammarCompiler:
             raise InvalidRequestError(str(cached), param=cached.param)
         return cached
 
+    def _count(self, seconds: float, refused: bool) -> None:
+        with self._lock:
+            self.num_compiled += not refused
+            self.compile_seconds += seconds
+            self.num_refused += refused
+
     def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar | ExcludedText:
         if spec.excluded_text is not None:  # no grammar: a token ban per state (~0.1 s once per vocabulary)
-            self.num_compiled += 1
             return ExcludedText(self.vocabulary, spec.excluded_text)
         text = grammar_text(spec)
         future = self._workers.submit(llguidance.LLMatcher, self.vocabulary, text, log_level=0)
@@ -123,7 +136,6 @@ class GrammarCompiler:
         if self._order is None:
             self._order = longest_first(self.vocabulary)
         first_mask, error = probe(matcher, self._order)  # what fails only once masks are computed
-        self.num_compiled += 1
         if error is not None:
             raise InvalidRequestError(f"structured_outputs.{spec.kind} does not compile: {error}", param=PARAM)
         return CompiledGrammar(matcher, first_mask)

@@ -144,6 +144,7 @@ class MessagesFormat(OutputFormat):
         completion = final.outputs[0]
         content = [{"type": "text", "text": completion.text}] if self.blocks is None else \
             output_blocks(completion.text, self.blocks.parser)
+        self.serving.count_tool_calls(sum(block["type"] == "tool_use" for block in content))
         return self._message(content, self._stop(final),
                              self._usage(final.num_cached_tokens, len(completion.token_ids)))
 
@@ -183,6 +184,8 @@ class MessagesFormat(OutputFormat):
             yield from self._start(final.num_cached_tokens)
         usage = self._usage(final.num_cached_tokens, len(final.outputs[0].token_ids))
         stop_reason, stop_sequence = self._stop(final)
+        if self.blocks is not None:
+            self.serving.count_tool_calls(len(self.blocks.parser.calls))
         if self.blocks is None:  # (the blocks' own events closed them)
             yield self._event("content_block_stop", index=0)
         yield self._event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},

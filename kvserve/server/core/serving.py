@@ -116,6 +116,8 @@ class Serving:
         self.tenancy = Tenancy(settings.api_keys)
         self.pin_owners = PinOwners(self.engine.config.block_size)
         self.call_tokens = CallTokens()  # tool-calling answers' generated ids, for token-exact tool loops
+        # Every API's format reports the calls it parsed out of a finished output (the app points it at /metrics).
+        self.count_tool_calls: Callable[[int], None] = lambda num_calls: None
         self.tokenizer: Tokenizer | None = self.engine.tokenizer
         self._token_text = lru_cache(maxsize=65536)(self._decode_token)
         self._pool = ThreadPoolExecutor(max_workers=_PREPROCESS_WORKERS, thread_name_prefix="kvserve-preprocess")

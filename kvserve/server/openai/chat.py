@@ -106,6 +106,7 @@ class ChatFormat(OpenAIFormat):
         if self.tool_use.parses_calls:
             parsed = self.tool_use.parser().parse(completion.text)
             calls = parsed.calls
+            self.serving.count_tool_calls(len(calls))
             self._remember(calls, output)
             message["content"] = parsed.content or None if calls else parsed.content
             if calls:
@@ -120,6 +121,7 @@ class ChatFormat(OpenAIFormat):
         for job in jobs:
             if job.index in self._parsers and job.index in finals:
                 self._remember(self._parsers[job.index].calls, finals[job.index])
+                self.serving.count_tool_calls(len(self._parsers[job.index].calls))
         return super().closing_events(jobs, finals, error)
 
     def opening_chunks(self, jobs):

@@ -216,6 +216,7 @@ class ResponsesFormat(OutputFormat):
             if not self.items.finished:  # not streamed: the whole text at once
                 self.items.feed(completion.text, True)
             output = self.items.final(item_status)
+            self.serving.count_tool_calls(len(self.items.parser.calls))
         body = self._object(status, output, usage, incomplete)
         if self.body.store and status != "cancelled":
             self._store(body, completion.token_ids)
