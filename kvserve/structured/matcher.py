@@ -50,6 +50,11 @@ class GrammarMatcher:
         """The grammar is complete and allows nothing more (only EOS)."""
         return self.constrained and self._state.is_stopped()
 
+    @property
+    def is_accepting(self) -> bool:
+        """The output may end here (the grammar is complete, though it may allow more)."""
+        return self.constrained and self._state.is_accepting()
+
     def fill_bitmask(self, row: torch.Tensor) -> None:
         """Write the allowed next tokens into `row` (int32, CPU, contiguous, bitmask_words(vocab) words)."""
         if row.dtype != torch.int32 or not row.is_contiguous() or row.device.type != "cpu":
