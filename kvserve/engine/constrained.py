@@ -10,6 +10,7 @@ the token sampled after them fit in max_tokens, the context and one step's token
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import SamplingParams
@@ -18,6 +19,18 @@ from kvserve.structured.compiler import CompiledGrammar, GrammarCompiler
 from kvserve.structured.excluded import ExcludedText, ExcludedTextMatcher
 from kvserve.structured.matcher import GrammarMatcher, GrammarStateError
 from kvserve.structured.vocabulary import build_grammar_vocabulary
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputStats:
+    """Structured outputs and tool calls, engine side (monotonic counters, in the stats snapshot)."""
+
+    grammar_compiles: int = 0  # specs compiled (cache misses), refused or not
+    compile_cache_hits: int = 0  # specs found compiled (or refused) already
+    compile_seconds: float = 0.0  # spent compiling and probing
+    grammar_errors: int = 0  # specs refused, and requests whose grammar failed while they ran
+    constrained_requests: int = 0  # requests added with a constraint
+    forced_tokens: int = 0  # tokens a grammar fixed, appended without sampling
 
 
 class ConstrainedRequests:
@@ -33,6 +46,7 @@ class ConstrainedRequests:
         self._build_lock = threading.Lock()
         self._matchers: dict[str, GrammarMatcher] = {}
         self.force = True  # forced tokens as mini-prefills; benchmarks turn it off to compare
+        self.num_requests = self.num_forced_tokens = self.num_failed = 0  # (the engine's thread only)
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -59,6 +73,20 @@ class ConstrainedRequests:
     def add(self, request_id: str, matcher: GrammarMatcher | None) -> None:
         if matcher is not None:
             self._matchers[request_id] = matcher
+            self.num_requests += 1
+
+    def failed(self, error: Exception) -> None:
+        """A request failed in a step (counted when its grammar was at fault)."""
+        self.num_failed += isinstance(error, GrammarStateError)
+
+    def snapshot(self) -> StructuredOutputStats:
+        compiler = self._compiler  # (None until the first constrained request)
+        if compiler is None:
+            return StructuredOutputStats(constrained_requests=self.num_requests)
+        return StructuredOutputStats(compiler.num_compiled + compiler.num_refused, compiler.num_cache_hits,
+                                     compiler.compile_seconds,
+                                     compiler.num_refused + self.num_failed, self.num_requests,
+                                     self.num_forced_tokens)
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -78,6 +106,7 @@ class ConstrainedRequests:
             request.forced_token_ids = matcher.take_forced(limit)
         except GrammarStateError:
             pass  # the matcher is in its error state: the next step's mask fails this request alone
+        self.num_forced_tokens += len(request.forced_token_ids)
         return None
 
 

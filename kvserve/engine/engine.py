@@ -71,7 +71,7 @@ class Engine:
         self.draft_slots = DraftSlotLog(self.kv_manager) if self.drafting is not None else None
         self.snapshots = SnapshotKeeper(self.scheduler, self.tiering,
                                         self.drafting.counters if self.drafting is not None else None,
-                                        self.draft_slots)
+                                        self.draft_slots, self.constrained)
         self._ids = itertools.count()
         # Last: a publisher is a thread and sockets, not to be left behind by a failed start.
         self.kv_events = open_kv_events(self.config, self.kv_manager.pool,
@@ -139,6 +139,8 @@ class Engine:
         # garbage and must never be hashed into the prefix cache.
         deltas = [self.retire(self.scheduler.requests[request_id], "error", error=f"{type(exc).__name__}: {exc}")
                   for request_id, exc in result.failures.items()]
+        for exc in result.failures.values():
+            self.constrained.failed(exc)
         for request_id, (first, entries) in result.prompt_logprobs.items():
             self.scheduler.requests[request_id].record_prompt_logprobs(first, entries)
         num_accepted = 0

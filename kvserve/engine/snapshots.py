@@ -6,6 +6,7 @@ assignment; readers on other threads only ever read `current`.
 
 from __future__ import annotations
 
+from kvserve.engine.constrained import ConstrainedRequests
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.spec_decode.slots import DraftSlotLog
@@ -19,8 +20,10 @@ class SnapshotKeeper:
     only when asked (it is O(blocks))."""
 
     def __init__(self, scheduler: Scheduler, tiering: TierTraffic | None,
-                 drafts: DraftCounters | None = None, draft_slots: DraftSlotLog | None = None) -> None:
+                 drafts: DraftCounters | None = None, draft_slots: DraftSlotLog | None = None,
+                 constrained: ConstrainedRequests | None = None) -> None:
         self.scheduler = scheduler
+        self.constrained = constrained
         self.tiering = tiering
         self.drafts = drafts
         self.draft_slots = draft_slots
@@ -51,7 +54,8 @@ class SnapshotKeeper:
         self.current = take_stats(self.scheduler, self.num_steps, self.num_generated_tokens, self.last_step,
                                   self._block_view, tier, pins=self.scheduler.kv.pin_stats(),
                                   spec_decode=self.drafts.snapshot() if self.drafts is not None else None,
-                                  draft_slots=self.draft_slots.current if self.draft_slots is not None else None)
+                                  draft_slots=self.draft_slots.current if self.draft_slots is not None else None,
+                                  structured=self.constrained.snapshot() if self.constrained is not None else None)
         return self.current
 
     def added(self, request: Request) -> None:

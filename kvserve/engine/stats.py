@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+from kvserve.engine.constrained import StructuredOutputStats
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.spec_decode.slots import StepDrafts
@@ -102,6 +103,7 @@ class EngineStats:
     blocks: BlockView | None = None  # the pool block by block, as of blocks.num_steps (only once asked for)
     spec_decode: SpecDecodeStats | None = None  # drafts and acceptances (None: speculative decoding off)
     draft_slots: StepDrafts | None = None  # the last step's draft slots in the cache (None: drafting off)
+    structured: StructuredOutputStats | None = None  # grammars compiled, constrained requests, forced tokens
 
     @property
     def num_running(self) -> int:
@@ -140,7 +142,8 @@ def request_stats(request: Request, kv: KVCacheManager) -> RequestStats:
 def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int, last_step: StepWork = StepWork(),
                blocks: BlockView | None = None, tier: TierStats | None = None,
                pins: PinStats | None = None, spec_decode: SpecDecodeStats | None = None,
-               draft_slots: StepDrafts | None = None) -> EngineStats:
+               draft_slots: StepDrafts | None = None, structured: StructuredOutputStats | None = None
+               ) -> EngineStats:
     """A snapshot of the pool and of every unfinished request. Call it between steps, on the engine's thread."""
     kv = scheduler.kv
     num_free = kv.num_free_blocks
@@ -153,7 +156,7 @@ def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int, 
         num_steps=num_steps, num_generated_tokens=num_generated_tokens,
         running=tuple(request_stats(r, kv) for r in scheduler.running),
         waiting=tuple(request_stats(r, kv) for r in scheduler.waiting), last_step=last_step, blocks=blocks,
-        tier=tier, pins=pins, spec_decode=spec_decode, draft_slots=draft_slots,
+        tier=tier, pins=pins, spec_decode=spec_decode, draft_slots=draft_slots, structured=structured,
     )
 
 

@@ -38,6 +38,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(async_engine, settings.model_name)
     async_engine.observers += [metrics.observe, log_request]
     serving = Serving(async_engine, settings)
+    serving.count_tool_calls = metrics.count_tool_calls
     store = responses_store(serving)
 
     @contextlib.asynccontextmanager

@@ -7,6 +7,7 @@ ends the trigger and starts something the grammar refuses fails the request: Gra
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -14,6 +15,9 @@ import torch
 
 from kvserve.errors import KVServeError
 from kvserve.structured.mask import bitmask_words  # noqa: F401 (the engine's name for it is here)
+from kvserve.structured.probe import short_error
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # (the compiler builds excluded texts, whose matcher shares this module's names)
     from kvserve.structured.compiler import CompiledGrammar
@@ -29,6 +33,7 @@ class GrammarMatcher:
     def __init__(self, compiled: CompiledGrammar, vocabulary: llguidance.LLTokenizer, trigger: str | None = None,
                  force: bool = True) -> None:
         self._state = compiled.new_state()
+        self._first_mask = compiled.first_mask  # the initial state's, computed once per grammar
         self._vocabulary = vocabulary
         self._trigger = trigger.encode() if trigger is not None else None
         self._tail = b""  # the free text's last bytes, where a trigger may be starting
@@ -45,10 +50,18 @@ class GrammarMatcher:
         """The grammar is complete and allows nothing more (only EOS)."""
         return self.constrained and self._state.is_stopped()
 
+    @property
+    def is_accepting(self) -> bool:
+        """The output may end here (the grammar is complete, though it may allow more)."""
+        return self.constrained and self._state.is_accepting()
+
     def fill_bitmask(self, row: torch.Tensor) -> None:
         """Write the allowed next tokens into `row` (int32, CPU, contiguous, bitmask_words(vocab) words)."""
         if row.dtype != torch.int32 or not row.is_contiguous() or row.device.type != "cpu":
             raise ValueError("the bitmask row must be a contiguous int32 CPU tensor")
+        if self._first_mask is not None and self.num_consumed == 0 and row.shape == self._first_mask.shape:
+            row.copy_(self._first_mask)
+            return
         self._state.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         self._check()
 
@@ -91,4 +104,6 @@ class GrammarMatcher:
 
     def _check(self) -> None:
         if self._state.is_error():
-            raise GrammarStateError(f"grammar error: {self._state.get_error()}")
+            error = self._state.get_error()
+            log.warning("a request's grammar failed: %s", error)  # with llguidance's state, for the log only
+            raise GrammarStateError(f"grammar error: {short_error(error)}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.errors import InvalidRequestError
-from kvserve.tools.layouts import HERMES
+from kvserve.tools.layouts import HERMES, CallLayout
 
 # The default (Hermes) layout's fixed text around a call's name and arguments (tools/layouts.py).
 CALL_OPEN = HERMES.opener
@@ -58,10 +58,9 @@ class ToolCall:
     name: str
     arguments: str
 
-    def text(self) -> str:
-        """The call as the model writes it (and as the next prompt shows it)."""
-        return (CALL_OPEN + NAME_PREFIX + json.dumps(self.name, ensure_ascii=False) + ARGUMENTS_PREFIX
-                + self.arguments + CALL_SUFFIX)
+    def text(self, layout: CallLayout = HERMES) -> str:
+        """The call as the model writes it in `layout` (and as the next prompt shows it)."""
+        return layout.call_text(json.dumps(self.name, ensure_ascii=False), self.arguments)
 
     def arguments_object(self) -> Any:
         """The arguments parsed (chat templates and Anthropic's `input` take an object)."""
@@ -77,9 +76,11 @@ def new_call_id(prefix: str = "call_") -> str:
     return prefix + uuid.uuid4().hex[:24]
 
 
-def calls_text(calls: list[ToolCall]) -> str:
+def calls_text(calls: list[ToolCall], layout: CallLayout = HERMES) -> str:
     """Several calls as one assistant output writes them."""
-    return CALL_SEPARATOR.join(call.text() for call in calls)
+    if not calls:
+        return ""
+    return layout.list_open + layout.separator.join(call.text(layout) for call in calls) + layout.list_close
 
 
 def dumps(value: Any) -> str:

@@ -1,7 +1,7 @@
 """The grammar a tool call follows (llguidance Lark, each function's arguments as `%json{schema}`).
 
-The grammar spells the call layout of tools/calls.py byte for byte, so a constrained call always parses
-and renders back to the same text. tool_choice:
+The grammar spells a call layout (tools/layouts.py, HERMES unless told) byte for byte, so a constrained
+call always parses and renders back to the same text. tool_choice:
 - "required": one or more calls (exactly one when parallel calls are off), nothing else;
 - a named function: exactly one call of it;
 - "auto": free text until the model writes `<tool_call>` (the trigger), then the rest is calls;
@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from kvserve.errors import InvalidRequestError
 from kvserve.structured.params import StructuredOutputsParams
-from kvserve.tools.calls import (ARGUMENTS_PREFIX, CALL_OPEN, CALL_SEPARATOR, CALL_SUFFIX, NAME_PREFIX,
-                                 FunctionTool)
+from kvserve.tools.calls import FunctionTool
+from kvserve.tools.layouts import HERMES, CallLayout
 
 # Arguments in the separators json.dumps and chat templates' `tojson` use, no other whitespace: the
 # text generated is the text a template would write for the same object.
@@ -58,35 +58,52 @@ def _arguments_schema(tool: FunctionTool) -> dict[str, Any]:
     return schema
 
 
-def call_body_grammar(tools: list[FunctionTool]) -> list[str]:
-    """Lark rules `body` (a call after its `<tool_call>`) and one `args_i` per tool."""
+def call_grammar(tools: list[FunctionTool], layout: CallLayout = HERMES) -> list[str]:
+    """Lark rules `call` (one call in `layout`, without the list's opening) and one `args_i` per tool."""
     alternatives, rules = [], []
     for i, tool in enumerate(tools):
-        head = NAME_PREFIX + json.dumps(tool.name, ensure_ascii=False) + ARGUMENTS_PREFIX
-        alternatives.append(f"{_literal(head)} args_{i} {_literal(CALL_SUFFIX)}")
+        head = layout.next_head + json.dumps(tool.name, ensure_ascii=False) + layout.arguments_prefix
+        alternatives.append(f"{_literal(head)} args_{i} {_literal(layout.suffix)}")
         rules.append(f"args_{i}: %json {json.dumps(_arguments_schema(tool), ensure_ascii=False)}")
-    return ["body: " + " | ".join(alternatives), *rules]
+    return ["call: " + " | ".join(alternatives), *rules]
+
+
+def _sequence(*parts: str) -> str:
+    """Lark items in a row, empty literals left out."""
+    return " ".join(part for part in parts if part and part != '""')
 
 
 def tool_call_constraint(tools: list[FunctionTool], choice: ToolChoice, parallel: bool = True,
-                         answer_schema: dict[str, Any] | None = None) -> StructuredOutputsParams | None:
-    """The constraint for `choice` over `tools` (None: no tools, the output is free). With `answer_schema`
-    (structured output asked for as well), "auto" is that JSON or calls, no free text. "none" is free text
-    that never opens a call (the tools stay in the prompt, so the model knows the layout and would write it)."""
+                         answer_schema: dict[str, Any] | None = None, layout: CallLayout = HERMES
+                         ) -> StructuredOutputsParams | None:
+    """The constraint for `choice` over `tools` in `layout` (None: no tools, the output is free). With
+    `answer_schema` (structured output asked for as well), "auto" is that JSON or calls, no free text. "none" is
+    free text that never opens a call (the tools stay in the prompt, so the model knows the layout and would
+    write it)."""
     if not tools:
         return None
     if choice.mode == "none":  # (without its last character: a model kept from `<tool_call>` wrote `<tool_call]`)
-        return StructuredOutputsParams(excluded_text=CALL_OPEN[:-1])
+        return StructuredOutputsParams(excluded_text=layout.trigger[:-1] or layout.trigger)
     choice.check(tools)
     if choice.mode == "named":
         tools = [tool for tool in tools if tool.name == choice.name]
         parallel = False
-    more = f' ({_literal(CALL_SEPARATOR + CALL_OPEN)} body)*' if parallel else ""
-    rules = call_body_grammar(tools)
+    parallel = parallel and layout.parallel
+    more = f"({_sequence(_literal(layout.separator), 'call')})*" if parallel else ""
+    close = _literal(layout.list_close) if layout.list_close else ""
+    rules = call_grammar(tools, layout)
+    calls = _sequence(_literal(layout.list_open), "call", more, close)
     if choice.mode == "auto" and answer_schema is not None:
         answer = f"answer: %json {json.dumps(answer_schema, ensure_ascii=False)}"
-        return StructuredOutputsParams(grammar="\n".join(
-            [f"start: answer | {_literal(CALL_OPEN)} body{more}", answer, *rules]))
-    if choice.mode == "auto":  # the trigger `<tool_call>` is already written when the grammar starts
-        return StructuredOutputsParams(grammar="\n".join([f"start: body{more}", *rules]), trigger=CALL_OPEN)
-    return StructuredOutputsParams(grammar="\n".join([f"start: {_literal(CALL_OPEN)} body{more}", *rules]))
+        return StructuredOutputsParams(grammar="\n".join([f"start: answer | {calls}", answer, *rules]))
+    if choice.mode == "auto":  # the trigger is already written when the grammar starts: the rest of the first call
+        rest = (layout.list_open + layout.next_head)[len(layout.trigger):]
+        firsts = [_sequence(_literal(rest + _name_head(tool, layout)), f"args_{i}", _literal(layout.suffix))
+                  for i, tool in enumerate(tools)]
+        grammar = [f"start: {_sequence('first', more, close)}", "first: " + " | ".join(firsts), *rules]
+        return StructuredOutputsParams(grammar="\n".join(grammar), trigger=layout.trigger)
+    return StructuredOutputsParams(grammar="\n".join([f"start: {calls}", *rules]))
+
+
+def _name_head(tool: FunctionTool, layout: CallLayout) -> str:
+    return json.dumps(tool.name, ensure_ascii=False) + layout.arguments_prefix

@@ -64,3 +64,26 @@ class CallLayout:
 # Qwen (2.5, 3), and kvserve's default tool block for templates that do not render tools.
 HERMES = CallLayout("hermes", opener="<tool_call>", name_prefix='\n{"name": ', arguments_prefix=', "arguments": ',
                     suffix="}\n</tool_call>", separator="\n")
+
+# Llama 3.1+ (JSON tool calling): the whole turn is `{"name": "NAME", "parameters": ARGS}`, then <|eot_id|> (or
+# <|eom_id|> with builtin tools): both end the output, as the template ends the call's turn. One call a turn
+# (the template refuses more).
+LLAMA3_JSON = CallLayout("llama3_json", opener="", name_prefix='{"name": ', arguments_prefix=', "parameters": ',
+                         suffix="}", separator="", parallel=False)
+
+# Mistral: `[TOOL_CALLS][{"name": "NAME", "arguments": ARGS}, ...]`. (Templates that add each call's id after
+# its arguments write what the model cannot know beforehand: their history is not byte-exact.)
+MISTRAL = CallLayout("mistral", opener="", name_prefix='{"name": ', arguments_prefix=', "arguments": ', suffix="}",
+                     separator=", ", list_open="[TOOL_CALLS][", list_close="]")
+
+
+def layout_for_template(template: str | None) -> CallLayout:
+    """The call layout a chat template writes history calls in, recognised from its source (HERMES, also for
+    templates that do not render tools: kvserve's default block uses it)."""
+    if not template:
+        return HERMES
+    if "[TOOL_CALLS]" in template:
+        return MISTRAL
+    if '"parameters": ' in template and ("<|eot_id|>" in template or "<|eom_id|>" in template):
+        return LLAMA3_JSON
+    return HERMES

@@ -99,3 +99,11 @@ def test_responses_a_cut_function_call_is_an_incomplete_item(client, whole):
         done = [event.item for event in events if event.type == "response.output_item.done"]
         (final,) = [event.response for event in events if event.type == "response.incomplete"]
         assert [i.status for i in done] == ["incomplete"] and final.output[0].arguments == item.arguments
+
+
+def test_parsed_tool_calls_are_counted_on_metrics(server, client, whole):
+    before = server.metric("kvserve:tool_calls_parsed_total")  # (the uncut call made one already)
+    client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[TOOL], tool_choice="required",
+                                   parallel_tool_calls=False, max_tokens=60, temperature=0)
+    assert server.metric("kvserve:tool_calls_parsed_total") == before + 1
+    assert server.metric("kvserve:constrained_requests_total") >= 2

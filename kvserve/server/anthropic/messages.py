@@ -39,7 +39,7 @@ class MessagesServing:
         serving = self.serving
         serving.check_model(body.model)
         body.check()
-        tool_use = body.tool_use()
+        tool_use = serving.tool_use(body)
         tenant = tenant_id(api_key)
         job = await serving.off_loop(self._job, body, tool_use, tenant)
         return await serving.respond(MessagesFormat(serving, body, job, tool_use, tenant), [job], http, api_key,
@@ -49,7 +49,8 @@ class MessagesServing:
         """/v1/messages/count_tokens: the prompt's tokens, exactly as /v1/messages would send them."""
         self.serving.check_model(body.model)
         body.check()
-        token_ids, _ = await self.serving.off_loop(self._render, body, body.tool_use(), tenant_id(api_key))
+        tool_use = self.serving.tool_use(body)
+        token_ids, _ = await self.serving.off_loop(self._render, body, tool_use, tenant_id(api_key))
         return {"input_tokens": len(token_ids)}
 
     def _job(self, body: MessagesRequest, tool_use: ToolUse, tenant: str) -> Job:
@@ -130,6 +131,7 @@ class MessagesFormat(OutputFormat):
         content = [{"type": "text", "text": completion.text}] if self.blocks is None else \
             output_blocks(completion.text, self.blocks.parser)
         self._remember(final)
+        self.serving.count_tool_calls(sum(block["type"] == "tool_use" for block in content))
         return self._message(content, self._stop(final),
                              self._usage(final.num_cached_tokens, len(completion.token_ids)))
 
@@ -170,6 +172,8 @@ class MessagesFormat(OutputFormat):
         self._remember(final)
         usage = self._usage(final.num_cached_tokens, len(final.outputs[0].token_ids))
         stop_reason, stop_sequence = self._stop(final)
+        if self.blocks is not None:
+            self.serving.count_tool_calls(len(self.blocks.parser.calls))
         if self.blocks is None:  # (the blocks' own events closed them)
             yield self._event("content_block_stop", index=0)
         yield self._event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},

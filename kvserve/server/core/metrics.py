@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.constrained import StructuredOutputStats
 from kvserve.engine.output import RequestDelta
 from kvserve.engine.spec_decode.counters import SpecDecodeStats
 from kvserve.kv.tier import LOAD_SECONDS_BUCKETS
@@ -67,6 +68,7 @@ class _EngineCollector:
         yield counter("kvserve:num_context_shifts", "Sequences shifted past the context (oldest tokens dropped).",
                       stats.num_context_shifts)
         yield from _spec_decode_metrics(stats.spec_decode, labels)
+        yield from _structured_metrics(stats.structured, labels)
         pins = stats.pins
         if pins is not None:
             yield gauge("kvserve:kv_pins", "Live pinned prefixes (cache breakpoints with a TTL).", pins.num_pins)
@@ -132,6 +134,27 @@ def _spec_decode_metrics(spec: SpecDecodeStats | None, labels: list[str]):
     yield histogram
 
 
+def _structured_metrics(structured: StructuredOutputStats | None, labels: list[str]):
+    """Structured outputs and tool calls, engine side: grammars compiled and refused, requests, forced tokens."""
+    if structured is None:
+        return
+    for name, doc, value in (
+        ("grammar_compiles", "Structured-output specs compiled (cache misses), refused or not.",
+         structured.grammar_compiles),
+        ("grammar_compile_cache_hits", "Structured-output specs found compiled (or refused) already.",
+         structured.compile_cache_hits),
+        ("grammar_compile_seconds", "Seconds spent compiling (and probing) grammars.", structured.compile_seconds),
+        ("grammar_errors", "Specs refused as not compiling, and requests whose grammar failed while running.",
+         structured.grammar_errors),
+        ("constrained_requests", "Requests run under a grammar (structured output, tool calls, tool_choice none).",
+         structured.constrained_requests),
+        ("forced_tokens", "Tokens a grammar fixed, appended without sampling.", structured.forced_tokens),
+    ):
+        family = CounterMetricFamily(f"kvserve:{name}", doc, labels=["model_name"])
+        family.add_metric(labels, value)
+        yield family
+
+
 class ServerMetrics:
     """The server's registry. `observe` is an AsyncEngine observer."""
 
@@ -150,6 +173,8 @@ class ServerMetrics:
                                          registry=self.registry)
         self.request_success = Counter("kvserve:request_success", "Finished requests by finish reason.",
                                        labels + ["finished_reason"], registry=self.registry)
+        self.tool_calls = Counter("kvserve:tool_calls_parsed", "Tool calls parsed out of outputs (any API).", labels,
+                                  registry=self.registry)
         self.registry.register(_EngineCollector(async_engine, model_name))
         self._last_token_time: dict[str, float] = {}
 
@@ -172,6 +197,11 @@ class ServerMetrics:
             self.prompt_tokens.labels(self.model_name).inc(metrics.num_prompt_tokens)
             end = metrics.last_token_time if reason != "abort" and metrics.last_token_time else time.perf_counter()
             self.e2e.labels(self.model_name).observe(end - metrics.arrival_time)
+
+    def count_tool_calls(self, num_calls: int) -> None:
+        """An API answered with `num_calls` calls (its format calls this once per finished output)."""
+        if num_calls:
+            self.tool_calls.labels(self.model_name).inc(num_calls)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

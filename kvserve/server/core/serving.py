@@ -31,6 +31,7 @@ from kvserve.server.core.errors import bad_request, model_not_found, overloaded
 from kvserve.server.core.pin_owners import PinOwners
 from kvserve.server.core.streaming import Job, OutputFormat, run_jobs
 from kvserve.server.core.tenancy import Tenancy, tenant_id
+from kvserve.server.core.tool_use import ToolUse
 from kvserve.server.prompt.answers import GeneratedAnswers
 from kvserve.server.prompt.builder import PromptBuilder
 from kvserve.structured.params import PARAM as STRUCTURED_PARAM
@@ -120,6 +121,8 @@ class Serving:
         self.pin_owners = PinOwners(self.engine.config.block_size)
         # tool-calling answers' generated ids, for token-exact tool loops
         self.answers = GeneratedAnswers(forward=settings.forward_answers)
+        # Every API's format reports the calls it parsed out of a finished output (the app points it at /metrics).
+        self.count_tool_calls: Callable[[int], None] = lambda num_calls: None
         self.tokenizer: Tokenizer | None = self.engine.tokenizer
         self._prompts: PromptBuilder | None = None
         self._token_text = lru_cache(maxsize=65536)(self._decode_token)
@@ -155,6 +158,11 @@ class Serving:
         """Run `fn(*args)` on the preprocessing pool; its exceptions are raised here."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def tool_use(self, body: Any) -> ToolUse:
+        """A request's tools (its API's `tool_use()`), calls in the layout the model's chat template writes them
+        in history, so the grammar forces the text the next turn renders back (tools/layouts.py)."""
+        return body.tool_use().with_template(self.tokenizer.chat_template if self.tokenizer else None)
+
     @property
     def prompts(self) -> PromptBuilder:
         """The one prompt builder (server/prompt/): every API's prompt is built by it (400 without a tokenizer)."""
@@ -179,6 +187,8 @@ class Serving:
             if constraint_param is None or error.param != STRUCTURED_PARAM:
                 raise
             detail = str(error).split("does not compile: ", 1)[-1]
+            # (the grammar engine's own account, with its state, was logged where it failed: structured/)
+            log.warning("refused a request: its %s does not compile: %s", constraint_param, detail)
             raise InvalidRequestError(f"{constraint_param}: the schema does not compile: {detail}",
                                       param=constraint_param) from error
         jobs = []

@@ -11,6 +11,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.structured.params import StructuredOutputsParams
 from kvserve.tools.calls import FunctionTool
 from kvserve.tools.grammar import ToolChoice, tool_call_constraint
+from kvserve.tools.layouts import HERMES, CallLayout, layout_for_template
 from kvserve.tools.parsing import ToolCallParser
 from kvserve.tools.rendering import Turn
 
@@ -23,6 +24,14 @@ class ToolUse:
     output: StructuredOutputsParams | None = None  # response_format / text.format / structured_outputs
     call_id_prefix: str = "call_"
     output_param: str = "response_format"  # the request field `output` came from
+    # How the model writes calls: its chat template's layout (layout_for_template), which the grammar forces
+    # and the parser reads, so a call renders back into the next prompt as generated. HERMES: kvserve's block.
+    layout: CallLayout = HERMES
+
+    def with_template(self, template: str | None) -> "ToolUse":
+        """This request's tools with the call layout `template` writes history calls in."""
+        self.layout = layout_for_template(template)
+        return self
 
     @property
     def constraint_param(self) -> str:
@@ -49,7 +58,7 @@ class ToolUse:
         """What the engine constrains the output to: the calls the choice demands, or the structured output;
         under tool_choice "none" (without one) text that never opens a call."""
         if self.choice.mode == "none" and self.output is None:
-            return tool_call_constraint(self.tools, self.choice)
+            return tool_call_constraint(self.tools, self.choice, layout=self.layout)
         if not self.parses_calls:
             return self.output
         answer = None
@@ -59,14 +68,14 @@ class ToolUse:
                                           param="response_format")
             # a dict: the server's mapping (structured_output.py) parses schemas given as text
             answer = self.output.json if self.output.json is not None else {"type": "object"}
-        return tool_call_constraint(self.tools, self.choice, self.parallel, answer)
+        return tool_call_constraint(self.tools, self.choice, self.parallel, answer, self.layout)
 
     def parser(self) -> ToolCallParser | None:
         """The output's parser (None: no calls to look for). Under "required" or a named function the output
         is calls from its first token, so a call cut short is never content."""
         if not self.parses_calls:
             return None
-        return ToolCallParser(self.call_id_prefix, calls_only=self.choice.mode in ("required", "named"))
+        return ToolCallParser(self.call_id_prefix, self.layout, calls_only=self.choice.mode in ("required", "named"))
 
 
 def link_tool_results(turns: list[Turn], param: str = "messages", earlier: dict[str, str] | None = None) -> None:

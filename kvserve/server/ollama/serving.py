@@ -46,7 +46,7 @@ class OllamaServing:
         serving = self.serving
         serving.check_model(body.model)
         body.check()
-        tool_use = body.tool_use()
+        tool_use = serving.tool_use(body)
         variables = thinking_variables(body.think, self.supports_thinking, body.model)
         tenant = tenant_id(api_key)
         conversation = body.to_conversation(tool_use, tenant, variables)
@@ -145,6 +145,8 @@ class OllamaFormat(OutputFormat):
         if self.parser is None:
             return []
         calls = self.parser.calls
+        if output is not None:
+            self.serving.count_tool_calls(len(calls))
         if calls and output is not None and output.outputs[0].finish_reason == "stop":
             completion = output.outputs[0]  # so the turn that sends these calls back holds their ids
             self.serving.answers.remember(self.tenant, calls[0].id, completion.text, completion.token_ids)

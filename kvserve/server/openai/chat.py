@@ -24,7 +24,7 @@ class ChatServing:
         serving = self.serving
         serving.check_model(body.model)
         body.check()
-        tool_use = body.tool_use()
+        tool_use = serving.tool_use(body)
         serving.check_batch_size(body.n, "n")
         tenant = tenant_id(api_key)
         jobs = await serving.off_loop(self._jobs, body, tool_use, tenant)
@@ -34,7 +34,7 @@ class ChatServing:
     async def tokenize(self, body: ChatCompletionRequest, api_key: str) -> list[int]:
         """The prompt tokens a chat request would be computed on (/tokenize), tools and spliced calls included."""
         self.serving.check_model(body.model)
-        return await self.serving.off_loop(self.render, body, body.tool_use(), tenant_id(api_key))
+        return await self.serving.off_loop(self.render, body, self.serving.tool_use(body), tenant_id(api_key))
 
     def render(self, body: ChatCompletionRequest, tool_use: ToolUse, tenant: str) -> list[int]:
         """(worker) The conversation's prompt tokens (server/prompt/): answers that made tool calls keep the ids
@@ -96,6 +96,7 @@ class ChatFormat(OpenAIFormat):
         if self.tool_use.parses_calls:
             parsed = self.tool_use.parser().parse(completion.text)
             calls = parsed.calls
+            self.serving.count_tool_calls(len(calls))
             self._remember(calls, output)
             message["content"] = parsed.content or None if calls else parsed.content
             if calls:
@@ -110,6 +111,7 @@ class ChatFormat(OpenAIFormat):
         for job in jobs:
             if job.index in self._parsers and job.index in finals:
                 self._remember(self._parsers[job.index].calls, finals[job.index])
+                self.serving.count_tool_calls(len(self._parsers[job.index].calls))
         return super().closing_events(jobs, finals, error)
 
     def opening_chunks(self, jobs):

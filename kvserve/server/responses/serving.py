@@ -73,7 +73,7 @@ class ResponsesServing:
             if previous is None:  # another tenant's response reads exactly like one that never existed
                 raise bad_request(f"Previous response with id '{body.previous_response_id}' not found.",
                                   "previous_response_id")
-        tool_use = body.tool_use()
+        tool_use = serving.tool_use(body)
         prepared = await serving.off_loop(self._prepare, body, previous, tool_use, tenant)
         fmt = ResponsesFormat(serving, self.store, body, prepared, tenant, tool_use)
         return await serving.respond(fmt, [prepared.job], http, api_key, None, body.stream)
@@ -219,6 +219,7 @@ class ResponsesFormat(OutputFormat):
                 self.items.feed(completion.text, True)
             output = self.items.final(item_status)
             calls = self.items.parser.calls
+            self.serving.count_tool_calls(len(calls))
             if calls and completion.finish_reason == "stop":  # for the turn that resends its calls as items
                 self.serving.answers.remember(self.tenant, calls[0].id, completion.text, completion.token_ids)
         body = self._object(status, output, usage, incomplete)

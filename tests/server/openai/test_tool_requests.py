@@ -1,6 +1,7 @@
 """Tool calls and structured output at the API's edges, on the tiny app: streamed `delta.tool_calls` as the
 openai client's own stream state assembles them, and bad input as a 400 naming its field."""
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -129,3 +130,29 @@ def test_a_constraint_from_tools_is_blamed_on_the_tools():
     assert ToolUse(TOOLS, ToolChoice("none"), output=output, output_param="text.format").constraint_param == \
         "text.format"
     assert ToolUse(output=output).constraint_param == "response_format"
+
+
+REF_LOOP = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+# (1,000 are enough to overflow llguidance's 2,000-item parser row, and fit the tiny app's body limit)
+MANY_OPTIONAL = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": REF_LOOP}}}, "response_format"),
+    ("/v1/chat/completions", {"messages": USER, "structured_outputs": {"json": MANY_OPTIONAL}}, "structured_outputs"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": REF_LOOP}}},
+     "text.format"),
+])
+def test_a_grammar_that_fails_in_its_first_tokens_is_a_400_before_any_token(tiny_app, caplog, path, body, param,
+                                                                              stream):
+    """llguidance compiles these and fails only at a mask (a $ref loop allows nothing, 1,000 optional properties
+    overflow a parser row): refused at validation, the engine's state in the log, not in the answer."""
+    with caplog.at_level(logging.WARNING):
+        response = tiny_app.post(path, json={"max_tokens": 4, "stream": stream, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: the schema does not compile: ")
+    assert "<state>" not in error["message"]
+    assert f"its {param} does not compile" in caplog.text  # the server's log says why
