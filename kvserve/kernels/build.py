@@ -7,7 +7,8 @@ kernel had run on one thread) and kept in the environment (the venv), one
 build per CPU feature set and torch version, so an environment shared by
 machines with other CPUs never loads a binary built for another. Any failure
 (no compiler, no ninja) logs once and leaves the torch paths.
-`make install` builds it ahead of time; KVSERVE_NO_CPP_KERNELS=1 turns it off.
+`make install` builds it ahead of time; KVSERVE_NO_CPP_KERNELS=1 turns it off; KVSERVE_KERNELS_DIR=DIR
+builds (and looks for a build) under DIR instead of the environment's kvserve-kernels/.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _build() -> ModuleType | None:
         key = " ".join([torch.__version__, str(_SOURCES[0].parent.resolve()), *sorted(cpu_flags())])
         name = f"kvserve_cpu_kernels_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
         # Built inside the environment (the venv), not in a per-user cache shared by every environment.
-        build_directory = Path(sys.prefix) / "kvserve-kernels" / name
+        build_directory = Path(os.environ.get("KVSERVE_KERNELS_DIR") or Path(sys.prefix) / "kvserve-kernels") / name
         build_directory.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         module = load(name=name, sources=[str(s) for s in _SOURCES], build_directory=str(build_directory),
