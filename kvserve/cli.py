@@ -1,5 +1,6 @@
 """The `kvserve` command line: `generate` (stream answers to prompts in the terminal), `serve` (the HTTP
-server, or `--replicas N` behind Ray Serve), and `memory` (what a KV budget holds for a model)."""
+server, or `--replicas N` behind Ray Serve), `memory` (what a KV budget holds for a model) and `doctor`
+(what this installation runs on)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,11 @@ def _build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_serve_args(serve)
     add_engine_args(serve)
+
+    doctor = commands.add_parser("doctor", help="what this installation runs on: version, torch, CPU features, "
+                                 "the C++ kernels' state (built if needed) and where the model comes from")
+    doctor.add_argument("--model", default=None, help="check this GGUF file or Hugging Face directory instead of "
+                        "the embedded model")
 
     add_memory_args(commands.add_parser(
         "memory", help=MEMORY_HELP, description=MEMORY_DESCRIPTION))
@@ -235,6 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "memory":
             return run_memory(args)
+        if args.command == "doctor":
+            from kvserve.doctor import main as doctor
+
+            return doctor(args.model)
     except KVServeError as exc:
         print(f"kvserve: error: {exc}", file=sys.stderr)
         return 2
