@@ -101,3 +101,8 @@ def test_installed_outside_the_checkout_it_builds_its_kernels_and_serves(dists, 
     assert any(kernels_dir.iterdir())  # compiled here, from the installed files
     assert result["linear_dtype"] in ("int4", "int8"), result  # the kernels' weights, not the torch fallback
     assert (result["status"], result["completion_tokens"], result["lab"]) == (200, 4, 200), result
+    # The installed `kvserve doctor` says the same (and exits 0): the kernels built here, this copy runs.
+    doctor = subprocess.run([sys.executable, "-m", "kvserve.cli", "doctor"], cwd=elsewhere, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr[-3000:]
+    assert f"built in {kernels_dir}" in doctor.stdout and f"({target}" in doctor.stdout, doctor.stdout
