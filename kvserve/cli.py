@@ -1,5 +1,6 @@
 """The `kvserve` command line: `generate` (stream answers to prompts in the terminal), `serve` (the HTTP
-server, or `--replicas N` behind Ray Serve) and `memory` (what a KV budget holds for a model)."""
+server, or `--replicas N` behind Ray Serve), `memory` (what a KV budget holds for a model) and `doctor`
+(what this installation runs on)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import sys
 from typing import Sequence
 
 from kvserve.config import parse_memory
+from kvserve.doctor import package_version
 from kvserve.engine_args import add_engine_args, engine_config_from_args
 from kvserve.errors import ConfigError, KVServeError
+from kvserve.generate_args import add_output_args, tool_use_from_args
+from kvserve.memory_args import MEMORY_DESCRIPTION, MEMORY_HELP, add_memory_args, model_name_of, run_memory
 from kvserve.serve_args import add_serve_args, server_settings_from_args
 
 
@@ -56,6 +60,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-centric LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"kvserve {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text from a prompt, streaming it as it is produced")
@@ -69,43 +74,24 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="after each prompt, say how much of it was cached and where it diverged from the closest cached prompt")
     gen.add_argument("--cache-salt", default=None, help="prefix-cache salt: prompts only share blocks with the same salt")
     _add_sampling_args(gen)
+    add_output_args(gen)
     add_engine_args(gen)
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_serve_args(serve)
     add_engine_args(serve)
 
-    memory = commands.add_parser(
-        "memory", help="plan memory: KV bytes per token, per request, per batch; weights; what fits",
-        description="Size the KV cache before serving: the engine's own bytes-per-token formula, "
-                    "weights and overhead, and (with --memory) how many requests or how much context fit.")
-    memory.add_argument("model", nargs="?", default=None,
-                        help="a known model name (see --list), a .gguf file or a Hugging Face directory; "
-                             "or describe one with --layers/--kv-heads/--head-dim")
-    memory.add_argument("--list", action="store_true", help="list the known models and their shapes")
-    memory.add_argument("--layers", type=int, help="custom shape: decoder layers")
-    memory.add_argument("--kv-heads", type=int, help="custom shape: KV heads")
-    memory.add_argument("--head-dim", type=int, help="custom shape: head dimension")
-    memory.add_argument("--heads", type=int, help="custom shape: query heads (default: --kv-heads)")
-    memory.add_argument("--params", type=float, help="parameter count, e.g. 7e9 (default: from the shape)")
-    memory.add_argument("--context", type=int, default=None, help="tokens per request (default: the model's context)")
-    memory.add_argument("--batch", type=int, default=1, help="concurrent requests (default 1)")
-    memory.add_argument("--kv-dtype", default="float16",
-                        help="KV cache dtype (default float16): float32, float16, bfloat16, int8, int4, fp8_e4m3, "
-                             "fp8_e5m2, or K/V such as int8/int4")
-    memory.add_argument("--weights-dtype", default="float16",
-                        help="auto, float32, bfloat16, int8, int4: what kvserve holds with serve's --weights-dtype "
-                             "(auto as on this CPU); float16, q8_0, q4_0, q4_k: bytes per weight of those formats "
-                             "(default float16)")
-    memory.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
-    memory.add_argument("--memory", default=None, help="device memory to plan for, e.g. 80GiB")
-    memory.add_argument("--overhead", type=float, default=0.1,
-                        help="activations and runtime, as a fraction of weights + KV (default 0.1)")
-    memory.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    doctor = commands.add_parser("doctor", help="what this installation runs on: version, torch, CPU features, "
+                                 "the C++ kernels' state (built if needed) and where the model comes from")
+    doctor.add_argument("--model", default=None, help="check this GGUF file or Hugging Face directory instead of "
+                        "the embedded model")
+
+    add_memory_args(commands.add_parser(
+        "memory", help=MEMORY_HELP, description=MEMORY_DESCRIPTION))
     return parser
 
 
-def _prompts(args: argparse.Namespace, engine) -> list[str | list[int]]:
+def _prompts(args: argparse.Namespace, engine, tools: list) -> list[str | list[int]]:
     if args.token_ids is not None:
         if args.prompt:
             raise KVServeError("give either prompts or --token-ids, not both")
@@ -115,14 +101,14 @@ def _prompts(args: argparse.Namespace, engine) -> list[str | list[int]]:
             raise KVServeError(f"--token-ids must be comma-separated integers, got {args.token_ids!r}") from None
     if not args.prompt:
         raise KVServeError("a prompt is required (or --token-ids)")
-    if not args.chat:
+    if not args.chat and not tools:
         return list(args.prompt)
     from kvserve.server.prompt.builder import Conversation, PromptBuilder  # the server's one prompt builder
     from kvserve.tools.rendering import Turn
 
     builder = PromptBuilder(engine.loaded.require_tokenizer())
     system = [Turn("system", args.system)] if args.system else []
-    return [builder.build(Conversation(system + [Turn("user", text)])).token_ids for text in args.prompt]
+    return [builder.build(Conversation(system + [Turn("user", text)], tools=tools)).token_ids for text in args.prompt]
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -131,21 +117,24 @@ def _generate(args: argparse.Namespace) -> int:
 
     # Validate cheap things before the model load.
     config = engine_config_from_args(args)
+    use = tool_use_from_args(args)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-        stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
+        stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos, structured_outputs=use.constraint(),
     )
     engine = Engine(config)
     try:
-        _generate_each(args, engine, params)
+        _generate_each(args, engine, params, use)
     finally:
         engine.close()  # the disk tier writes what it queued
     return 0
 
 
-def _generate_each(args: argparse.Namespace, engine, params) -> None:
-    for prompt in _prompts(args, engine):
+def _generate_each(args: argparse.Namespace, engine, params, use) -> None:
+    from kvserve.tools.parsing import parse_output
+
+    for prompt in _prompts(args, engine, use.tools):
         final = _stream_one(engine, prompt, params, args.cache_salt)
         m = final.metrics
         elapsed = (m.last_token_time or m.arrival_time) - m.arrival_time
@@ -157,6 +146,12 @@ def _generate_each(args: argparse.Namespace, engine, params) -> None:
             f"{m.num_output_tokens / elapsed:.1f} tok/s | KV cache held {final.kv_cache_bytes / 2**20:.2f} MiB{held}]",
             file=sys.stderr,
         )
+        if use.parses_calls:
+            calls = parse_output(final.outputs[0].text).calls
+            for call in calls:
+                print(f"tool call {call.name} {call.arguments}", file=sys.stderr)
+            if not calls:
+                print("no tool call", file=sys.stderr)
         if args.explain_cache and final.prefix_cache is not None:
             print(final.prefix_cache.describe(), file=sys.stderr)
 
@@ -202,7 +197,7 @@ def _serve(args: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
-    name = args.served_model_name or _model_name(engine.loaded.source)
+    name = args.served_model_name or model_name_of(engine.loaded.source)
     settings.model_name = name
     app = create_app(engine, settings)
     host, port = sock.getsockname()[:2]
@@ -225,41 +220,10 @@ def _serve_replicas(args: argparse.Namespace, config, settings) -> int:
         raise KVServeError(f"--replicas needs Ray Serve: pip install 'kvserve[ray]' ({exc})") from None
     from kvserve.model.loader import embedded_model_path
 
-    settings.model_name = args.served_model_name or _model_name(str(config.model or embedded_model_path()))
+    settings.model_name = args.served_model_name or model_name_of(str(config.model or embedded_model_path()))
     serve_until_stopped(config, settings, ReplicaOptions(args.replicas, args.router, args.replica_cpus),
                         args.host, args.port, args.ray_address)
     return 0
-
-
-def _memory(args: argparse.Namespace) -> int:
-    import json
-
-    from kvserve.model.catalog import KNOWN_MODELS
-    from kvserve.planner import describe, plan, resolve_model
-
-    if args.list:
-        print(f"{'model':<15} {'layers':>6} {'heads':>5} {'KV heads':>8} {'head_dim':>8} {'attention':>9} {'context':>8}")
-        for name, c in KNOWN_MODELS.items():
-            print(f"{name:<15} {c.num_layers:>6} {c.num_heads:>5} {c.num_kv_heads:>8} {c.head_dim:>8} "
-                  f"{c.attention_kind:>9} {c.max_position_embeddings:>8,}")
-        return 0
-    name, config, num_params = resolve_model(args.model, args.layers, args.kv_heads, args.head_dim, args.heads,
-                                             args.params, args.context)
-    context = args.context or config.max_position_embeddings
-    if not context:
-        raise KVServeError("--context is required for a custom shape")
-    memory = parse_memory(args.memory) if args.memory is not None else None  # checked by check_args
-    result = plan(name, config, num_params, context, args.batch, args.kv_dtype, args.block_size, args.weights_dtype,
-                  memory, args.overhead)
-    print(json.dumps(result.to_json()) if args.json else describe(result))
-    return 0
-
-
-def _model_name(source: str) -> str:
-    """'.../SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct'; a directory -> its name."""
-    from pathlib import Path
-
-    return Path(source.rstrip("/")).name.split(".")[0] or source
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -276,7 +240,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "memory":
-            return _memory(args)
+            return run_memory(args)
+        if args.command == "doctor":
+            from kvserve.doctor import main as doctor
+
+            return doctor(args.model)
     except KVServeError as exc:
         print(f"kvserve: error: {exc}", file=sys.stderr)
         return 2

@@ -150,9 +150,11 @@ class EngineConfig:
 
     model: str | None = field(default=None, metadata=engine_arg(
         "GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)"))
-    # kvserve/platform.py knows the device; one device today, so no flag yet.
+    # kvserve/platform.py knows the device; the engine refuses one without attention kernels (CUDA today)
+    # before the model loads, naming what exists.
     device: str = field(default="cpu", metadata=engine_arg(
-        "where weights, the KV pool and every step's tensors live", cli=False))
+        "where weights, the KV pool and every step's tensors live: cpu (the only device with kernels so far; "
+        "cuda is refused until its attention backend exists)", check=a_name("a device name such as 'cpu'")))
     block_size: int = field(default=16, metadata=engine_arg("tokens per KV block", check=positive_int))
     max_num_seqs: int = field(default=64, metadata=engine_arg("requests in one batch at most", check=positive_int))
     max_num_batched_tokens: int = field(default=2048, metadata=engine_arg(

@@ -62,6 +62,8 @@ class MemoryPlan:
     kv_room_bytes: int | None = None  # what `memory_bytes` leaves for KV after weights and overhead
     max_concurrent_requests: int | None = None  # of `context` tokens, within `memory_bytes`
     max_context_for_batch: int | None = None  # per request, for `batch` requests, within `memory_bytes`
+    context_capped_by_model: bool = False  # the budget holds more than the model's context per request
+    max_requests_at_max_context: int | None = None  # of `max_context_for_batch` tokens, within `memory_bytes`
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -83,7 +85,7 @@ def resolve_model(model: str | None, layers: int | None = None, kv_heads: int | 
             max_position_embeddings=context or 0, rms_norm_eps=1e-5, rope_theta=10000.0,
         )
         return "custom", config, int(params or 0)
-    config = find_known_model(model)
+    config = find_known_model(model) or find_known_model(_base_model_name(model))
     name = model
     if config is None:
         path = Path(model)
@@ -136,9 +138,27 @@ def plan(name: str, config: ModelConfig, num_params: int, context: int, batch: i
         result.kv_room_bytes = kv_room
         open_per_request = spec.open_blocks_bytes(1, block_size)  # each request's blocks being filled
         result.max_concurrent_requests = kv_room // (per_request + open_per_request)
-        result.max_context_for_batch = _longest_context(spec, block_size, max(kv_room // batch - open_per_request, 0),
-                                                        config.max_position_embeddings)
+        longest = _longest_context(spec, block_size, max(kv_room // batch - open_per_request, 0),
+                                   config.max_position_embeddings)
+        # A model runs at most its own context (serve refuses more without RoPE scaling); a custom shape's
+        # context is the one asked for, not a limit, so it is not capped.
+        if config.architecture != "custom" and 0 < config.max_position_embeddings < longest:
+            longest, result.context_capped_by_model = config.max_position_embeddings, True
+        result.max_context_for_batch = longest
+        result.max_requests_at_max_context = kv_room // (spec.request_bytes(longest, block_size) + open_per_request) \
+            if longest else 0
     return result
+
+
+# Suffixes of the chat-tuned releases of a catalog model: the KV shape is the base model's.
+_TUNED_SUFFIXES = ("-instruct", "-chat", "-it")
+
+
+def _base_model_name(name: str) -> str:
+    """'SmolLM2-135M-Instruct' (the name `kvserve serve` reports) -> 'SmolLM2-135M'."""
+    lowered = name.lower()
+    suffix = next((s for s in _TUNED_SUFFIXES if lowered.endswith(s)), "")
+    return name[:len(name) - len(suffix)]
 
 
 def _longest_context(spec: KVSpec, block_size: int, room: int, model_max_context: int) -> int:
@@ -199,4 +219,7 @@ def describe(p: MemoryPlan) -> str:
             f"  concurrent requests of {p.context:,} tokens: {p.max_concurrent_requests:,}",
             f"  largest context for {p.batch} concurrent request(s): {p.max_context_for_batch:,} tokens",
         ]
+        if p.context_capped_by_model:
+            lines[-1] += (f" (the model's context; the budget holds {p.max_requests_at_max_context:,} concurrent "
+                          f"requests of {p.max_context_for_batch:,} tokens)")
     return "\n".join(lines)

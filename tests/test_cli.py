@@ -137,14 +137,16 @@ def test_max_model_len_beyond_the_context_is_refused(tiny_model_dir):
 
 
 def _parser_flags() -> dict[str, set[str]]:
-    """Every option string of each `kvserve` command."""
+    """Every option string of each `kvserve` command; "" holds the top-level ones (--version)."""
     import argparse
 
     from kvserve.cli import _build_parser
 
-    commands = next(a for a in _build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {name: {flag for action in sub._actions for flag in action.option_strings}
-            for name, sub in commands.choices.items()}
+    parser = _build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {"": {flag for action in parser._actions for flag in action.option_strings},
+            **{name: {flag for action in sub._actions for flag in action.option_strings}
+               for name, sub in commands.choices.items()}}
 
 
 # Flags the README mentions that belong to other tools (pip, llama.cpp).
@@ -190,3 +192,26 @@ def test_explain_cache_says_what_came_from_disk_after_a_restart(tiny_model_dir, 
     assert "prompt 39 tokens (36 cached)" in second.stderr
     assert "36 of 39 prompt tokens cached (0 from the pool, 36 from disk)" in second.stderr
     assert first.stdout == second.stdout
+
+
+def test_version_names_the_installed_distribution(capsys):
+    from importlib.metadata import version
+
+    from kvserve.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"kvserve {version('kvserve')}\n"
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda", "device 'cuda': kvserve has attention kernels for the CPU only so far"),
+    ("tpu", "device 'tpu' is not a device name"),
+])
+def test_device_is_an_engine_flag_and_only_cpu_runs(device, message, capsys):
+    from kvserve.cli import main
+
+    assert main(["generate", "--device", device, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvserve: error: {message}") and err.count("\n") == 1  # refused before the load

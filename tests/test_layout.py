@@ -27,7 +27,7 @@ LAYERS = [
     {"llm", "planner"},
     {"server"},
     {"replicas"},  # the server on Ray Serve (issue 31)
-    {"engine_args", "serve_args"},
+    {"engine_args", "serve_args", "generate_args", "memory_args", "doctor"},  # the commands' flags and runs
     {"cli"},
 ]
 LAYER_OF = {unit: level for level, units in enumerate(LAYERS) for unit in units}

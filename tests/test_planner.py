@@ -119,3 +119,29 @@ def test_windowed_layers_hold_only_their_window_in_the_plan():
     assert fits.kv_bytes_total <= tight.kv_room_bytes
     over = plan("gemma-like", gemma_like, 0, context=tight.max_context_for_batch + 16, kv_dtype="float32", batch=2)
     assert over.kv_bytes_total > tight.kv_room_bytes
+
+
+def test_the_served_name_and_no_name_plan_the_embedded_model(capsys):
+    assert main(["memory", "SmolLM2-135M-Instruct", "--json"]) == 0
+    by_served_name = json.loads(capsys.readouterr().out)
+    assert main(["memory", "--json"]) == 0  # no model: the one `kvserve serve` runs without --model
+    embedded = json.loads(capsys.readouterr().out)
+    assert embedded["model"] == "SmolLM2-135M-Instruct"
+    assert (by_served_name["bytes_per_token"], by_served_name["model_max_context"]) == \
+        (embedded["bytes_per_token"], embedded["model_max_context"]) == (30 * 3 * 2 * 64 * 2, 8192)
+
+
+def test_the_largest_context_stops_at_the_models_and_the_rest_buys_requests(capsys):
+    assert main(["memory", "SmolLM2-135M", "--memory", "4GiB"]) == 0
+    out = capsys.readouterr().out
+    name, config, params = resolve_model("SmolLM2-135M")
+    result = plan(name, config, params, context=8192, memory_bytes=4 * GiB)
+    assert result.max_context_for_batch == 8192 and result.context_capped_by_model
+    requests = result.max_requests_at_max_context
+    assert requests > 1 and plan(name, config, params, context=8192, batch=requests).total_bytes <= 4 * GiB
+    assert plan(name, config, params, context=8192, batch=requests + 1).total_bytes > 4 * GiB
+    assert (f"largest context for 1 concurrent request(s): 8,192 tokens (the model's context; the budget holds "
+            f"{requests:,} concurrent requests of 8,192 tokens)") in out
+    # A budget smaller than the model's context is not capped.
+    tight = plan(name, config, params, context=8192, memory_bytes=400 * 2**20)
+    assert 0 < tight.max_context_for_batch < 8192 and not tight.context_capped_by_model

@@ -18,6 +18,7 @@ import torch
 from kvserve.config import EngineConfig, ModelConfig, available_memory, format_memory
 from kvserve.engine.tiering import TierTraffic, open_disk_tier
 from kvserve.errors import ConfigError
+from kvserve.kernels.build import kernel_state
 from kvserve.kv.attention import AttentionBackend, get_attention_backend
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import KVSpec, kv_spec
@@ -53,6 +54,9 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None,
         raise ConfigError(f"device {config.device!r}: kvserve has attention kernels for the CPU only so far; "
                           f"use device='cpu'")
     platform.tune_process()
+    # Which kernels run, in every engine's log (serve, generate, LLM()): a failed build is a warning with its cost.
+    kernels = kernel_state()
+    (log.warning if kernels.failed else log.info)("kernels: %s", kernels.describe())
     backend = get_attention_backend(config.attention_backend)  # fails before the model loads
     loaded = loaded or load_model(config.model, config.kv_cache_dtype, config.weights_dtype)
     max_model_len = checked_max_model_len(config, loaded.config)

@@ -128,9 +128,11 @@ class StepsRunner:
             tokens = self.limits.max_prompt_tokens + self.limits.max_new_tokens
             pool_bytes = (cdiv(tokens, block_size) + 1) * block_size * self.serving_engine.kv_spec.bytes_per_token
             # One request, one step per token, and no prefix cache: step 0 always computes the whole prompt.
-            # No disk tier either: these engines share nothing, and a tier needs prefix caching.
+            # No disk tier either: these engines share nothing, and a tier needs prefix caching. No drafting:
+            # a verify step computes several tokens, and the page shows one token per step.
             small = replace(base, kv_cache_memory=pool_bytes, max_num_seqs=1, enable_prefix_caching=False,
-                            max_num_batched_tokens=max(base.max_num_batched_tokens, tokens), kv_disk_path=None)
+                            max_num_batched_tokens=max(base.max_num_batched_tokens, tokens), kv_disk_path=None,
+                            speculative="off")
             loaded = self.serving_engine.loaded
             self._engines = {"cached": Engine(small, loaded=loaded),
                              "recompute": Engine(replace(small, enable_kv_cache=False), loaded=loaded)}

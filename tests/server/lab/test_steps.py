@@ -69,3 +69,15 @@ def test_one_run_at_a_time_and_a_run_finishes_even_if_nobody_reads_it(tiny_model
     for engine in runner._get_engines().values():
         assert not engine.has_unfinished()
         engine.check_integrity()
+
+
+def test_steps_compute_one_token_per_step_even_when_the_served_engine_drafts(tiny_models):
+    from tests.server.inprocess import serve_in_process
+
+    # ngram drafts from the request's own tokens: a repeating prompt gives it drafts on every step
+    with serve_in_process(with_tiny_tokenizer(tiny_models("llama-gqa")),
+                          engine_options={"speculative": "ngram"}) as client:
+        events = run_steps(client, "abcabcabcabcabcabcabcabcabcabc", 12)
+    cached = [e for e in events[1:-1] if e["mode"] == "cached"]
+    assert len(cached) == 12
+    assert all(e["tokens"] == 1 and len(e["token_ids"]) == 1 for e in cached[1:]), cached
