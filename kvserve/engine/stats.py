@@ -18,7 +18,7 @@ from kvserve.engine.spec_decode.slots import StepDrafts
 from kvserve.engine.spec_decode.stats import SpecDecodeStats
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pins import PinStats
-from kvserve.kv.tier import TierStats
+from kvserve.kv.tiers.stats import TierStats
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,13 +18,14 @@ from pathlib import Path
 
 from kvserve.config import EngineConfig, parse_memory
 from kvserve.engine.request import Request
-from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.events import BlockStored, KVCacheEvent
 from kvserve.kv.fingerprint import cache_fingerprint, tensor_digest
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import PagedKVCache
-from kvserve.kv.tier import BlockKey, KVTier, TierStats
 from kvserve.kv.tier_bridge import adopt_loaded, keys_after, room_for_loads
+from kvserve.kv.tiers.connector import BlockKey, KVTier
+from kvserve.kv.tiers.disk import DiskTier
+from kvserve.kv.tiers.stats import TierStats
 from kvserve.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)

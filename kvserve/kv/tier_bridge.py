@@ -13,7 +13,7 @@ from kvserve.kv.free_queue import KVBlock
 from kvserve.kv.hashing import BlockHashChain
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix_cache import PrefixMatch
-from kvserve.kv.tier import BlockKey
+from kvserve.kv.tiers.connector import BlockKey
 
 
 def keys_after(kv: KVCacheManager, token_ids: Sequence[int], block_hashes: BlockHashChain,

@@ -13,7 +13,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import ConfigError
-from kvserve.kv import block_file
+from kvserve.kv.tiers import block_file
 from kvserve.kv.spec import kv_spec
 from kvserve.model.loader import load_model
 from tests.helpers import TINY_VOCAB, build_hf_model, run_to_finals, save_hf_model

@@ -7,7 +7,7 @@ from kvserve.errors import KVIntegrityError
 from kvserve.kv.events import BlockStored
 from kvserve.kv.hashing import block_hashes
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.tier import BlockKey
+from kvserve.kv.tiers.connector import BlockKey
 from kvserve.kv.tier_bridge import adopt_loaded, keys_after, room_for_loads
 
 BS = 4

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.output import RequestDelta
 from kvserve.engine.spec_decode.stats import SpecDecodeStats
-from kvserve.kv.tier import LOAD_SECONDS_BUCKETS
+from kvserve.kv.tiers.stats import LOAD_SECONDS_BUCKETS
 
 log = logging.getLogger("kvserve.requests")
 

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Sequence
 
 from kvserve.errors import KVIntegrityError
-from kvserve.kv import block_file
 from kvserve.kv.events import BlockRemoved, BlockStored, KVEventSubscribers
-from kvserve.kv.disk_files import (BlockShape, DiskEntry, block_path, check_entries, open_directory, read_entry,
-                                   touch, unlink, write_atomically)
 from kvserve.kv.hashing import BlockHash
-from kvserve.kv.tier import BlockKey, KVTier, Payload, TierCounters, TierStats
+from kvserve.kv.tiers import block_file
+from kvserve.kv.tiers.connector import BlockKey, KVTier, Payload
+from kvserve.kv.tiers.disk_files import (BlockShape, DiskEntry, block_path, check_entries, open_directory, read_entry,
+                                         touch, unlink, write_atomically)
+from kvserve.kv.tiers.stats import TierCounters, TierStats
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.errors import KVIntegrityError
-from kvserve.kv import block_file
 from kvserve.kv.hashing import BlockHash, hash_block
-from kvserve.kv.tier import BlockKey
+from kvserve.kv.tiers import block_file
+from kvserve.kv.tiers.connector import BlockKey
 
 log = logging.getLogger(__name__)
 
