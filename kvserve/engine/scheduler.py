@@ -150,12 +150,10 @@ class Scheduler:
             match = None
             if not request.sampling_params.skip_reading_prefix_cache:
                 match = self.kv.match_prefix(request.all_token_ids, request.block_hashes)
-                # The first block it lacks: computed (or loaded) by another request now, it waits for it.
-                first_missing = (match.tier.keys[0].block_hash if match.tier is not None else
-                                 self.kv.next_block_key(request.all_token_ids, request.block_hashes, match))
-                if first_missing in in_flight:
+                # The first block the pool lacks is being computed (or loaded) by another request.
+                if self.kv.next_block_key(request.all_token_ids, request.block_hashes, match) in in_flight:
                     break  # FCFS: nobody overtakes it; it is admitted once the block is cached
-                if match.tier is not None:
+                if match.num_tier_tokens:
                     if not self._start_load(request, match, out):
                         break
                     in_flight |= self.kv.pending_block_keys(request.request_id, request.block_hashes,

@@ -174,8 +174,9 @@ class PrefixCache:
 
     def next_block_key(self, token_ids: Sequence[int], block_hashes: BlockHashChain,
                        match: PrefixMatch) -> BlockHash | None:
-        """Hash of the first block after `match`, if the tokens fill it and it is not the last token's block."""
-        start, bs = match.num_tokens, self.block_size
+        """Hash of the first block after the pool's part of `match` (a tier's blocks are not in the pool
+        yet), if the tokens fill it and it is not the last token's block."""
+        start, bs = match.num_pool_tokens, self.block_size
         index = start // bs
         if not self.enable_caching or start + bs > len(token_ids) - 1 or index >= len(block_hashes):
             return None

@@ -142,3 +142,18 @@ def test_an_abort_while_the_read_is_in_flight_frees_every_block_and_nothing_land
     engine.close()  # waits for the reader thread
     assert final.outputs[0].token_ids == expected
     assert copies == []
+
+
+def test_requests_on_one_tier_prefix_read_it_once_and_the_later_ones_hit_the_pool(tiny_models, tmp_path):
+    loaded = tiny_models("llama-gqa")
+    doc = documents(1, 40, seed=12)[0]
+    prompts = [doc + [3], doc + [4, 5], doc + [6]]
+    expected = written(loaded, tmp_path, prompts[:1]) + tokens(ask(make_engine(loaded, enable_prefix_caching=False),
+                                                                   prompts[1:]))
+    engine = make_engine(loaded, tmp_path)
+    ids = [engine.add_request(prompt, GREEDY) for prompt in prompts]  # admitted in one step, together
+    finals = run_to_finals(engine)
+    assert [finals[i].outputs[0].token_ids for i in ids] == expected
+    assert [finals[i].prefix_cache.num_tier_cached_tokens for i in ids] == [40, 0, 0]
+    assert [finals[i].num_cached_tokens for i in ids] == [40, 40, 40]
+    assert tier_stats(engine).blocks_read == 10
