@@ -42,7 +42,6 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.output import RequestOutputAssembler
 from kvserve.kv.hashing import block_hashes
-from kvserve.kv.tier_bridge import keys_after
 from kvserve.model.loader import load_model
 
 PREFIX = 1024
@@ -139,8 +138,8 @@ def working_set_table(loaded, disk: Path, docs: int, questions: int, pool_docs: 
             while engine.has_unfinished():
                 for delta in engine.step():
                     final = assembler.add(delta) or final
-            if engine.tiering is not None:
-                engine.tiering.tier.flush()  # one request at a time: its blocks are on disk before the next
+            if engine.tiers is not None:
+                engine.tiers.flush()  # one request at a time: its blocks are on disk before the next
             row = seen[mode]
             row["wall_s"] += time.perf_counter() - started
             row["ttfts"].append(final.metrics.ttft)
@@ -153,7 +152,7 @@ def working_set_table(loaded, disk: Path, docs: int, questions: int, pool_docs: 
         rows[mode] = {"hit_rate": row["cached"] / queried, "tokens_from_disk": row["from_disk"],
                       "mean_ttft_s": float(np.mean(row["ttfts"])), "p50_ttft_s": float(np.median(row["ttfts"])),
                       "wall_s": row["wall_s"], "pool_blocks": engine.kv_manager.num_blocks,
-                      "tier": None if engine.tiering is None else dataclasses.asdict(engine.tiering.tier.stats())}
+                      "tier": None if engine.tiering is None else dataclasses.asdict(engine.tiering.stats())}
         engine.close()
     rows["mean_ttft_ratio_without_over_with"] = rows["without tier"]["mean_ttft_s"] / rows["with tier"]["mean_ttft_s"]
     return rows
@@ -172,9 +171,8 @@ def per_block_costs(loaded, disk: Path) -> dict:
     engine.close()
     num_blocks = PREFIX // engine.config.block_size
     fresh = Engine(EngineConfig(kv_cache_memory=256 * 2**20, kv_disk_path=str(disk)), loaded=loaded)
-    tier, kv = fresh.tiering.tier, fresh.kv_manager
-    chain = block_hashes(prompt, fresh.config.block_size)
-    keys = keys_after(kv, prompt, chain, kv.find_cached_prefix(prompt, chain))
+    tier, kv = fresh.tiers.named("disk"), fresh.kv_manager
+    keys = kv.match_prefix(prompt, block_hashes(prompt, fresh.config.block_size)).tier.keys
     started = time.perf_counter()
     payloads = tier.load(keys)
     read_s = time.perf_counter() - started

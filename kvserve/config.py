@@ -188,7 +188,7 @@ class EngineConfig:
         "accept a {kv_cache_memory} larger than the memory available (logs a warning)"))
     kv_disk_path: str | None = field(default=None, metadata=engine_arg(
         "a second KV tier on disk in this directory (off by default): prefix blocks are written through to it, "
-        "hit again after the pool evicts them, and survive restarts (kv/disk_tier.py)"))
+        "hit again after the pool evicts them, and survive restarts (kv/tiers/disk.py)"))
     kv_disk_size: int | str = field(default="8GiB", metadata=engine_arg(
         "capacity of the disk tier, e.g. 20GiB; least recently used blocks go beyond it",
         check=memory_size(parse_memory)))

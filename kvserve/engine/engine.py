@@ -29,6 +29,10 @@ from kvserve.errors import InvalidRequestError
 from kvserve.kv.pins import PinRequest
 from kvserve.model.loader import LoadedModel
 
+# How long a step with nothing to run but tier reads in flight waits for one to end: short, because adds
+# and aborts wait for the step to return.
+_IDLE_LOAD_WAIT_S = 0.01
+
 
 class Engine:
     """Continuous-batching engine over a paged KV cache.
@@ -55,10 +59,11 @@ class Engine:
         parts = build_engine_parts(config or EngineConfig(), loaded, clock)
         self.config, self.loaded, self.max_model_len = parts.config, parts.loaded, parts.max_model_len
         self.kv_spec, self.kv_cache, self.kv_manager = parts.kv_spec, parts.kv_cache, parts.kv_manager
-        self.attention_backend, self.tiering, self.prefix_caching = (parts.attention_backend, parts.tiering,
-                                                                     parts.prefix_caching)
+        self.attention_backend, self.tiers, self.tiering, self.prefix_caching = (
+            parts.attention_backend, parts.tiers, parts.tiering, parts.prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_manager, self.max_model_len)
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.attention_backend, parts.device)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.attention_backend, parts.device,
+                                  tiers=self.tiers)
         # Without a KV cache, blocks are scratch for one step: a request holds no cache memory.
         page_bytes = self.kv_spec.page_bytes(self.config.block_size) if self.config.enable_kv_cache else 0
         self.outputs = OutputProcessor(self.loaded.tokenizer, self.kv_manager, page_bytes, self.prefix_caching)
@@ -75,7 +80,7 @@ class Engine:
         self._ids = itertools.count()
         # Last: a publisher is a thread and sockets, not to be left behind by a failed start.
         self.kv_events = open_kv_events(self.config, self.kv_manager.pool,
-                                        self.tiering.tier if self.tiering is not None else None)
+                                        self.tiers.named("disk") if self.tiers is not None else None)
 
     @property
     def tokenizer(self):
@@ -127,11 +132,15 @@ class Engine:
         or a forward that also fails when it runs alone) is finished with an error output; every
         other request goes on as if it had not been there."""
         self.kv_manager.expire_pins()
-        if self.tiering is not None:
-            self.tiering.load_for(self.scheduler.admission_candidates())
+        if self.tiering is not None:  # tier blocks that arrived: copied in, their requests run this step
+            self.scheduler.finish_loads(self.tiering.loads_finished(self.runner.complete_loads()))
         scheduled = self.scheduler.schedule()
+        if scheduled.loads:
+            self.runner.start_loads(scheduled.loads)
         if scheduled.empty:
-            self.snapshots.take()  # a request may have been preempted without anything running
+            if self.scheduler.loading:  # nothing to compute until a read ends: wait for it, not a spin
+                self.runner.wait_for_loads(_IDLE_LOAD_WAIT_S)
+            self.snapshots.take()  # a request may have been preempted or set loading without anything running
             return []
         work = StepWork(scheduled.num_batched_tokens, sum(item.num_computed_tokens for item in scheduled.scheduled))
         result = execute_isolating_failures(self.runner, scheduled)
@@ -244,7 +253,8 @@ class Engine:
         return self.kv_cache.bytes_allocated
 
     def close(self) -> None:
-        """Finish background work (the disk tier's queued writes, the KV events). Not used after."""
+        """Finish background work (tier reads, the disk tier's queued writes, the KV events). Not used after."""
+        self.runner.close()
         if self.tiering is not None:
             self.tiering.close()
         if self.kv_events is not None:
@@ -252,4 +262,4 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Block accounting holds (DESIGN §4), in the pool and in a lower tier; raises KVIntegrityError."""
-        check_engine_integrity(self.scheduler, self.tiering)
+        check_engine_integrity(self.scheduler, self.tiers, self.runner.loads_in_flight())

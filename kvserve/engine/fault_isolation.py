@@ -6,7 +6,7 @@ import logging
 
 from kvserve.engine.acceptance import StepResult
 from kvserve.engine.runner import ModelRunner
-from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.engine.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -11,6 +11,7 @@ from kvserve.kv.hashing import BlockHashChain
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # admitted, holding its blocks, waiting for a lower tier's blocks to arrive
     RUNNING = "running"
     FINISHED = "finished"
 

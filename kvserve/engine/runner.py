@@ -3,20 +3,28 @@
 All scheduled requests (decodes, prefill chunks of different lengths, and
 decodes carrying forced or draft tokens) run in ONE model forward per step;
 engine/acceptance.py turns the logits rows into each request's accepted tokens.
+
+Blocks a lower tier holds for a request come back through the runner too:
+their reads run on a reader thread (kv/tiers/reader.py) and the runner copies
+what arrived into the request's blocks between steps; which blocks to load
+was decided by the KV manager and the scheduler.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvserve.engine.acceptance import AcceptRows, StepResult, TokenAcceptor
 from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvserve.kv.attention import AttentionBackend, SequenceSlice
 from kvserve.kv.context_shift import ShiftPlan, TokenMoves
 from kvserve.kv.storage import PagedKVCache
+from kvserve.kv.tiers.connector import LoadResult, TierConnector, TierLoad
+from kvserve.kv.tiers.reader import TierReader
 from kvserve.model.causal_lm import CausalLM
 from kvserve.structured.matcher import GrammarMatcher
 
@@ -36,7 +44,7 @@ class _StepInputs:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, attention: AttentionBackend,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", tiers: TierConnector | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention  # the backend that allocated kv_cache
@@ -51,6 +59,7 @@ class ModelRunner:
         self._single_token_decodes = attention.is_decode(1) and not attention.is_decode(2)
         # Per request, per KV group: its block table, kept across steps and changed by each step's updates.
         self._block_tables: dict[str, list[list[int]]] = {}
+        self.tier_reader = TierReader(tiers) if tiers is not None else None
 
     def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int],
                     matcher: GrammarMatcher | None = None) -> None:
@@ -59,6 +68,40 @@ class ModelRunner:
     def remove_request(self, request_id: str) -> None:
         self.acceptor.remove_request(request_id)
         self._block_tables.pop(request_id, None)
+        if self.tier_reader is not None:
+            self.tier_reader.cancel(request_id)  # its blocks go back to the pool: nothing may land in them
+
+    def start_loads(self, loads: Sequence[TierLoad]) -> None:
+        """Start reading these tier blocks off the compute thread (`complete_loads` takes them in)."""
+        for load in loads:
+            self.tier_reader.submit(load)
+
+    def complete_loads(self) -> list[LoadResult]:
+        """Copy the tier blocks that have arrived into their requests' blocks; what each load delivered.
+        A load whose copy fails delivers nothing (its blocks are recomputed)."""
+        if self.tier_reader is None:
+            return []
+        results = []
+        for load, payloads, error in self.tier_reader.take_arrived():
+            if error is None and payloads:
+                try:
+                    self.kv_cache.write_blocks(list(load.block_ids[: len(payloads)]), payloads)
+                except Exception as exc:  # the blocks' contents are unknown: none of them counts
+                    error = exc
+            results.append(LoadResult(load, len(payloads) if error is None else 0, error))
+        return results
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Idle until a tier read ends or `timeout_s` passes (only when no step has anything to run)."""
+        if self.tier_reader is not None:
+            self.tier_reader.wait(timeout_s)
+
+    def loads_in_flight(self) -> dict[str, TierLoad]:
+        return self.tier_reader.in_flight() if self.tier_reader is not None else {}
+
+    def close(self) -> None:
+        if self.tier_reader is not None:
+            self.tier_reader.close()
 
     def begin_step(self, out: SchedulerOutput) -> None:
         """Apply the step's block table updates and context shifts: once per step, before `execute` (which

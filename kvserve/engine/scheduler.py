@@ -18,64 +18,28 @@ past `max_model_len` first drops half of its tokens after the first
 and the step's output carries the K/V moves for the runner. A request that
 reaches the limit while waiting is shifted by its tokens alone (it holds no
 K/V) and recomputes the shorter context.
+
+A waiting request whose prefix match continues in a lower tier (one lookup:
+KVCacheManager.match_prefix) is given blocks for the whole match and set
+aside, `loading`, while the runner reads the tier's blocks into them; it
+computes nothing and is never preempted meanwhile (a read always ends). Once
+the runner reports what arrived intact, it runs, from there on, like any
+request with a prefix hit: what failed to arrive is recomputed.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 
 from kvserve.config import EngineConfig
 from kvserve.engine.constrained import with_forced
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.kv.block_updates import BlockTableUpdate
-from kvserve.kv.context_shift import ShiftPlan, shift_amount
+from kvserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput, scheduled_request
+from kvserve.kv.context_shift import shift_amount
 from kvserve.kv.hashing import BlockHash
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix_cache import PrefixMatch
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's part of a step: the tokens computed now, in order. They end with `forced_token_ids`
-    (outputs known without sampling) and then `draft_token_ids` (outputs guessed, to be verified); both
-    follow the request's last token, and the step accepts a list of tokens for the request."""
-
-    request_id: str
-    token_ids: list[int]  # the tokens computed this step, forced and draft tokens last
-    num_computed_tokens: int  # tokens already cached before this step
-    # Per KV group, how its block table changed since the runner last saw it (opaque ids from the KV
-    # manager): the entries appended this step, or the whole table when it changed otherwise.
-    block_update: BlockTableUpdate
-    sample: bool  # whether this step reaches the end of the request's tokens (new tokens are accepted)
-    forced_token_ids: tuple[int, ...] = ()
-    draft_token_ids: tuple[int, ...] = ()
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_speculative_tokens(self) -> int:
-        """Tokens computed past the request's last token (forced and drafts): their K/V is kept only
-        for those the step accepts."""
-        return len(self.forced_token_ids) + len(self.draft_token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)  # in scheduling order
-    preempted: list[str] = field(default_factory=list)
-    shifts: list[tuple[str, ShiftPlan]] = field(default_factory=list)  # K/V to move before the forward
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -87,6 +51,8 @@ class Scheduler:
         self.num_context_shifts = 0  # monotonic
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
+        # Admitted, their blocks held, waiting for a tier's blocks (with the match they were admitted on).
+        self.loading: dict[str, tuple[Request, PrefixMatch]] = {}
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # monotonic counters
         self.prefix_cache_queries = 0  # prompt tokens looked up
@@ -97,11 +63,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def admission_candidates(self) -> list[Request]:
-        """The waiting requests the next step could admit, in the order it would try them."""
-        return list(itertools.islice(self.waiting, max(self.config.max_num_seqs - len(self.running), 0)))
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
         """This step's batch: running requests first (decodes, then prefill chunks), then admissions."""
@@ -109,9 +71,10 @@ class Scheduler:
         counts: dict[str, int] = {}  # request id -> tokens this step, in scheduling order
         budget = self._schedule_running(out, counts, self.config.max_num_batched_tokens)
         if not out.preempted:  # a step that had to preempt admits nobody
-            self._admit_waiting(counts, budget)
+            self._admit_waiting(out, counts, budget)
         for request_id, count in counts.items():
-            out.scheduled.append(self._scheduled_request(self.requests[request_id], count))
+            out.scheduled.append(scheduled_request(self.requests[request_id], count,
+                                                   self.kv.take_block_updates(request_id)))
         return out
 
     def _schedule_running(self, out: SchedulerOutput, counts: dict[str, int], budget: int) -> int:
@@ -167,28 +130,35 @@ class Scheduler:
         """Blocks that requests still prefilling are about to compute: a waiting request that
         would compute the same block waits a step and then hits."""
         in_flight: set[BlockHash] = set()
-        for request in self.running:
+        for request in [*self.running, *(request for request, _ in self.loading.values())]:
             if not request.is_decoding:
                 in_flight |= self.kv.pending_block_keys(request.request_id, request.block_hashes,
                                                         request.num_prompt_tokens)
         return in_flight
 
-    def _admit_waiting(self, counts: dict[str, int], budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, counts: dict[str, int], budget: int) -> None:
         """Admit waiting requests first come first served while the budget, the sequence cap and
         the pool (above its watermark) allow; a prefix hit starts a request's progress above zero."""
         if not self.waiting:
             return
         in_flight = self._blocks_in_flight()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             request = self.waiting[0]
             if self.shift_at is not None and request.num_tokens > self.shift_at:
                 request.shift_context(*shift_amount(self.config.keep_tokens, request.num_tokens))  # preempted at the limit: no K/V to move
             # Preempted requests look up the cache too: their recompute is mostly hits.
             match = None
             if not request.sampling_params.skip_reading_prefix_cache:
-                match = self.kv.find_cached_prefix(request.all_token_ids, request.block_hashes)
+                match = self.kv.match_prefix(request.all_token_ids, request.block_hashes)
+                # The first block the pool lacks is being computed (or loaded) by another request.
                 if self.kv.next_block_key(request.all_token_ids, request.block_hashes, match) in in_flight:
                     break  # FCFS: nobody overtakes it; it is admitted once the block is cached
+                if match.num_tier_tokens:
+                    if not self._start_load(request, match, out):
+                        break
+                    in_flight |= self.kv.pending_block_keys(request.request_id, request.block_hashes,
+                                                            request.num_prompt_tokens)
+                    continue  # it computes nothing this step
             num_hit = match.num_tokens if match is not None else 0
             count = with_forced(request, min(request.num_tokens - num_hit, budget), request.num_tokens - num_hit,
                                 budget)
@@ -211,31 +181,44 @@ class Scheduler:
             counts[request.request_id] = count
             budget -= count
 
-    def _account_prompt(self, request: Request, match: PrefixMatch | None) -> None:
-        """On first admission: the prefix-cache counters, and where the prompt left the cache."""
+    def _start_load(self, request: Request, match: PrefixMatch, out: SchedulerOutput) -> bool:
+        """Give a request blocks for its whole match and set it aside until its tier blocks arrive;
+        False (nothing changes) if the pool cannot hold them now."""
+        if not self.kv.allocate_slots(request.request_id, match.num_tokens, bool(self.running), prefix=match):
+            return False
+        request.num_computed_tokens = match.num_pool_tokens
+        self.waiting.popleft()
+        request.status = RequestStatus.LOADING
+        self.loading[request.request_id] = (request, match)
+        out.loads.append(self.kv.tier_load(request.request_id, match))
+        return True
+
+    def finish_loads(self, delivered: Mapping[str, int]) -> None:
+        """Loads ended, each with the number of its blocks that arrived intact (the runner copied them
+        in): those count as computed and cached; the rest are recomputed. The requests run from now on."""
+        for request_id, num_blocks in delivered.items():
+            if request_id not in self.loading:
+                continue  # aborted while its blocks were read
+            request, match = self.loading.pop(request_id)
+            request.num_computed_tokens += num_blocks * self.kv.block_size
+            self.kv.cache_full_blocks(request_id, request.all_token_ids, request.block_hashes,
+                                      request.num_computed_tokens)
+            if request.num_cached_tokens is None:
+                whole = request.num_computed_tokens == match.num_tokens
+                self._account_prompt(request, match if whole else None, num_blocks * self.kv.block_size)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    def _account_prompt(self, request: Request, match: PrefixMatch | None, num_tier_tokens: int = 0) -> None:
+        """On first admission: the prefix-cache counters, and where the prompt left the cache (explained
+        against `match`, if the request's computed tokens are what it says)."""
         num_hit = request.num_computed_tokens
         request.num_cached_tokens = num_hit
-        request.num_tier_cached_tokens = match.num_tier_tokens if match is not None else 0
+        request.num_tier_cached_tokens = num_tier_tokens
         self.prefix_cache_queries += request.num_prompt_tokens
         self.prefix_cache_hits += num_hit
         if match is not None and num_hit < request.num_prompt_tokens - 1:
             request.prefix_divergence = self.kv.find_divergence(request.all_token_ids, match)
-
-    def _scheduled_request(self, request: Request, count: int) -> ScheduledRequest:
-        """What the runner needs of a request this step (it lays the batch out in its backend's order)."""
-        start, drafts = request.num_computed_tokens, tuple(request.draft_token_ids)
-        end = start + count - len(drafts)
-        forced = tuple(request.forced_token_ids) if end > request.num_tokens else ()
-        end -= len(forced)
-        return ScheduledRequest(
-            request.request_id,
-            request.all_token_ids[start:end] + list(forced) + list(drafts),
-            start,
-            self.kv.take_block_updates(request.request_id),
-            sample=end == request.num_tokens,
-            forced_token_ids=forced,
-            draft_token_ids=drafts,
-        )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -285,6 +268,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif request.status is RequestStatus.LOADING:
+            del self.loading[request.request_id]  # the runner drops its read (Engine.retire)
         else:
             return
         request.kv_blocks_held = self.kv.num_blocks_held(request.request_id)

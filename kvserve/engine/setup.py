@@ -1,5 +1,5 @@
 """Building an engine: every check of a config against this machine and the model, the KV pool's size,
-the attention backend, the cache, the KV manager, the disk tier and the startup log, in one place.
+the attention backend, the cache, the KV manager, the lower tiers and the startup log, in one place.
 
 The config's own value checks (ranges, choices) run when an EngineConfig is
 made (kvserve/config.py); what needs the machine or the loaded model is
@@ -12,17 +12,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from kvserve.config import EngineConfig, ModelConfig, available_memory, format_memory
-from kvserve.engine.tiering import TierTraffic, open_disk_tier
+from kvserve.config import EngineConfig, ModelConfig, available_memory, format_memory, parse_memory
 from kvserve.errors import ConfigError
 from kvserve.kernels.build import kernel_state
 from kvserve.kv.attention import AttentionBackend, get_attention_backend
+from kvserve.kv.fingerprint import cache_fingerprint, tensor_digest
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import KVSpec, kv_spec
 from kvserve.kv.storage import PagedKVCache
+from kvserve.kv.tiers.connector import TierConnector
+from kvserve.kv.tiers.disk import DiskTier
+from kvserve.kv.tiers.traffic import TierTraffic
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.platform import Platform
 
@@ -41,6 +45,7 @@ class EngineParts:
     attention_backend: AttentionBackend
     kv_cache: PagedKVCache
     kv_manager: KVCacheManager
+    tiers: TierConnector | None  # the lower tiers, disk first (None: none configured)
     tiering: TierTraffic | None
     prefix_caching: bool  # without a KV cache there is nothing to share: a hit would skip the recompute
 
@@ -66,15 +71,28 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None,
     kv_cache = backend.allocate_kv_cache(spec, num_blocks, config.block_size, config.device,
                                          max_num_seqs=config.max_num_seqs)
     prefix_caching = config.enable_prefix_caching and config.enable_kv_cache
-    tier = open_disk_tier(config, loaded, kv_cache, spec.dtype) if config.kv_disk_path is not None else None
+    tiers = (TierConnector([open_disk_tier(config, loaded, kv_cache, spec.dtype)])
+             if config.kv_disk_path is not None else None)
     kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=prefix_caching,
                                 max_pinned_fraction=config.max_pinned_fraction, clock=clock,
-                                group_windows=spec.layout.windows)
-    tiering = TierTraffic(tier, kv_manager, kv_cache) if tier is not None else None
+                                group_windows=spec.layout.windows, tiers=tiers)
+    tiering = TierTraffic(tiers, kv_manager, kv_cache) if tiers is not None else None
     parts = EngineParts(config, platform.device, loaded, max_model_len, spec, backend, kv_cache,
-                        kv_manager, tiering, prefix_caching)
+                        kv_manager, tiers, tiering, prefix_caching)
     log_startup(parts)
     return parts
+
+
+def open_disk_tier(config: EngineConfig, loaded: LoadedModel, kv_cache: PagedKVCache, kv_dtype: str) -> DiskTier:
+    """The disk tier at `config.kv_disk_path`, filed under a fingerprint of this model and cache layout."""
+    model = loaded.model
+    weights = tensor_digest([*model.named_parameters(), *model.named_buffers()])
+    fingerprint = cache_fingerprint(weights, {
+        "model_config": loaded.config, "linear_dtype": loaded.linear_dtype, "kv_dtype": kv_dtype,
+        "block_size": config.block_size, "block_layout": kv_cache.block_layout(),
+    })
+    return DiskTier(Path(config.kv_disk_path).expanduser(), parse_memory(config.kv_disk_size), fingerprint,
+                    config.block_size, kv_cache.block_nbytes)
 
 
 def check_kv_budget(config: EngineConfig) -> None:

@@ -12,7 +12,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.spec_decode.slots import DraftSlotLog
 from kvserve.engine.spec_decode.counters import DraftCounters
 from kvserve.engine.stats import BlockView, EngineStats, StepWork, take_block_view, take_stats, with_added
-from kvserve.engine.tiering import TierTraffic
+from kvserve.kv.tiers.traffic import TierTraffic
 
 
 class SnapshotKeeper:

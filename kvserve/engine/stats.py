@@ -19,7 +19,7 @@ from kvserve.engine.spec_decode.slots import StepDrafts
 from kvserve.engine.spec_decode.counters import SpecDecodeStats
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pins import PinStats
-from kvserve.kv.tier import TierStats
+from kvserve.kv.tiers.stats import TierStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +27,7 @@ class RequestStats:
     """One unfinished request as of the snapshot."""
 
     request_id: str
-    status: str  # "waiting", "preempted" (waiting again), "prefilling" or "decoding"
+    status: str  # "waiting", "loading" (its prefix from a lower tier), "preempted" (waiting again), "prefilling" or "decoding"
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache at first admission (0 before)
     num_tier_cached_tokens: int  # of those, loaded from a lower tier (disk)
@@ -95,7 +95,7 @@ class EngineStats:
     num_steps: int  # steps that ran a batch (monotonic)
     num_generated_tokens: int  # output tokens sampled (monotonic)
     running: tuple[RequestStats, ...]  # admission order
-    waiting: tuple[RequestStats, ...]  # queue order
+    waiting: tuple[RequestStats, ...]  # those loading from a lower tier, then the queue in order
     tier: TierStats | None = None  # the lower KV tier (disk), if there is one
     pins: PinStats | None = None  # pinned prefixes (cache breakpoints with a TTL)
     num_context_shifts: int = 0  # monotonic: sequences shifted past the context (--context-overflow shift)
@@ -155,7 +155,8 @@ def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int, 
         num_context_shifts=scheduler.num_context_shifts,
         num_steps=num_steps, num_generated_tokens=num_generated_tokens,
         running=tuple(request_stats(r, kv) for r in scheduler.running),
-        waiting=tuple(request_stats(r, kv) for r in scheduler.waiting), last_step=last_step, blocks=blocks,
+        waiting=tuple(request_stats(r, kv) for r in [*(r for r, _ in scheduler.loading.values()), *scheduler.waiting]),
+        last_step=last_step, blocks=blocks,
         tier=tier, pins=pins, spec_decode=spec_decode, draft_slots=draft_slots, structured=structured,
     )
 

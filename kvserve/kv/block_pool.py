@@ -222,7 +222,6 @@ class BlockPool:
         if not siblings:
             del self.children[key]
         block.block_hash, block.parent_hash, block.token_ids, block.group = None, None, (), 0
-        block.from_tier = False
 
     def check_integrity(self) -> None:
         """Raise KVIntegrityError (never a bare assert: `python -O` must not silence it) if the pool is inconsistent."""
@@ -254,8 +253,6 @@ class BlockPool:
                 cached_free += block.block_hash is not None
             elif block.ref_cnt <= 0:
                 raise KVIntegrityError(f"block {block.block_id} is neither free nor referenced (leak)")
-            if block.from_tier and block.block_hash is None:
-                raise KVIntegrityError(f"block {block.block_id} is marked as loaded from a lower tier but holds no prefix")
             if block.block_hash is not None:
                 if len(block.token_ids) != self.block_size:
                     raise KVIntegrityError(f"hashed block {block.block_id} holds {len(block.token_ids)} tokens, "

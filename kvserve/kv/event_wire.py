@@ -30,7 +30,7 @@ from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCac
 from kvserve.kv.hashing import BlockHash
 
 MEDIUM_CPU = "CPU"  # the KV pool: kvserve keeps it in host memory
-MEDIUM_DISK = "DISK"  # the disk tier (kv/disk_tier.py)
+MEDIUM_DISK = "DISK"  # the disk tier (kv/tiers/disk.py)
 
 
 def external_block_hash(block_hash: BlockHash) -> int:

@@ -3,7 +3,7 @@
 A block enters the cache when it is full and registered under its hash
 (`BlockStored`), leaves it when its content is evicted or rewritten
 (`BlockRemoved`), and everything goes at once on a reset (`AllBlocksCleared`).
-A lower tier subscribes to know what to write through (engine/tiering.py);
+A lower tier subscribes to know what to write through (kv/tiers/traffic.py);
 a replica will publish the same events to a cache-aware router, which is why
 they carry vLLM's names and fields (hash, parent hash, token ids), plus the
 KV group whose pages hold the block.

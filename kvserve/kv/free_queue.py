@@ -25,8 +25,6 @@ class KVBlock:
     block_hash: BlockHash | None = None
     parent_hash: BlockHash | None = None  # hash of the previous block of the chain (the salt's root: first block)
     token_ids: tuple[int, ...] = ()  # kept so a hash collision can never serve the wrong K/V
-    # Loaded from a lower tier and not yet claimed by a request: that request's hit counts as the tier's.
-    from_tier: bool = False
     pin_count: int = 0  # live pins covering this block (kv/pins.py); while free it sits in the pinned queue
     group: int = 0  # the KV group (kv/groups.py) whose content it caches: one hash is cached once per group
 

@@ -24,16 +24,21 @@ from kvserve.kv.group_manager import GroupManager
 from kvserve.kv.hashing import BlockHash, BlockHashChain
 from kvserve.kv.pins import PinStats, PinTable
 from kvserve.kv.prefix_cache import Divergence, PrefixCache, PrefixMatch
+from kvserve.kv.tiers.connector import TierConnector, TierLoad
 from kvserve.kv.window import SlidingWindowManager
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_caching: bool = False,
                  max_pinned_fraction: float = 0.5, clock: Callable[[], float] | None = None,
-                 group_windows: Sequence[int | None] = (None,)) -> None:
-        """`group_windows`: each KV group's sliding window (None: full attention); one group by default."""
+                 group_windows: Sequence[int | None] = (None,), tiers: TierConnector | None = None) -> None:
+        """`group_windows`: each KV group's sliding window (None: full attention); one group by default.
+        `tiers`: lower tiers where a prefix match continues past the pool (one group only)."""
         if not group_windows:
             raise ValueError("a KV cache has at least one group")
+        if tiers is not None and len(group_windows) > 1:
+            raise ValueError("a lower tier holds the blocks of a single KV group")
+        self.tiers = tiers
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.group_windows = tuple(group_windows)
@@ -90,8 +95,17 @@ class KVCacheManager:
         return self.peak_blocks(num_tokens, max_chunk_tokens) <= self.num_blocks
 
     def find_cached_prefix(self, token_ids: Sequence[int], block_hashes: BlockHashChain) -> PrefixMatch:
-        """The longest cached prefix of `token_ids`, capped at len(token_ids) - 1 tokens."""
+        """The longest prefix of `token_ids` cached in the pool, capped at len(token_ids) - 1 tokens."""
         return self.prefix.find_cached_prefix(token_ids, block_hashes)
+
+    def match_prefix(self, token_ids: Sequence[int], block_hashes: BlockHashChain) -> PrefixMatch:
+        """The one lookup of an admission: the pool's longest cached prefix and, where it ends, the lower
+        tiers' continuation (`match.tier`), capped together at len(token_ids) - 1 tokens."""
+        return self.prefix.match_prefix(token_ids, block_hashes, self.tiers)
+
+    def tier_load(self, request_id: str, match: PrefixMatch) -> TierLoad:
+        """What to read for a request just given slots for a `match` that continues in a lower tier."""
+        return self.prefix.tier_load(request_id, match)
 
     def find_divergence(self, token_ids: Sequence[int], match: PrefixMatch) -> Divergence | None:
         return self.prefix.find_divergence(token_ids, match)
@@ -111,7 +125,8 @@ class KVCacheManager:
         self, request_id: str, num_tokens: int, keep_watermark: bool = False, prefix: PrefixMatch | None = None
     ) -> bool:
         """Make the request's tables cover `num_tokens` tokens; False (and nothing changes) if blocks run out.
-        `prefix` (only for a request that holds no blocks) shares the matched cached blocks instead."""
+        `prefix` (only for a request that holds no blocks) shares the matched pool blocks instead; the
+        blocks of its tier part are fresh ones, the request's own while they are loaded."""
         length = self._length(request_id)
         hit = prefix if prefix is not None and not length and prefix.num_tokens else None
         if hit is not None:
@@ -126,8 +141,6 @@ class KVCacheManager:
         if hit is not None:
             self.pins.refresh_hit(shared)  # a hit on a pinned prefix renews its TTL
             self.pool.touch(shared)
-            for block in shared:
-                block.from_tier = False  # counted as the tier's once, for this request
             self.prefix.claimed(request_id, length)
             for group, table in zip(self.groups, hit.tables):
                 group.start(request_id, table)

@@ -23,6 +23,7 @@ from kvserve.kv.free_queue import KVBlock
 from kvserve.kv.group_manager import GroupManager
 from kvserve.kv.hashing import BlockHash, BlockHashChain
 from kvserve.kv.pins import CacheKey
+from kvserve.kv.tiers.connector import BlockKey, TierConnector, TierHit, TierLoad
 
 # (group, table index) -> the cached block for that index of a chain in that group, if any
 GroupLookup = Callable[[int, int], KVBlock | None]
@@ -30,17 +31,29 @@ GroupLookup = Callable[[int, int], KVBlock | None]
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """The cached blocks a request's tokens start with. Opaque to the scheduler."""
+    """The cached blocks a request's tokens start with, then (`tier`) the blocks a lower tier holds after
+    them: where each part came from is said here, not on the blocks. Opaque to the scheduler."""
 
-    tables: tuple[tuple[KVBlock | None, ...], ...]  # per KV group; None: behind the window, not needed
-    num_tokens: int
+    tables: tuple[tuple[KVBlock | None, ...], ...]  # per KV group, the pool's part; None: behind the window
+    num_tokens: int  # the pool's part and the tier's
     last_hash: BlockHash  # hash of the last matched block (the chain root if none matched)
-    num_tier_tokens: int = 0  # of num_tokens, those in blocks just loaded from a lower tier
+    num_tier_tokens: int = 0  # of num_tokens, those a lower tier holds (to be loaded into fresh blocks)
+    tier: TierHit | None = None  # the tier and the keys of those blocks
 
     @property
     def blocks(self) -> tuple[KVBlock, ...]:
-        """Every matched block of every group (the nulls left out)."""
+        """Every matched pool block of every group (the nulls left out)."""
         return tuple(block for table in self.tables for block in table if block is not None)
+
+    @property
+    def num_pool_tokens(self) -> int:
+        return self.num_tokens - self.num_tier_tokens
+
+    def continued(self, hit: TierHit, block_size: int) -> PrefixMatch:
+        """This match followed by the blocks `hit` holds."""
+        num_tier_tokens = len(hit.keys) * block_size
+        return PrefixMatch(self.tables, self.num_tokens + num_tier_tokens, hit.keys[-1].block_hash,
+                           num_tier_tokens, hit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +123,36 @@ class PrefixCache:
 
         tables = self.longest_hit(lookup, self.max_hit_blocks(token_ids, block_hashes))
         num_blocks = len(tables[0])
-        from_tier = sum(block.from_tier for block in tables[0] if block is not None)
         last = hashes[num_blocks - 1] if num_blocks else block_hashes.root
-        return PrefixMatch(tables, num_blocks * bs, last, from_tier * bs)
+        return PrefixMatch(tables, num_blocks * bs, last)
+
+    def match_prefix(self, token_ids: Sequence[int], block_hashes: BlockHashChain,
+                     tiers: TierConnector | None) -> PrefixMatch:
+        """The pool's longest cached prefix, continued where it ends by the first of `tiers` that holds the
+        next blocks (one group only: a tier holds the blocks of a single KV group)."""
+        match = self.find_cached_prefix(token_ids, block_hashes)
+        if tiers is None:
+            return match
+        hit = tiers.lookup(self.keys_after(token_ids, block_hashes, match))
+        return match if hit is None else match.continued(hit, self.block_size)
+
+    def tier_load(self, request_id: str, match: PrefixMatch) -> TierLoad:
+        """What to read for a request just given blocks for `match` (whose `tier` is set): its fresh blocks
+        after the pool's part, one per key."""
+        if match.tier is None:
+            raise ValueError(f"request {request_id}: its prefix match does not continue in a lower tier")
+        start = len(match.tables[0])
+        table = self.groups[0].tables[request_id][start : start + len(match.tier.keys)]
+        return TierLoad(request_id, match.tier, tuple(block.block_id for block in table))
+
+    def keys_after(self, token_ids: Sequence[int], block_hashes: BlockHashChain,
+                   match: PrefixMatch) -> list[BlockKey]:
+        """The keys of the blocks a hit could still cover after `match`: where a lower tier may continue it."""
+        if not self.enable_caching:
+            return []
+        bs, hashes = self.block_size, block_hashes.hashes
+        return [BlockKey(hashes[i], block_hashes.parent(i), tuple(token_ids[i * bs : (i + 1) * bs]))
+                for i in range(match.num_tokens // bs, self.max_hit_blocks(token_ids, block_hashes))]
 
     def find_divergence(self, token_ids: Sequence[int], match: PrefixMatch) -> Divergence | None:
         """Compare the block after the match with every cached block that continues the same
@@ -134,8 +174,9 @@ class PrefixCache:
 
     def next_block_key(self, token_ids: Sequence[int], block_hashes: BlockHashChain,
                        match: PrefixMatch) -> BlockHash | None:
-        """Hash of the first block after `match`, if the tokens fill it and it is not the last token's block."""
-        start, bs = match.num_tokens, self.block_size
+        """Hash of the first block after the pool's part of `match` (a tier's blocks are not in the pool
+        yet), if the tokens fill it and it is not the last token's block."""
+        start, bs = match.num_pool_tokens, self.block_size
         index = start // bs
         if not self.enable_caching or start + bs > len(token_ids) - 1 or index >= len(block_hashes):
             return None

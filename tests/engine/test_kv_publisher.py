@@ -11,12 +11,12 @@ msgspec = pytest.importorskip("msgspec")
 pytest.importorskip("msgpack")
 
 from kvserve.engine.kv_publisher import END_SEQ, KVEventPublisher  # noqa: E402
-from kvserve.kv.block_file import header_bytes_needed  # noqa: E402
-from kvserve.kv.disk_tier import DiskTier  # noqa: E402
 from kvserve.kv.event_wire import external_block_hash  # noqa: E402
 from kvserve.kv.hashing import block_hashes  # noqa: E402
 from kvserve.kv.manager import KVCacheManager  # noqa: E402
-from kvserve.kv.tier import BlockKey  # noqa: E402
+from kvserve.kv.tiers.block_file import header_bytes_needed  # noqa: E402
+from kvserve.kv.tiers.connector import BlockKey  # noqa: E402
+from kvserve.kv.tiers.disk import DiskTier  # noqa: E402
 
 BS = 4
 _names = itertools.count()

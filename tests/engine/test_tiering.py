@@ -13,7 +13,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams
 from kvserve.errors import ConfigError
-from kvserve.kv import block_file
+from kvserve.kv.tiers import block_file
 from kvserve.kv.spec import kv_spec
 from kvserve.model.loader import load_model
 from tests.helpers import TINY_VOCAB, build_hf_model, run_to_finals, save_hf_model
@@ -47,8 +47,8 @@ def tokens(finals):
 
 
 def tier_stats(engine):
-    engine.tiering.tier.flush()
-    return engine.tiering.tier.stats()
+    engine.tiers.flush()
+    return engine.tiering.stats()
 
 
 @pytest.mark.parametrize("dtype", ["auto", "int8"])
@@ -228,69 +228,42 @@ def test_a_new_process_hits_what_an_earlier_one_wrote(tiny_models, tmp_path):
     assert first["tokens"] == second["tokens"]
 
 
-class MemoryTier:
-    """A tier in a dict that never pre-filters stores (`contains` is always False)."""
-
-    enabled = True
-
-    def __init__(self):
-        self.blocks, self.stored = {}, []
-
-    def lookup(self, keys):
-        return next((i for i, key in enumerate(keys) if key not in self.blocks), len(keys))
-
-    def load(self, keys):
-        return [self.blocks[key] for key in keys]
-
-    def store(self, entries):
-        self.stored.extend(key for key, _ in entries)
-        self.blocks.update(entries)
-
-    def contains(self, block_hash):
-        return False
-
-    def close(self):
-        pass
-
-
-class BytesCache:
-    """Block contents as bytes, standing in for the paged tensors."""
-
-    def __init__(self, num_blocks):
-        self.contents = [b""] * num_blocks
-
-    def read_blocks(self, block_ids):
-        return [self.contents[i] for i in block_ids]
-
-    def write_blocks(self, block_ids, payloads):
-        for block_id, payload in zip(block_ids, payloads):
-            self.contents[block_id] = payload
-
-
-def test_write_through_hears_stored_blocks_from_the_pool_but_not_the_ones_it_loaded():
-    from types import SimpleNamespace
-
-    from kvserve.engine.tiering import TierTraffic
+def test_write_through_skips_what_a_load_brought_from_a_tier_but_fills_the_other_tiers():
     from kvserve.kv.hashing import block_hashes
     from kvserve.kv.manager import KVCacheManager
+    from kvserve.kv.tiers.connector import LoadResult, TierConnector
+    from kvserve.kv.tiers.traffic import TierTraffic
+    from tests.kv.tiers.fakes import BytesCache, DictTier
 
-    kv = KVCacheManager(16, 4, watermark=0.0, enable_caching=True)
-    tier, cache = MemoryTier(), BytesCache(16)
-    traffic = TierTraffic(tier, kv, cache)
+    near, far = DictTier("host"), DictTier("disk")
+    for tier in (near, far):
+        tier.contains = lambda block_hash: False  # no pre-filter: only where a block came from stops a store
+    connector = TierConnector([near, far])
+    kv = KVCacheManager(16, 4, watermark=0.0, enable_caching=True, tiers=connector)
+    cache = BytesCache(16)
+    traffic = TierTraffic(connector, kv, cache)
     tokens = list(range(1, 22))
     chain = block_hashes(tokens, 4)
     assert kv.allocate_slots("a", 12)
+    cache.write_blocks(kv.block_ids("a")[0], [b"a0", b"a1", b"a2"])
     kv.cache_full_blocks("a", tokens, chain, 12)
     traffic.write_through()
-    assert [key.block_hash for key in tier.stored] == chain.hashes[:3]
+    assert list(near.blocks.values()) == list(far.blocks.values()) == [b"a0", b"a1", b"a2"]
     kv.free("a")
-    kv.pool.reset_cache()  # the pool forgets; the tier still holds blocks 0-2
-    tier.stored.clear()
-    request = SimpleNamespace(request_id="b", all_token_ids=tokens, block_hashes=chain, num_tokens=len(tokens),
-                              num_preemptions=0, sampling_params=SamplingParams())
-    traffic.load_for([request])
-    assert kv.find_cached_prefix(tokens, chain).num_tier_tokens == 12
+    kv.pool.reset_cache()  # the pool forgets; the tiers still hold blocks 0-2
+    near.blocks.clear()
+    match = kv.match_prefix(tokens, chain)
+    assert match.tier.tier == 1 and match.num_tier_tokens == 12
+    assert kv.allocate_slots("b", match.num_tokens, prefix=match)
+    load = kv.tier_load("b", match)
+    cache.write_blocks(list(load.block_ids), connector.load(load.hit))
+    far.stored_again = []
+    far.store = far.stored_again.extend
+    assert traffic.loads_finished([LoadResult(load, 3)]) == {"b": 3}
+    kv.cache_full_blocks("b", tokens, chain, 12)
     traffic.write_through()
-    assert tier.stored == []  # what it loaded is in the tier already
+    assert far.stored_again == []  # what it loaded from the disk is there already
+    assert list(near.blocks.values()) == [b"a0", b"a1", b"a2"]  # the tier above it gets them
     traffic.close()
+    kv.free("b")
     kv.check_integrity()

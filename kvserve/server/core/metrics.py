@@ -19,7 +19,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.constrained import StructuredOutputStats
 from kvserve.engine.output import RequestDelta
 from kvserve.engine.spec_decode.counters import SpecDecodeStats
-from kvserve.kv.tier import LOAD_SECONDS_BUCKETS
+from kvserve.kv.tiers.stats import LOAD_SECONDS_BUCKETS
 
 log = logging.getLogger("kvserve.requests")
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.errors import KVIntegrityError
-from kvserve.kv import block_file
 from kvserve.kv.hashing import BlockHash, hash_block
-from kvserve.kv.tier import BlockKey
+from kvserve.kv.tiers import block_file
+from kvserve.kv.tiers.connector import BlockKey
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +198,9 @@ def unlink(path: Path) -> None:
 
 
 def check_entries(index: Mapping[BlockHash, DiskEntry], pending: Mapping[BlockHash, tuple[BlockKey, bytes | memoryview]],
-                  shape: BlockShape, file_len: int) -> None:
-    """Raise KVIntegrityError unless every indexed or queued block is filed under its own key, and sized right.
+                  pending_bytes: int, shape: BlockShape, file_len: int) -> None:
+    """Raise KVIntegrityError unless every indexed or queued block is filed under its own key, and sized right,
+    and the queued bytes add up to `pending_bytes`.
 
     Every key, on disk or in flight to it, must be the chained digest of its own parent and tokens: a key
     that is not would let one block's K/V be served for another's tokens."""
@@ -209,6 +210,8 @@ def check_entries(index: Mapping[BlockHash, DiskEntry], pending: Mapping[BlockHa
             raise KVIntegrityError(f"disk tier: entry {block_hash.hex()} is filed under the wrong key")
         if hash_block(key.parent_hash, key.token_ids) != block_hash:
             raise KVIntegrityError(f"disk tier: block {block_hash.hex()} does not hash to its name")
+    if sum(len(payload) for _, payload in pending.values()) != pending_bytes:
+        raise KVIntegrityError("disk tier: queued payloads and the pending byte count disagree")
     for block_hash, (_, payload) in pending.items():
         if len(payload) != shape.payload_len:
             raise KVIntegrityError(f"disk tier: block {block_hash.hex()} in flight holds {len(payload)} "

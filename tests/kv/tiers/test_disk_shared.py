@@ -5,11 +5,11 @@ import multiprocessing
 import os
 import time
 
-from kvserve.kv import block_file
-from kvserve.kv.disk_files import STALE_TEMPORARY_S, block_path, write_atomically
-from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.hashing import block_hashes
-from kvserve.kv.tier import BlockKey
+from kvserve.kv.tiers import block_file
+from kvserve.kv.tiers.connector import BlockKey
+from kvserve.kv.tiers.disk import DiskTier
+from kvserve.kv.tiers.disk_files import STALE_TEMPORARY_S, block_path, write_atomically
 
 BLOCK = 4
 PAYLOAD = 4096

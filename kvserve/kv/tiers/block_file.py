@@ -28,7 +28,7 @@ import zlib
 from dataclasses import dataclass
 
 from kvserve.kv.hashing import token_bytes, tokens_from_bytes
-from kvserve.kv.tier import BlockKey
+from kvserve.kv.tiers.connector import BlockKey
 
 MAGIC = b"KVSBLK01"
 SUFFIX = ".kvblock"

@@ -6,11 +6,11 @@ import stat
 import pytest
 
 from kvserve.errors import KVIntegrityError
-from kvserve.kv import block_file
-from kvserve.kv.disk_files import block_path
-from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.hashing import block_hashes
-from kvserve.kv.tier import BlockKey
+from kvserve.kv.tiers import block_file
+from kvserve.kv.tiers.connector import BlockKey
+from kvserve.kv.tiers.disk import DiskTier
+from kvserve.kv.tiers.disk_files import block_path
 
 BLOCK = 4
 PAYLOAD = 64

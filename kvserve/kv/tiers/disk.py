@@ -1,8 +1,8 @@
 """The disk tier: one file per block under DIR/<fingerprint>/, LRU within a byte capacity.
 
 Writes go through a background thread (the step loop only queues bytes it
-already copied out of the pool); reads happen on the engine's thread when a
-request's prefix continues here. Files are written to a temporary name and
+already copied out of the pool); loads run on the runner's reader thread
+(reader.py), lookups on the engine's. Files are written to a temporary name and
 renamed, so a finished name always held a complete file when it was written;
 a crash, a full disk or a stray edit can still leave a bad one, which the
 checksum catches when it is read (block_file.py).
@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Sequence
 
 from kvserve.errors import KVIntegrityError
-from kvserve.kv import block_file
 from kvserve.kv.events import BlockRemoved, BlockStored, KVEventSubscribers
-from kvserve.kv.disk_files import (BlockShape, DiskEntry, block_path, check_entries, open_directory, read_entry,
-                                   touch, unlink, write_atomically)
 from kvserve.kv.hashing import BlockHash
-from kvserve.kv.tier import BlockKey, KVTier, Payload, TierCounters, TierStats
+from kvserve.kv.tiers import block_file
+from kvserve.kv.tiers.connector import BlockKey, KVTier, Payload
+from kvserve.kv.tiers.disk_files import (BlockShape, DiskEntry, block_path, check_entries, open_directory, read_entry,
+                                         touch, unlink, write_atomically)
+from kvserve.kv.tiers.stats import TierCounters, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ _STOP = object()
 
 class DiskTier(KVTier):
     """Blocks of `payload_len` bytes (one block of `block_size` tokens, every layer) made under `fingerprint`."""
+
+    name = "disk"
 
     def __init__(self, root: str | Path, capacity_bytes: int, fingerprint: bytes, block_size: int,
                  payload_len: int, max_pending_bytes: int = 256 * 2**20) -> None:
@@ -69,7 +72,7 @@ class DiskTier(KVTier):
         try:
             self._open()
         except OSError as exc:
-            self._disable(f"cannot use {self.root}: {exc}")
+            self.disable(f"cannot use {self.root}: {exc}")
             return
         self._writer = threading.Thread(target=self._write_loop, name="kvserve-kv-disk-writer", daemon=True)
         self._writer.start()
@@ -196,9 +199,7 @@ class DiskTier(KVTier):
                 raise KVIntegrityError(f"disk tier: entries add up to {total} bytes, the counter says {self._bytes_used}")
             if self._bytes_used > self.capacity_bytes:
                 raise KVIntegrityError(f"disk tier holds {self._bytes_used} bytes, over its capacity {self.capacity_bytes}")
-            if sum(len(payload) for _, payload in self._pending.values()) != self._pending_bytes:
-                raise KVIntegrityError("disk tier: queued payloads and the pending byte count disagree")
-            check_entries(self._index, self._pending, self._shape, self.file_len)
+            check_entries(self._index, self._pending, self._pending_bytes, self._shape, self.file_len)
 
     # -- the writer thread -----------------------------------------------------------------------
 
@@ -229,7 +230,7 @@ class DiskTier(KVTier):
                 self._adopt(read_entry(self.directory, key, self._shape))  # None while that write goes on
                 return
         except OSError as exc:
-            self._disable(f"cannot write {path}: {exc}")
+            self.disable(f"cannot write {path}: {exc}")
             with self._lock:
                 self._counters.writes_dropped += 1
             return
@@ -284,7 +285,7 @@ class DiskTier(KVTier):
                 self.subscribers.emit(BlockRemoved(block_hash, 0))
         return entry
 
-    def _disable(self, why: str) -> None:
+    def disable(self, why: str) -> None:
         with self._lock:
             if not self.enabled:
                 return
