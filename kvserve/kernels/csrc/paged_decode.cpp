@@ -1,6 +1,7 @@
 // Decode attention that reads the paged K/V blocks (fp32, fp16 or bf16) where they lie.
 //
-// One query token per request. Work items are (request, split) (decode_splits.h). For each KV head an
+// One query token per row (a decode, a verify's query, a prefill chunk's token). Work items are (row,
+// split) (decode_splits.h). For each KV head an
 // item keeps, for the G query heads sharing it, a running max, sum and weighted V sum (online softmax,
 // rescaled once per block; attend_blocks.h); the splits of a request are merged at the end. Nothing is
 // gathered or copied: each K/V row is read once per (request, KV head).
@@ -11,14 +12,16 @@
 
 namespace kvserve_attention {
 
-DecodeRows decode_rows(const char* op, torch::Tensor q, torch::Tensor block_ids, torch::Tensor seq_offsets,
-                       torch::Tensor key_valid, int64_t KVH, int64_t BS, double scale, int64_t num_splits) {
+DecodeRows decode_rows(const char* op, torch::Tensor q, torch::Tensor tables, torch::Tensor row_table,
+                       torch::Tensor row_low, torch::Tensor row_pos, int64_t KVH, int64_t BS, double scale,
+                       int64_t split_blocks) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, op, ": fp32 queries [B, H, D] only");
   DecodeRows rows;
   rows.q = q.contiguous();
-  rows.block_ids = block_ids.contiguous();
-  rows.seq_offsets = seq_offsets.contiguous();
-  rows.key_valid = key_valid.contiguous();
+  rows.tables = tables.contiguous();
+  rows.row_table = row_table.contiguous();
+  rows.row_low = row_low.contiguous();
+  rows.row_pos = row_pos.contiguous();
   rows.B = q.size(0);
   rows.H = q.size(1);
   rows.D = q.size(2);
@@ -26,32 +29,43 @@ DecodeRows decode_rows(const char* op, torch::Tensor q, torch::Tensor block_ids,
   rows.BS = BS;
   TORCH_CHECK(KVH > 0 && rows.H % KVH == 0, op, ": query heads are not a multiple of the KV heads");
   rows.G = rows.H / KVH;
-  TORCH_CHECK(rows.G <= kMaxGroup && BS <= kMaxBlock, op, ": group or block size too large");
-  TORCH_CHECK(rows.seq_offsets.numel() == rows.B + 1, op, ": seq_offsets must be [B + 1]");
-  rows.S = std::max<int64_t>(num_splits, 1);
+  TORCH_CHECK(rows.G <= kMaxGroup && BS > 0 && BS <= kMaxBlock, op, ": group or block size out of range");
+  TORCH_CHECK(rows.row_table.numel() == rows.B && rows.row_low.numel() == rows.B && rows.row_pos.numel() == rows.B,
+              op, ": row_table, row_low and row_pos must be [B]");
   rows.qp = rows.q.data_ptr<float>();
-  rows.blocks = rows.block_ids.data_ptr<int64_t>();
-  rows.offsets = rows.seq_offsets.data_ptr<int64_t>();
-  rows.valid = rows.key_valid.data_ptr<bool>();
+  rows.blocks = rows.tables.data_ptr<int64_t>();
+  rows.table = rows.row_table.data_ptr<int64_t>();
+  rows.low = rows.row_low.data_ptr<int64_t>();
+  rows.pos = rows.row_pos.data_ptr<int64_t>();
   rows.scale = static_cast<float>(scale);
+  rows.split_blocks = split_blocks;
+  rows.split_start.assign(rows.B + 1, 0);
+  const int64_t num_entries = rows.tables.numel();
+  for (int64_t b = 0; b < rows.B; ++b) {
+    TORCH_CHECK(rows.low[b] >= 0 && rows.low[b] <= rows.pos[b] && rows.table[b] >= 0 &&
+                    rows.table[b] + rows.pos[b] / BS < num_entries, op, ": row ", b, " reads outside its table");
+    const int64_t count = rows.num_blocks(b);
+    const int64_t splits = split_blocks > 0 ? (count + split_blocks - 1) / split_blocks : 1;
+    rows.split_start[b + 1] = rows.split_start[b] + splits;
+  }
   return rows;
 }
 
-torch::Tensor SplitPartials::merge(const DecodeRows& rows) const {
-  const int64_t B = rows.B, H = rows.H, KVH = rows.KVH;
-  auto out = torch::empty({B, H * D}, rows.q.options());
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+void SplitPartials::merge(const DecodeRows& rows, int64_t row_begin, int64_t row_end, int64_t first_item,
+                          float* out) const {
+  const int64_t H = rows.H;
+  at::parallel_for(row_begin * KVH, row_end * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / KVH, h = bh % KVH;
+      const int64_t lo = rows.split_start[b] - first_item, hi = rows.split_start[b + 1] - first_item;
       for (int64_t g = 0; g < G; ++g) {
         float global_max = kEmpty;
-        for (int64_t s = 0; s < S; ++s) global_max = std::max(global_max, max[(bh * S + s) * G + g]);
-        float* o = op + (b * H + h * G + g) * D;
+        for (int64_t s = lo; s < hi; ++s) global_max = std::max(global_max, max[(s * KVH + h) * G + g]);
+        float* o = out + (b * H + h * G + g) * D;
         std::fill(o, o + D, 0.f);
         float total = 0.f;
-        for (int64_t s = 0; s < S; ++s) {
-          const int64_t p = (bh * S + s) * G + g;
+        for (int64_t s = lo; s < hi; ++s) {
+          const int64_t p = (s * KVH + h) * G + g;
           if (max[p] <= kEmpty) continue;
           const float w = std::exp(max[p] - global_max);
           total += sum[p] * w;
@@ -62,39 +76,39 @@ torch::Tensor SplitPartials::merge(const DecodeRows& rows) const {
       }
     }
   });
-  return out;
 }
 
 }  // namespace kvserve_attention
 
 using namespace kvserve_attention;
 
-// q [B, H, D] fp32; k_cache, v_cache [num_blocks, KVH, block_size, D] (fp32 / fp16 / bf16, contiguous);
-// block_ids [NB] (int64, request by request); seq_offsets [B + 1] (int64: request b's
-// blocks are block_ids[seq_offsets[b] : seq_offsets[b + 1]]); key_valid [NB, block_size]
-// (bool: rows the query may see). Returns [B, H * D].
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_ids,
-                           torch::Tensor seq_offsets, torch::Tensor key_valid, double scale, int64_t num_splits) {
+// q [B, H, D] fp32 (one query token per row); k_cache, v_cache [num_blocks, KVH, block_size, D] (fp32 / fp16 /
+// bf16, contiguous); tables (int64: the block tables of the rows' requests, one after another); row_table,
+// row_low, row_pos [B] (int64: where row b's table starts in `tables`, its first and last visible key
+// positions); split_blocks: blocks per split (<= 0: one split per row). Returns [B, H * D].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                           torch::Tensor row_table, torch::Tensor row_low, torch::Tensor row_pos, double scale,
+                           int64_t split_blocks) {
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: K and V caches of one dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: contiguous cache");
-  const DecodeRows rows = decode_rows("paged_decode", q, block_ids, seq_offsets, key_valid, k_cache.size(1),
-                                      k_cache.size(2), scale, num_splits);
+  const DecodeRows rows = decode_rows("paged_decode", q, tables, row_table, row_low, row_pos, k_cache.size(1),
+                                      k_cache.size(2), scale, split_blocks);
   TORCH_CHECK(k_cache.size(3) == rows.D, "paged_decode: shapes disagree");
-  SplitPartials partials(rows);
+  torch::Tensor out;
   const int64_t KVH = rows.KVH, block_elems = KVH * rows.BS * rows.D;
-  const int64_t* blocks = rows.blocks;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "paged_decode", [&] {
   const scalar_t* kp = k_cache.data_ptr<scalar_t>();
   const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-  for_each_split(rows, [&](int64_t b, int64_t s, int64_t lo, int64_t hi) {
+  out = attend_splits(rows, [&](SplitPartials& partials, int64_t item, int64_t b, const int64_t* blocks,
+                                const bool* valid, int64_t hi) {
     // A block's KV heads lie side by side: each block is read for every head before the next one, so
     // memory is read in runs of KVH * BS * D elements, where one head at a time would stride through it
     // KVH times; the next block is asked for while this one is computed (its place is known only from
     // the table, so the hardware prefetcher cannot guess it). One 4,096-token layer, fp16, blocks in
     // order: 0.27 -> 0.15 ms.
     constexpr int64_t kLine = 64 / sizeof(scalar_t);
-    for (int64_t idx = lo; idx < hi; ++idx) {
+    for (int64_t idx = 0; idx < hi; ++idx) {
       // Only blocks that do not follow the one before: the hardware prefetcher streams through
       // consecutive blocks by itself, and prefetching them too made that case slower (0.15 -> 0.22 ms).
       // A few blocks ahead: one block's compute is shorter than a memory round trip.
@@ -108,10 +122,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         }
       }
       for (int64_t h = 0; h < KVH; ++h) {
-        partials.attend<scalar_t>(rows, b, h, s, kp, vp, blocks, rows.valid, idx, idx + 1, KVH, h);
+        partials.attend<scalar_t>(rows, item, b, h, kp, vp, blocks, valid, idx, idx + 1, KVH, h);
       }
     }
   });
   });
-  return partials.merge(rows);
+  return out;
 }

@@ -142,10 +142,10 @@ QuantSide quant_side(const torch::Tensor& data, const torch::Tensor& params, int
 torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_params, int64_t k_kind,
                                  torch::Tensor v_data, torch::Tensor v_params, int64_t v_kind, int64_t group,
                                  torch::Tensor open_k, torch::Tensor open_v, torch::Tensor open_slot,
-                                 torch::Tensor block_ids, torch::Tensor seq_offsets, torch::Tensor key_valid,
-                                 double scale, int64_t num_splits) {
-  const DecodeRows rows = decode_rows("paged_decode_quant", q, block_ids, seq_offsets, key_valid, k_data.size(1),
-                                      k_data.size(2), scale, num_splits);
+                                 torch::Tensor tables, torch::Tensor row_table, torch::Tensor row_low,
+                                 torch::Tensor row_pos, double scale, int64_t split_blocks) {
+  const DecodeRows rows = decode_rows("paged_decode_quant", q, tables, row_table, row_low, row_pos, k_data.size(1),
+                                      k_data.size(2), scale, split_blocks);
   const int64_t KVH = rows.KVH, BS = rows.BS, D = rows.D;
   TORCH_CHECK(D <= kMaxHeadDim && D % 2 == 0 && group > 0 && D % group == 0, "paged_decode_quant: shapes disagree");
   const QuantSide ks = quant_side(k_data, k_params, k_kind, group), vs = quant_side(v_data, v_params, v_kind, group);
@@ -161,22 +161,20 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
     ok = open_k.data_ptr<c10::Half>();
     ov = open_v.data_ptr<c10::Half>();
   }
-  SplitPartials partials(rows);
-  const int64_t* blocks = rows.blocks;
-  const bool* valid = rows.valid;
   static const int64_t kIota[kChunk] = {0, 1, 2, 3, 4, 5, 6, 7};
 
-  for_each_split(rows, [&](int64_t b, int64_t s, int64_t lo, int64_t hi) {
+  return attend_splits(rows, [&](SplitPartials& partials, int64_t item, int64_t b, const int64_t* blocks,
+                                 const bool* valid, int64_t hi) {
     thread_local std::vector<float> k_buffer, v_buffer;
     if (static_cast<int64_t>(k_buffer.size()) < kChunk * BS * D) {
       k_buffer.resize(kChunk * BS * D);
       v_buffer.resize(kChunk * BS * D);
     }
-    for (int64_t idx = lo; idx < hi;) {
+    for (int64_t idx = 0; idx < hi;) {
       const int64_t slot = has_open ? slot_of[blocks[idx]] : -1;
       if (slot >= 0) {  // an open block, attended in place (fp16)
         for (int64_t h = 0; h < KVH; ++h) {
-          partials.attend<c10::Half>(rows, b, h, s, ok, ov, &slot, valid + idx * BS, 0, 1, KVH, h);
+          partials.attend<c10::Half>(rows, item, b, h, ok, ov, &slot, valid + idx * BS, 0, 1, KVH, h);
         }
         ++idx;
         continue;
@@ -188,11 +186,10 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
           widen_block(ks, blocks[idx + c], KVH, h, BS, D, k_buffer.data() + c * BS * D);
           widen_block(vs, blocks[idx + c], KVH, h, BS, D, v_buffer.data() + c * BS * D);
         }
-        partials.attend<float>(rows, b, h, s, k_buffer.data(), v_buffer.data(), kIota, valid + idx * BS, 0, run,
+        partials.attend<float>(rows, item, b, h, k_buffer.data(), v_buffer.data(), kIota, valid + idx * BS, 0, run,
                                1, 0);
       }
       idx += run;
     }
   });
-  return partials.merge(rows);
 }
