@@ -29,7 +29,8 @@ from kvserve.cpu_features import cpu_flags
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("bindings.cpp", "paged_decode.cpp", "quant_matmul.cpp", "fused_ops.cpp")]
+            for name in ("bindings.cpp", "paged_decode.cpp", "paged_decode_quant.cpp", "quant_matmul.cpp",
+                         "fused_ops.cpp")]
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "module" (None: torch paths), and "directory" or "error" once tried
 

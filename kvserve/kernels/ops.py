@@ -12,6 +12,7 @@ of a batch-1 decode step's overhead.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -134,19 +135,39 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features:
     return ext.quant_matmul(x, packed, bits, out_features, isa)
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
-                 seq_offsets: torch.Tensor, key_valid: torch.Tensor, scale: float, num_splits: int) -> torch.Tensor:
-    """Decode attention (csrc/paged_decode.cpp) over the paged float blocks, read in place: q `[B, H, D]`
-    fp32, caches `[num_blocks, KVH, block_size, D]` -> `[B, H * D]`. No torch path here: the attention
+class RowTables(NamedTuple):
+    """Which keys each query row of the paged attention kernels sees (int64, CPU): row i at position
+    row_pos[i] sees keys row_low[i]..row_pos[i] (row_low: its window's first key, else 0), block j of them
+    at tables[row_table[i] + j]; the rows of one request share its table."""
+
+    tables: torch.Tensor
+    row_table: torch.Tensor
+    row_low: torch.Tensor
+    row_pos: torch.Tensor
+
+
+def _cpu_longs(rows: RowTables) -> bool:
+    return all(t.is_cpu and t.dtype is _LONG for t in rows)
+
+
+def _row_checks(rows: RowTables) -> dict[str, tuple[torch.Tensor, tuple[torch.dtype, ...]]]:
+    return {name: (tensor, (_LONG,)) for name, tensor in rows._asdict().items()}
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: RowTables, scale: float,
+                 split_blocks: int) -> torch.Tensor:
+    """Paged attention (csrc/paged_decode.cpp) over the float blocks, read in place, one query token per row
+    (a decode, a verify's query, a prefill chunk's token): q `[B, H, D]` fp32, caches `[num_blocks, KVH,
+    block_size, D]` -> `[B, H * D]`; `rows` says which keys each row sees (RowTables). Each row's blocks run
+    in splits of `split_blocks` (<= 0: one), merged in order: a row's result depends on that row alone, not
+    on the rows beside it. No torch path here: the attention
     backend gathers the blocks and runs its torch kernels instead (kv/attention/cpu_decode.py)."""
     ext = kernels()
-    if (ext is None or not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and block_ids.is_cpu
-                            and seq_offsets.is_cpu and key_valid.is_cpu)
-            or q.dtype is not _F32 or k_cache.dtype not in CACHE_DTYPES or v_cache.dtype not in CACHE_DTYPES
-            or block_ids.dtype is not _LONG or seq_offsets.dtype is not _LONG or key_valid.dtype is not _BOOL):
+    if (ext is None or not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and _cpu_longs(rows))
+            or q.dtype is not _F32 or k_cache.dtype not in CACHE_DTYPES or v_cache.dtype not in CACHE_DTYPES):
         _refuse("paged_decode", ext, q=(q, (_F32,)), k_cache=(k_cache, CACHE_DTYPES), v_cache=(v_cache, CACHE_DTYPES),
-                block_ids=(block_ids, (_LONG,)), seq_offsets=(seq_offsets, (_LONG,)), key_valid=(key_valid, (_BOOL,)))
-    return ext.paged_decode(q, k_cache, v_cache, block_ids, seq_offsets, key_valid, scale, num_splits)
+                **_row_checks(rows))
+    return ext.paged_decode(q, k_cache, v_cache, *rows, scale, split_blocks)
 
 
 # paged_decode_quant's kinds of quantized sides (kv/quant.py's codecs; the C++ enum).
@@ -156,23 +177,21 @@ _F16 = torch.float16
 
 def paged_decode_quant(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor, int],
                        v: tuple[torch.Tensor, torch.Tensor, int], group: int,
-                       open_blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, block_ids: torch.Tensor,
-                       seq_offsets: torch.Tensor, key_valid: torch.Tensor, scale: float, num_splits: int) -> torch.Tensor:
+                       open_blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, rows: RowTables,
+                       scale: float, split_blocks: int) -> torch.Tensor:
     """`paged_decode` over quantized blocks, read in place: k and v are (data `[num_blocks, KVH, block_size,
     width]`, fp16 params `[num_blocks, KVH, block_size, params]`, kind: INT8_ROW, INT4_ROW with `group`
     channels per group, INT4_CHANNEL); `open_blocks` (fp16 K, V `[slots, KVH, block_size, D]`, int64
     slot per block, -1 where the pool holds it) or None."""
     ext = kernels()
-    tensors = [q, k[0], k[1], v[0], v[1], block_ids, seq_offsets, key_valid, *(open_blocks or ())]
-    if (ext is None or not all(t.is_cpu for t in tensors) or q.dtype is not _F32 or k[1].dtype is not _F16
-            or v[1].dtype is not _F16 or block_ids.dtype is not _LONG or seq_offsets.dtype is not _LONG
-            or key_valid.dtype is not _BOOL):
+    tensors = [q, k[0], k[1], v[0], v[1], *(open_blocks or ())]
+    if (ext is None or not all(t.is_cpu for t in tensors) or not _cpu_longs(rows) or q.dtype is not _F32
+            or k[1].dtype is not _F16 or v[1].dtype is not _F16):
         _refuse("paged_decode_quant", ext, q=(q, (_F32,)), k_params=(k[1], (_F16,)), v_params=(v[1], (_F16,)),
-                block_ids=(block_ids, (_LONG,)), seq_offsets=(seq_offsets, (_LONG,)), key_valid=(key_valid, (_BOOL,)),
-                k_data=(k[0], (k[0].dtype,)), v_data=(v[0], (v[0].dtype,)))
+                **_row_checks(rows), k_data=(k[0], (k[0].dtype,)), v_data=(v[0], (v[0].dtype,)))
         raise KernelInputError("paged_decode_quant reads CPU tensors only")
     if open_blocks is None:
         none = torch.empty(0, dtype=_LONG, device=q.device)
         open_blocks = (torch.empty(0, dtype=_F16, device=q.device), torch.empty(0, dtype=_F16, device=q.device), none)
-    return ext.paged_decode_quant(q, k[0], k[1], k[2], v[0], v[1], v[2], group, *open_blocks, block_ids,
-                                  seq_offsets, key_valid, scale, num_splits)
+    return ext.paged_decode_quant(q, k[0], k[1], k[2], v[0], v[1], v[2], group, *open_blocks, *rows, scale,
+                                  split_blocks)

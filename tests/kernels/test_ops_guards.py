@@ -25,31 +25,32 @@ def test_quant_matmul_refuses_a_tensor_off_the_cpu_or_of_another_dtype():
 def test_paged_decode_refuses_a_quantized_cache_or_misplaced_metadata():
     q = torch.randn(1, 4, 16)
     cache = torch.zeros(4, 2, 4, 16)
-    blocks, offsets, valid = torch.tensor([0]), torch.tensor([0, 1]), torch.ones(1, 4, dtype=torch.bool)
-    assert ops.paged_decode(q, cache, cache, blocks, offsets, valid, 0.25, 1).shape == (1, 64)
+    rows = ops.RowTables(torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.tensor([3]))
+    assert ops.paged_decode(q, cache, cache, rows, 0.25, 1).shape == (1, 64)
     int8_cache = cache.to(torch.int8)
     with pytest.raises(ops.KernelInputError, match="k_cache is int8, expected float32, float16, bfloat16"):
-        ops.paged_decode(q, int8_cache, int8_cache, blocks, offsets, valid, 0.25, 1)
-    with pytest.raises(ops.KernelInputError, match="block_ids is on meta"):
-        ops.paged_decode(q, cache, cache, blocks.to("meta"), offsets, valid, 0.25, 1)
-    with pytest.raises(ops.KernelInputError, match="key_valid is int64, expected bool"):
-        ops.paged_decode(q, cache, cache, blocks, offsets, valid.long(), 0.25, 1)
+        ops.paged_decode(q, int8_cache, int8_cache, rows, 0.25, 1)
+    with pytest.raises(ops.KernelInputError, match="tables is on meta"):
+        ops.paged_decode(q, cache, cache, rows._replace(tables=rows.tables.to("meta")), 0.25, 1)
+    with pytest.raises(ops.KernelInputError, match="row_pos is int32, expected int64"):
+        ops.paged_decode(q, cache, cache, rows._replace(row_pos=rows.row_pos.int()), 0.25, 1)
+    with pytest.raises(RuntimeError, match="reads outside its table"):  # the kernel checks what it will read
+        ops.paged_decode(q, cache, cache, rows._replace(row_pos=torch.tensor([4])), 0.25, 1)
 
 
 @needs_kernels
 def test_paged_decode_quant_refuses_float_parameters_or_misplaced_open_blocks():
     q = torch.randn(1, 4, 16)
     data, params = torch.zeros(4, 2, 4, 8, dtype=torch.uint8), torch.zeros(4, 2, 4, 8, dtype=torch.float16)
-    blocks, offsets, valid = torch.tensor([0]), torch.tensor([0, 1]), torch.ones(1, 4, dtype=torch.bool)
+    rows = ops.RowTables(torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.tensor([3]))
     side = (data, params, ops.INT4_CHANNEL)
-    assert ops.paged_decode_quant(q, side, (data, params[..., :2].contiguous(), ops.INT4_ROW), 16, None, blocks,
-                                  offsets, valid, 0.25, 1).shape == (1, 64)
+    assert ops.paged_decode_quant(q, side, (data, params[..., :2].contiguous(), ops.INT4_ROW), 16, None, rows,
+                                  0.25, 1).shape == (1, 64)
     with pytest.raises(ops.KernelInputError, match="k_params is float32, expected float16"):
-        ops.paged_decode_quant(q, (data, params.float(), ops.INT4_CHANNEL), side, 16, None, blocks, offsets, valid,
-                               0.25, 1)
+        ops.paged_decode_quant(q, (data, params.float(), ops.INT4_CHANNEL), side, 16, None, rows, 0.25, 1)
     open_blocks = (torch.zeros(1, 2, 4, 16, dtype=torch.float16, device="meta"),) * 2 + (torch.full((4,), -1),)
     with pytest.raises(ops.KernelInputError, match="CPU tensors only"):
-        ops.paged_decode_quant(q, side, side, 16, open_blocks, blocks, offsets, valid, 0.25, 1)
+        ops.paged_decode_quant(q, side, side, 16, open_blocks, rows, 0.25, 1)
 
 
 def test_kernels_without_a_torch_path_say_so_where_none_are_built(monkeypatch):

@@ -1,5 +1,6 @@
 // The functions of kvserve's CPU kernels extension: declared once here, defined in paged_decode.cpp,
-// quant_matmul.cpp and fused_ops.cpp, bound to Python in bindings.cpp. Python reaches them only through
+// paged_decode_quant.cpp, quant_matmul.cpp and fused_ops.cpp (the attention files share attend_blocks*.h
+// and decode_splits.h), bound to Python in bindings.cpp. Python reaches them only through
 // kvserve/kernels/ops.py, which checks devices and dtypes before a call (a CUDA tensor here would be read
 // as host memory).
 #pragma once
@@ -10,14 +11,16 @@
 #include <string>
 
 // paged_decode.cpp: decode attention over paged fp32 / fp16 / bf16 K/V blocks, read in place.
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_ids,
-                           torch::Tensor seq_offsets, torch::Tensor key_valid, double scale, int64_t num_splits);
-// The same over quantized K/V (int8 rows, int4 row groups, int4 per channel over a block) and fp16 open blocks.
+// One query token per row (decodes, verify queries, prefill tokens alike), each attended alone.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                           torch::Tensor row_table, torch::Tensor row_low, torch::Tensor row_pos, double scale,
+                           int64_t split_blocks);
+// paged_decode_quant.cpp: the same over quantized K/V (int8 rows, int4 row groups, int4 per channel over a block) and fp16 open blocks.
 torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_params, int64_t k_kind,
                                  torch::Tensor v_data, torch::Tensor v_params, int64_t v_kind, int64_t group,
                                  torch::Tensor open_k, torch::Tensor open_v, torch::Tensor open_slot,
-                                 torch::Tensor block_ids, torch::Tensor seq_offsets, torch::Tensor key_valid,
-                                 double scale, int64_t num_splits);
+                                 torch::Tensor tables, torch::Tensor row_table, torch::Tensor row_low,
+                                 torch::Tensor row_pos, double scale, int64_t split_blocks);
 
 // quant_matmul.cpp: x @ W^T for 4- or 8-bit group-quantized W, and the instruction set it runs on.
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t N, int64_t isa);

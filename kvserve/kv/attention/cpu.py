@@ -22,7 +22,6 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvserve.arith import cdiv
 from kvserve.kernels import ops
 from kvserve.kv.attention.base import AttentionBackend, AttentionContext, SequenceSlice
 from kvserve.kv.attention.cpu_decode import cpp_decode, cpp_decode_reads, split_kv_decode, union_decode
@@ -54,9 +53,7 @@ class PagedKVContext(AttentionContext):
         # `cpp_decode`: reads the blocks in place; None: gather, then the torch kernels.
         self.decode_kernel = decode_kernel
         heads, block_size = cache.spec.num_kv_heads, cache.block_size
-        # Per group: the kernel's work split, and the flat rows its new tokens are written to.
-        self._splits = [_num_splits(m.decode) if decode_kernel is not None and m.decode is not None else 0
-                        for m in group_metadata]
+        # Per group: the flat rows its new tokens are written to.
         self._slots = [slot_indices(m.slot_blocks, m.slot_rows, heads, block_size) for m in group_metadata]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -74,7 +71,7 @@ class PagedKVContext(AttentionContext):
                 kv = cache.gather(layer, meta.decode.union_block_ids, q.dtype, fold_scales=True)
                 outputs.append(union_decode(queries, kv, meta.decode, scale))
             elif self.decode_kernel is not None:
-                outputs.append(self.decode_kernel(cache, layer, queries, meta.decode, scale, self._splits[group]))
+                outputs.append(self.decode_kernel(cache, layer, queries, meta.decode, scale, SPLIT_BLOCKS))
             else:
                 kv = cache.gather(layer, meta.decode.block_ids, q.dtype, fold_scales=True)
                 outputs.append(split_kv_decode(queries, kv, meta.decode, scale))
@@ -114,12 +111,10 @@ def _as_open(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(OPEN_BLOCK_DTYPE).to(dtype)
 
 
-def _num_splits(decode: DecodeMetadata) -> int:
-    """Runs of blocks per request for the C++ kernel (each run covers every KV head): enough work items to
-    keep every thread busy (4 per thread) when few requests decode, never under 4 blocks a run."""
-    wanted = cdiv(4 * torch.get_num_threads(), decode.num_seqs)
-    longest = int((decode.seq_offsets[1:] - decode.seq_offsets[:-1]).max())
-    return max(1, min(wanted, longest // 4))
+# Blocks per split of a row in the C++ kernel (each split covers every KV head; a row's splits are merged in
+# order). A constant, not a share of the threads per request: a row's splits, hence its bits, must not
+# depend on how many rows run beside it. 16 blocks (256 tokens) keep both threads busy on one long decode.
+SPLIT_BLOCKS = 16
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -144,10 +139,15 @@ class CpuAttentionBackend(AttentionBackend):
         kernel = self.decode_kernel if cpp_decode_reads(cache) else None
         # The union is the torch path's (also its faster kernel for a single decode); the C++ kernel beats it.
         factor = UNION_SHARING_FACTOR if kernel is None else None
+        # On a float cache every query token, prefill chunks' too, is one row of the C++ kernel: a token's
+        # attention is then the same computation however its request was chunked, cached or batched
+        # (DESIGN §3 Determinism). A quantized cache's chunks keep the torch path (open_block_prefill).
+        as_rows = kernel is not None and cache.open_blocks is None and not cache.k_params and not cache.v_params
         groups = cache.spec.layout.groups
         return PagedKVContext(cache, [build_attention_metadata(slices, cache.block_size, group.window, index,
                                                                union_factor=factor, is_decode=self.is_decode,
-                                                               device=cache.device)
+                                                               device=cache.device, tokens_as_rows=as_rows,
+                                                               block_lists=kernel is None)
                                       for index, group in enumerate(groups)], kernel)
 
 

@@ -42,18 +42,17 @@ def cpp_decode_reads(cache: PagedKVCache) -> bool:
 
 
 def cpp_decode(cache: PagedKVCache, layer: int, q: torch.Tensor, meta: DecodeMetadata, scale: float,
-               num_splits: int) -> torch.Tensor:
+               split_blocks: int) -> torch.Tensor:
     """The C++ kernel's decode of `layer` over the pool where it lies (`cpp_decode_reads` said it can)."""
+    rows = ops.RowTables(meta.tables, meta.row_table, meta.row_low, meta.row_pos)
     if not cache.k_params and not cache.v_params:
-        return ops.paged_decode(q, cache.k[layer], cache.v[layer], meta.block_ids, meta.seq_offsets, meta.key_valid,
-                                scale, num_splits)
+        return ops.paged_decode(q, cache.k[layer], cache.v[layer], rows, scale, split_blocks)
     spec, open_ = cache.spec, cache.open_blocks
     tensor = spec.layout.layer_slot[layer]
     open_tensors = (open_.k[tensor], open_.v[tensor], open_.slot_of[tensor]) if open_ is not None else None
     return ops.paged_decode_quant(q, (cache.k[layer], cache.k_params[layer], _kernel_kind(spec.k_codec)),
                                   (cache.v[layer], cache.v_params[layer], _kernel_kind(spec.v_codec)),
-                                  int4_group(spec.head_dim), open_tensors, meta.block_ids, meta.seq_offsets,
-                                  meta.key_valid, scale, num_splits)
+                                  int4_group(spec.head_dim), open_tensors, rows, scale, split_blocks)
 
 
 def split_kv_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale: float) -> torch.Tensor:

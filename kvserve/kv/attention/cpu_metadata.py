@@ -24,11 +24,19 @@ from kvserve.kv.groups import first_needed_block
 
 @dataclass
 class DecodeMetadata:
-    num_seqs: int
-    block_ids: torch.Tensor  # [NB] every valid block of every decoding request, request by request
-    seq_index: torch.Tensor  # [NB] which decoding request each block belongs to
-    key_valid: torch.Tensor  # [NB, block_size] which rows of each block the query may see
-    seq_offsets: torch.Tensor  # [num_seqs + 1] request i's blocks are block_ids[seq_offsets[i]:seq_offsets[i + 1]]
+    num_seqs: int  # query rows (one token each)
+    # What the C++ kernel reads (kernels/csrc/decode_splits.h): row i at position row_pos[i] sees keys
+    # row_low[i]..row_pos[i], block j of them at tables[row_table[i] + j]. O(rows + blocks) to build, where
+    # the lists below are O(rows x blocks each): a prefill chunk's 2,048 rows would list ~400k blocks.
+    tables: torch.Tensor  # the block tables of the rows' requests, one after another
+    row_table: torch.Tensor  # [num_seqs]
+    row_low: torch.Tensor  # [num_seqs]
+    row_pos: torch.Tensor  # [num_seqs]
+    # The torch kernels' lists (built only for them: `block_lists`).
+    block_ids: torch.Tensor | None = None  # [NB] every valid block of every row, row by row
+    seq_index: torch.Tensor | None = None  # [NB] which row each block belongs to
+    key_valid: torch.Tensor | None = None  # [NB, block_size] which keys of each block the row may see
+    seq_offsets: torch.Tensor | None = None  # [num_seqs + 1] row i's blocks are block_ids[seq_offsets[i]:...[i + 1]]
     # When requests share many blocks (a common prefix), attention runs over
     # the union of their blocks, each read once, with a per-request mask.
     union_block_ids: torch.Tensor | None = None  # [U]
@@ -75,58 +83,70 @@ class AttentionMetadata:
 
 
 def _decode_metadata(
-    decodes: Sequence[tuple[Sequence[int], int]], block_size: int, sliding_window: int | None,
-    union_factor: float | None, device: torch.device
+    decodes: Sequence[tuple[Sequence[int], int, int]], block_size: int, sliding_window: int | None,
+    union_factor: float | None, device: torch.device, block_lists: bool = True,
 ) -> DecodeMetadata | None:
-    """Decode metadata for (block table, query position) pairs, reading only blocks inside the window."""
+    """Row metadata for (block table, first query position, query count) runs: one row per query token,
+    each reading only its own blocks inside its window. A run is a decode (count 1) or, where every token is
+    attended as a row, a prefill chunk. `block_lists`: also list every row's blocks (the torch kernels).
+    Counted on the host, in lists; each tensor is made once, on `device`."""
     if not decodes:
         return None
-    # Lists per request (slices of its table), then one vectorized pass over all blocks: a long context
-    # is hundreds of blocks, and this runs every step.
+    tables: list[int] = []
+    row_table: list[int] = []
+    row_low: list[int] = []
+    row_pos: list[int] = []
+    for table, start, count in decodes:
+        needed = table[: (start + count - 1) // block_size + 1]
+        lows = [max(0, p - sliding_window + 1) if sliding_window else 0 for p in range(start, start + count)]
+        if min(needed[lows[0] // block_size :]) < 0:
+            raise KVIntegrityError(f"a query at positions {start}..{start + count - 1} would read a freed block")
+        row_table.extend([len(tables)] * count)
+        tables.extend(needed)
+        row_low.extend(lows)
+        row_pos.extend(range(start, start + count))
+    meta = DecodeMetadata(len(row_pos), *(torch.tensor(x, dtype=torch.long, device=device)
+                                          for x in (tables, row_table, row_low, row_pos)))
+    if not block_lists:
+        return meta
     dec_blocks: list[int] = []
     first_index: list[int] = []
-    lows: list[int] = []
-    q_positions: list[int] = []
     offsets = [0]
-    for block_ids, q_pos in decodes:
-        lo = max(0, q_pos - sliding_window + 1) if sliding_window else 0
-        read = block_ids[lo // block_size : q_pos // block_size + 1]
-        if min(read) < 0:
-            raise KVIntegrityError(f"a decode at position {q_pos} would read a freed block")
-        dec_blocks.extend(read)
-        first_index.append(lo // block_size)
-        lows.append(lo)
-        q_positions.append(q_pos)
+    for start, low, pos in zip(row_table, row_low, row_pos):
+        dec_blocks.extend(tables[start + low // block_size : start + pos // block_size + 1])
+        first_index.append(low // block_size)
         offsets.append(len(dec_blocks))
     offsets_t = torch.tensor(offsets, device=device)
     # output_size given: no read of the counts back from the device to size the result.
-    seq_index = torch.repeat_interleave(torch.arange(len(decodes), device=device), offsets_t[1:] - offsets_t[:-1],
+    seq_index = torch.repeat_interleave(torch.arange(len(row_pos), device=device), offsets_t[1:] - offsets_t[:-1],
                                         output_size=len(dec_blocks))
     block_index = (torch.arange(len(dec_blocks), device=device) - offsets_t[seq_index]
                    + torch.tensor(first_index, device=device)[seq_index])
     key_pos = (block_index * block_size)[:, None] + torch.arange(block_size, device=device)[None, :]
-    key_valid = ((key_pos <= torch.tensor(q_positions, device=device)[seq_index, None])
-                 & (key_pos >= torch.tensor(lows, device=device)[seq_index, None]))
-    meta = DecodeMetadata(len(decodes), torch.tensor(dec_blocks, device=device), seq_index, key_valid, offsets_t)
+    meta.key_valid = ((key_pos <= meta.row_pos[seq_index, None]) & (key_pos >= meta.row_low[seq_index, None]))
+    meta.block_ids, meta.seq_index, meta.seq_offsets = torch.tensor(dec_blocks, device=device), seq_index, offsets_t
     return _with_union(meta, block_size, union_factor) if union_factor is not None else meta
 
 
 def build_attention_metadata(
     slices: Sequence[SequenceSlice], block_size: int, sliding_window: int | None = None, group: int = 0,
     union_factor: float | None = UNION_SHARING_FACTOR, is_decode: Callable[[int], bool] = single_token_decode,
-    device: str | torch.device = "cpu",
+    device: str | torch.device = "cpu", tokens_as_rows: bool = False, block_lists: bool = True,
 ) -> AttentionMetadata:
     """Metadata of KV group `group` (window `sliding_window`, None = full) for a step whose token batch
     is `slices` in order, its tensors on `device` (the cache's). `union_factor` decides when decodes
     sharing blocks attend over their union (see UNION_SHARING_FACTOR); None never builds it.
 
     Slices that `is_decode` (the backend's rule) before the first other one are decodes (the batch
-    order puts them there); any later one is attended as a prefill chunk.
+    order puts them there); any later one is attended as a prefill chunk. With `tokens_as_rows` every
+    token of every slice is a row of the decode metadata instead (no prefill chunks): one kernel attends
+    each query alone, so its result does not depend on how its request was chunked or batched.
+    `block_lists=False`: the decode metadata holds only what the C++ kernel reads.
     """
     device = torch.device(device)
     slot_blocks: list[int] = []
     slot_rows: list[int] = []
-    decodes: list[tuple[Sequence[int], int]] = []  # (block table, query position)
+    decodes: list[tuple[Sequence[int], int, int]] = []  # (block table, first query position, query count)
     prefills: list[PrefillMetadata] = []
     row = 0
     for s in slices:
@@ -137,10 +157,12 @@ def build_attention_metadata(
         for position in range(start, end):
             slot_blocks.append(table[position // block_size])
             slot_rows.append(position % block_size)
-        if is_decode(s.num_new_tokens) and not prefills:
+        if tokens_as_rows:
+            decodes.append((table, start, s.num_new_tokens))
+        elif is_decode(s.num_new_tokens) and not prefills:
             if s.num_new_tokens != 1:  # a multi-token decode needs kernels that take k + 1 queries per request
                 raise ValueError(f"the cpu decode kernels take one query token per request, not {s.num_new_tokens}")
-            decodes.append((table, start))
+            decodes.append((table, start, 1))
         else:
             first = first_needed_block(sliding_window, start, block_size)
             read = list(table[first : cdiv(end, block_size)])
@@ -153,6 +175,7 @@ def build_attention_metadata(
     if slot_blocks and min(slot_blocks) < 0:
         raise KVIntegrityError("a new token's block is the null block")
     return AttentionMetadata(torch.tensor(slot_blocks, dtype=torch.long, device=device),
-                             torch.tensor(slot_rows, dtype=torch.long, device=device), len(decodes),
-                             _decode_metadata(decodes, block_size, sliding_window, union_factor, device),
+                             torch.tensor(slot_rows, dtype=torch.long, device=device), sum(d[2] for d in decodes),
+                             _decode_metadata(decodes, block_size, sliding_window, union_factor, device,
+                                              block_lists=block_lists),
                              prefills, sliding_window)

@@ -155,8 +155,11 @@ def test_what_counts_as_a_decode_is_the_backends_rule():
     backend = TwoTokenDecodes()
     assert backend.batch_order([3, 1, 2, 1]) == [1, 2, 3, 0]
     cache = backend.allocate_kv_cache(KVSpec(1, KV_HEADS, HEAD_DIM, "float32"), num_blocks=8, block_size=BLOCK)
-    # The metadata asks the backend, and its kernels refuse what they cannot take rather than misread it.
+    # The metadata asks the backend, and the torch kernels refuse what they cannot take rather than misread it.
     with pytest.raises(ValueError, match="one query token per request, not 2"):
-        backend.build_context(cache, [SequenceSlice(([0, 1],), 3, 2)])
+        build_attention_metadata([SequenceSlice(([0, 1],), 3, 2)], BLOCK, is_decode=backend.is_decode)
+    if backend.use_cpp_kernels:  # the C++ kernel attends every token as its own row: two are two rows
+        meta = backend.build_context(cache, [SequenceSlice(([0, 1],), 3, 2)]).group_metadata[0]
+        assert meta.num_decode_tokens == 2 and meta.decode.row_pos.tolist() == [3, 4] and not meta.prefills
     meta = build_attention_metadata([SequenceSlice(([0, 1],), 3, 2)], BLOCK, is_decode=lambda n: False)
     assert meta.num_decode_tokens == 0 and len(meta.prefills) == 1

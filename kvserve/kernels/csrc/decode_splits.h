@@ -1,0 +1,159 @@
+// What the two paged attention entry points (paged_decode.cpp over float blocks, paged_decode_quant.cpp
+// over quantized ones) share: the dispatch of one work item to the fastest path for its shape, and the
+// split of each request's blocks into runs whose partial softmax states are merged at the end.
+//
+// Work items are (row, split): a split is a run of `split_blocks` of the row's blocks, walked block by
+// block for every KV head, so one long row still keeps every thread busy; the splits of a row are merged
+// in order at the end. A row's splits depend on its own block count only, never on the batch, so a row
+// gives the same bits alone, in a batch, as a decode or as a prefill token (DESIGN §3 Determinism).
+// Threads: at::parallel_for (OpenMP; kernels/build.py).
+#pragma once
+
+#include "attend_blocks.h"
+#include "attend_blocks_avx512.h"
+
+#include <ATen/Parallel.h>
+
+namespace kvserve_attention {
+
+// One work item on the fastest path built for its shape.
+template <typename scalar_t>
+void attend_item(const float* qh, int64_t G, int64_t D, const scalar_t* kp, const scalar_t* vp,
+                 const int64_t* blocks, const bool* valid, int64_t lo, int64_t hi, int64_t KVH, int64_t h,
+                 int64_t BS, float scale, float* m, float* l, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::Half> ||
+                std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (BS % 16 == 0) {
+#define KVSERVE_GROUPED(NC_, G_) \
+  if (D == 16 * NC_ && G == G_) \
+    return avx512::attend_blocks_grouped<scalar_t, NC_, G_>(qh, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+      KVSERVE_GROUPED(4, 1) KVSERVE_GROUPED(4, 2) KVSERVE_GROUPED(4, 3) KVSERVE_GROUPED(4, 4)
+      KVSERVE_GROUPED(2, 1) KVSERVE_GROUPED(2, 2) KVSERVE_GROUPED(2, 4) KVSERVE_GROUPED(2, 8)
+      KVSERVE_GROUPED(8, 1) KVSERVE_GROUPED(8, 2)
+#undef KVSERVE_GROUPED
+      if (D == 256) {
+        return avx512::attend_blocks<scalar_t, 16>(qh, G, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+      }
+      if (D == 64) {
+        return avx512::attend_blocks<scalar_t, 4>(qh, G, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+      }
+      if (D == 128) {
+        return avx512::attend_blocks<scalar_t, 8>(qh, G, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+      }
+      if (D == 32) {
+        return avx512::attend_blocks<scalar_t, 2>(qh, G, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+      }
+    }
+  }
+#endif
+  // head_dim as a constant where it is common: the dot products unroll fully.
+  if (D == 64) {
+    attend_blocks<scalar_t, 64>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+  } else if (D == 128) {
+    attend_blocks<scalar_t, 128>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+  } else {
+    attend_blocks<scalar_t, 0>(qh, G, D, kp, vp, blocks, valid, lo, hi, KVH, h, BS, scale, m, l, acc);
+  }
+}
+
+// One call's query rows and the blocks each reads (checked and made contiguous by `decode_rows`; the
+// tensors are kept so that the pointers stay valid). A row is one query token: a decode, one of a verify's
+// k + 1 queries, or one token of a prefill chunk; each is attended alone, the same way wherever it runs.
+// Row b at position pos[b] sees the keys at positions low[b] .. pos[b] (low: its window's first key, else
+// 0), block j of them being tables[table[b] + j]: the rows of one request share its block table.
+struct DecodeRows {
+  torch::Tensor q, tables, row_table, row_low, row_pos;
+  const float* qp;
+  const int64_t *table, *low, *pos, *blocks;
+  int64_t B, H, KVH, G, D, BS;
+  int64_t split_blocks;    // blocks per split (a row's last split may be shorter); <= 0: one split per row
+  std::vector<int64_t> split_start;  // [B + 1]: row b's splits are items split_start[b] .. split_start[b + 1]
+  float scale;
+
+  int64_t first_block(int64_t b) const { return low[b] / BS; }
+  int64_t num_blocks(int64_t b) const { return pos[b] / BS - low[b] / BS + 1; }
+};
+
+// The shared prologue: checks q [B, H, D] fp32 against KVH KV heads of BS-row blocks and lays out each
+// row's splits.
+DecodeRows decode_rows(const char* op, torch::Tensor q, torch::Tensor tables, torch::Tensor row_table,
+                       torch::Tensor row_low, torch::Tensor row_pos, int64_t KVH, int64_t BS, double scale,
+                       int64_t split_blocks);
+
+// Partial softmax states of up to `capacity` split items, each for every (KV head, query head): max, sum
+// and weighted V sum. Reused for the items of one batch of rows after another (bounded memory: a prefill
+// chunk is thousands of rows).
+struct SplitPartials {
+  SplitPartials(const DecodeRows& rows, int64_t capacity)
+      : KVH(rows.KVH), G(rows.G), D(rows.D), max(capacity * KVH * G), sum(capacity * KVH * G),
+        acc(capacity * KVH * G * D) {}
+
+  void reset(int64_t item) {
+    const int64_t p = item * KVH * G;
+    std::fill(&max[p], &max[p] + KVH * G, kEmpty);
+    std::fill(&sum[p], &sum[p] + KVH * G, 0.f);
+    std::fill(&acc[p * D], &acc[p * D] + KVH * G * D, 0.f);
+  }
+
+  // Item `item` (a split of row b), KV head h, over blocks [lo, hi) of the `blocks` / `valid` it is given.
+  template <typename scalar_t>
+  void attend(const DecodeRows& rows, int64_t item, int64_t b, int64_t h, const scalar_t* kp, const scalar_t* vp,
+              const int64_t* blocks, const bool* valid, int64_t lo, int64_t hi, int64_t kv_heads, int64_t head) {
+    const int64_t p = (item * KVH + h) * G;
+    attend_item<scalar_t>(rows.qp + (b * rows.H + h * G) * D, G, D, kp, vp, blocks, valid, lo, hi, kv_heads, head,
+                          rows.BS, rows.scale, &max[p], &sum[p], &acc[p * D]);
+  }
+
+  // The splits of rows [row_begin, row_end) (items from `first_item`), merged in split order into their
+  // output rows of out [B, H * D].
+  void merge(const DecodeRows& rows, int64_t row_begin, int64_t row_end, int64_t first_item, float* out) const;
+
+  int64_t KVH, G, D;
+  std::vector<float> max, sum, acc;
+};
+
+constexpr int64_t kMaxItems = 1024;  // split items whose partials are held at once
+
+// Attention of every row: fn(partials, item, b, blocks, valid, n) attends split `item` of row b, the n
+// blocks blocks[0 .. n) with valid [n, BS] (keys the row sees), into `partials`, on at::parallel_for's
+// threads; the splits are merged row by row. Returns [B, H * D]. Which thread runs a split, and which rows
+// run beside it, never changes a row's result: its splits are fixed by its own position and merged in order.
+template <typename Fn>
+torch::Tensor attend_splits(const DecodeRows& rows, Fn fn) {
+  auto out = torch::empty({rows.B, rows.H * rows.D}, rows.q.options());
+  const int64_t total = rows.split_start[rows.B];
+  std::vector<int64_t> row_of(total);
+  int64_t widest = 0;  // one row's splits always fit, however many
+  for (int64_t b = 0; b < rows.B; ++b) {
+    std::fill(row_of.begin() + rows.split_start[b], row_of.begin() + rows.split_start[b + 1], b);
+    widest = std::max(widest, rows.split_start[b + 1] - rows.split_start[b]);
+  }
+  SplitPartials partials(rows, std::max(std::min(total, kMaxItems), widest));
+  const int64_t BS = rows.BS;
+  for (int64_t row_begin = 0; row_begin < rows.B;) {
+    int64_t row_end = row_begin + 1;  // rows whose splits fit the partials (at least one row)
+    while (row_end < rows.B && rows.split_start[row_end + 1] - rows.split_start[row_begin] <= kMaxItems) ++row_end;
+    const int64_t first = rows.split_start[row_begin], count = rows.split_start[row_end] - first;
+    at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<uint8_t> valid;  // bool flags, as the attend functions read them
+      for (int64_t local = begin; local < end; ++local) {
+        const int64_t b = row_of[first + local], s = first + local - rows.split_start[b];
+        const int64_t blocks = rows.num_blocks(b);
+        const int64_t step = rows.split_blocks > 0 ? rows.split_blocks : blocks;
+        const int64_t lo = s * step, n = std::min(blocks, lo + step) - lo;
+        const int64_t key0 = (rows.first_block(b) + lo) * BS;  // position of the split's first key
+        valid.resize(n * BS);
+        for (int64_t i = 0; i < n * BS; ++i) valid[i] = key0 + i >= rows.low[b] && key0 + i <= rows.pos[b];
+        partials.reset(local);
+        fn(partials, local, b, rows.blocks + rows.table[b] + rows.first_block(b) + lo,
+           reinterpret_cast<const bool*>(valid.data()), n);
+      }
+    });
+    partials.merge(rows, row_begin, row_end, first, out.data_ptr<float>());
+    row_begin = row_end;
+  }
+  return out;
+}
+
+}  // namespace kvserve_attention
