@@ -19,7 +19,7 @@ from kvserve.kv.attention import CpuAttentionBackend, PagedKVContext, SequenceSl
 from kvserve.kv.attention.cpu import slot_indices
 from kvserve.kv.attention.cpu_decode import cpp_decode
 from kvserve.kernels import ops
-from kvserve.kv.spec import KVSpec
+from kvserve.kv.cache.kv_spec import KVSpec
 from workloads import save
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

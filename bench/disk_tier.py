@@ -40,8 +40,8 @@ from workloads import greedy, random_prompts, save
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.output import RequestOutputAssembler
-from kvserve.kv.hashing import block_hashes
+from kvserve.engine.output.types import RequestOutputAssembler
+from kvserve.kv.prefix.hashing import block_hashes
 from kvserve.model.loader import load_model
 
 PREFIX = 1024

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-import kvserve.kv.quant as quant
+import kvserve.kv.cache.quant as quant
 from kvserve.arith import round_up
 from kvserve.kv.attention import ContiguousContext, attention_mask
 from kvserve.model.loader import load_model

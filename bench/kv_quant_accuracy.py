@@ -28,7 +28,7 @@ import math
 
 import torch
 
-import kvserve.engine.acceptance as runner_module
+import kvserve.engine.sample.acceptance as runner_module
 from kvserve import LLM, SamplingParams
 from workloads import save
 

@@ -19,8 +19,8 @@ import numpy as np
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.output import RequestOutputAssembler
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.output.types import RequestOutputAssembler
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.model.loader import load_model
 
 RESULTS = Path(__file__).parent / "results"

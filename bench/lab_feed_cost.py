@@ -86,7 +86,7 @@ def view_cost(num_blocks: int, block_size: int, repeats: int = 50) -> tuple[floa
     import time
 
     from kvserve.engine.spec_decode.slots import DraftSlotLog
-    from kvserve.engine.stats import take_block_view
+    from kvserve.engine.observe.stats import take_block_view
     from kvserve.kv.manager import KVCacheManager
     from kvserve.server.lab.feed import block_view_json
 

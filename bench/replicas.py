@@ -109,7 +109,7 @@ def ray_processes() -> dict[str, float]:
 
 
 def pool_bytes(blocks: int, block_size: int) -> int:
-    from kvserve.kv.spec import kv_spec
+    from kvserve.kv.cache.kv_spec import kv_spec
     from kvserve.model.loader import load_model
 
     loaded = load_model(weights_dtype="auto")  # as the replicas load it: the KV dtype follows the weights

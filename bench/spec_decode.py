@@ -27,9 +27,9 @@ from pathlib import Path
 
 from kvserve.config import EngineConfig
 from kvserve.cpu_features import describe_cpu
-from kvserve.engine.drafting import Drafting
+from kvserve.engine.spec_decode.drafting import Drafting
 from kvserve.engine.engine import Engine
-from kvserve.engine.output import RequestOutputAssembler
+from kvserve.engine.output.types import RequestOutputAssembler
 from kvserve.engine.spec_decode.policy import DraftPolicy
 from kvserve.model.loader import embedded_model_path, load_model
 from llama_server import LlamaServer, find_llama_server

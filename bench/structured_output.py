@@ -24,7 +24,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.model.loader import load_model
 from kvserve.structured.mask import apply_bitmask
 from kvserve.structured.matcher import bitmask_words

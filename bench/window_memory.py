@@ -20,7 +20,7 @@ import time
 
 from kvserve.config import EngineConfig, format_memory
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.model.loader import load_model
 from kvserve.planner import plan
 from workloads import save

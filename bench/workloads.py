@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from kvserve.engine.engine import Engine
-from kvserve.engine.output import RequestOutput, RequestOutputAssembler
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.output.types import RequestOutput, RequestOutputAssembler
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.platform import freeze_startup_heap
 
 RESULTS = Path(__file__).parent / "results"

@@ -113,7 +113,7 @@ def _prompts(args: argparse.Namespace, engine, tools: list) -> list[str | list[i
 
 def _generate(args: argparse.Namespace) -> int:
     from kvserve.engine.engine import Engine
-    from kvserve.engine.sampling import SamplingParams
+    from kvserve.engine.sample.sampling import SamplingParams
 
     # Validate cheap things before the model load.
     config = engine_config_from_args(args)
@@ -158,7 +158,7 @@ def _generate_each(args: argparse.Namespace, engine, params, use) -> None:
 
 def _stream_one(engine, prompt, params, cache_salt):
     """Run one request to completion, writing its text (or token ids) to stdout as it comes."""
-    from kvserve.engine.output import RequestOutputAssembler
+    from kvserve.engine.output.types import RequestOutputAssembler
 
     engine.add_request(prompt, params, cache_salt=cache_salt)
     show_ids = engine.tokenizer is None

@@ -200,7 +200,7 @@ class EngineConfig:
         "with {kv_events_endpoint}: a ZMQ ROUTER endpoint that resends recent event batches from a sequence "
         "number on (vLLM's replay protocol), e.g. tcp://*:5558"))
     max_pinned_fraction: float = field(default=0.5, metadata=engine_arg(
-        "most of the KV pool that pinned prefixes (cache breakpoints with a TTL, kv/pins.py) may hold; past it "
+        "most of the KV pool that pinned prefixes (cache breakpoints with a TTL, kv/prefix/pins.py) may hold; past it "
         "the least recently refreshed pins lapse (pins are evicted last, never \"never\")", check=fraction))
     context_overflow: str = field(default="error", metadata=engine_arg(
         "when a sequence reaches {max_model_len}: error (refuse requests whose prompt + max_tokens exceed it) "

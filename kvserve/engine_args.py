@@ -40,14 +40,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the flags ask for; every static check runs here, before anything loads, and an
     error names the flag (ConfigError)."""
-    from kvserve.kv.spec import resolve_cache_dtype
+    from kvserve.kv.cache.kv_spec import resolve_cache_dtype
 
     flags = flag_names(EngineConfig)
     try:
         config = EngineConfig(**{name: getattr(args, name) for name in flags})
     except ConfigFieldError as exc:
         raise ConfigError(exc.for_flag(flags[exc.field])) from None
-    # The KV dtypes are kv/spec.py's (a layer above config.py, so EngineConfig cannot check them): an
+    # The KV dtypes are kv/cache/kv_spec.py's (a layer above config.py, so EngineConfig cannot check them): an
     # unknown one fails here rather than after the model load.
     resolve_cache_dtype(config.kv_cache_dtype)
     return config
@@ -56,9 +56,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def _registry_names() -> tuple[Mapping[str, Sequence[str]], Mapping[str, Sequence[str]]]:
     """Names the registries know, by field. Attention backends are a closed list (argparse refuses
     others); KV cache dtypes are only listed in the help, since aliases (fp16) and K/V pairs
-    (int8/int4) are accepted too and kv/spec.py refuses the rest."""
+    (int8/int4) are accepted too and kv/cache/kv_spec.py refuses the rest."""
     from kvserve.kv.attention.registry import attention_backend_names
-    from kvserve.kv.quant import CODECS
+    from kvserve.kv.cache.quant import CODECS
 
     return {"attention_backend": tuple(attention_backend_names())}, {"kv_cache_dtype": tuple(CODECS)}
 

@@ -7,8 +7,8 @@ from typing import Sequence
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.output import RequestOutput, RequestOutputAssembler
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.output.types import RequestOutput, RequestOutputAssembler
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import ConfigError, InvalidRequestError, RequestFailedError
 from kvserve.model.tokenizer import Tokenizer
 

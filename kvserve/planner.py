@@ -6,13 +6,13 @@ bytes_per_token = layers x KV heads x (K row + V row), from `kv_spec`, the
 function the engine allocates its pool with. So the KV figures here are the
 bytes the engine would reserve for those requests, to the byte.
 
-With sliding-window layers the pool is paged per KV group (kv/groups.py) and
+With sliding-window layers the pool is paged per KV group (kv/groups/layout.py) and
 a windowed group holds only the blocks of its window: KV per request is then
 `KVSpec.request_bytes`, what the allocator holds for a request of `context`
 tokens between steps; the figure without that freeing is reported beside it.
 
 int4 keys are encoded per channel over a whole block, so each request's block
-still being filled is kept in float16 beside the pool (kv/open_blocks.py): the
+still being filled is kept in float16 beside the pool (kv/cache/open_blocks.py): the
 pool reserves one such block per request of a full batch (`max_num_seqs`) and
 KV group, counted here for `batch` requests (`KVSpec.open_blocks_bytes`).
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 from kvserve.arith import round_up
 from kvserve.config import WEIGHTS_DTYPES, ModelConfig, format_memory
 from kvserve.errors import InvalidRequestError
-from kvserve.kv.spec import KVSpec, kv_spec
+from kvserve.kv.cache.kv_spec import KVSpec, kv_spec
 from kvserve.model.catalog import KNOWN_MODELS, find_known_model, num_parameters
 from kvserve.model.quantized_linear import held_weight_bytes, resolve_for_config
 

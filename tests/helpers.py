@@ -212,7 +212,7 @@ def paged_logits(model, token_ids: list[int], chunks: list[int], block_size: int
     wrong addressing cannot pass by luck. Returns the logits of every position, step by step.
     """
     from kvserve.kv.attention import CpuAttentionBackend, SequenceSlice
-    from kvserve.kv.spec import kv_spec
+    from kvserve.kv.cache.kv_spec import kv_spec
 
     backend = CpuAttentionBackend()
     # The model's own windows (a test may give a layer one the config does not have).
@@ -249,7 +249,7 @@ def write_tokens(cache, layer: int, block_ids: list[int], start: int, k: torch.T
 
 def run_to_finals(engine, check_integrity: bool = True) -> dict:
     """Step `engine` until idle; {request id: assembled final output}, block accounting checked after each step."""
-    from kvserve.engine.output import RequestOutputAssembler
+    from kvserve.engine.output.types import RequestOutputAssembler
 
     finals, assembler = {}, RequestOutputAssembler()
     while engine.has_unfinished():

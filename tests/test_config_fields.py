@@ -41,7 +41,7 @@ def test_choices_come_from_the_metadata_and_the_registries():
     assert choices["weights_dtype"] == ("auto", "float32", "bfloat16", "int8", "int4")
     assert choices["context_overflow"] == ("error", "shift")
     assert choices["attention_backend"] == ("auto", "cpu", "cpu-torch")
-    assert choices["kv_cache_dtype"] is None  # aliases and K/V pairs are accepted too: kv/spec.py checks it
+    assert choices["kv_cache_dtype"] is None  # aliases and K/V pairs are accepted too: kv/cache/kv_spec.py checks it
     helps = {action.dest: action.help for action in parser._actions}
     assert "auto follows --weights-dtype" in helps["kv_cache_dtype"] and "fp8_e5m2" in helps["kv_cache_dtype"]
     assert all("{" not in text for text in helps.values() if text)

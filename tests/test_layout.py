@@ -44,7 +44,7 @@ def modules() -> dict[str, Path]:
 
 
 def unit_of(module: str) -> str:
-    """The layer unit a module belongs to: kvserve.kv.attention.cpu -> kv.attention, kvserve.kv.pins -> kv."""
+    """The layer unit a module belongs to: kvserve.kv.attention.cpu -> kv.attention, kvserve.kv.prefix.pins -> kv."""
     parts = module.split(".")[1:]
     if parts[:2] == ["kv", "attention"]:
         return "kv.attention"

@@ -20,10 +20,10 @@ from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from kvserve.engine.engine import Engine
-from kvserve.engine.output import RequestDelta
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.output.types import RequestDelta
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import KVServeError, RequestFailedError
-from kvserve.kv.pins import PinRequest
+from kvserve.kv.prefix.pins import PinRequest
 from kvserve.platform import compute_executor
 
 log = logging.getLogger(__name__)

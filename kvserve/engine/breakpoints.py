@@ -1,4 +1,4 @@
-"""Cache breakpoints waiting for their prompt: pinned once it is computed (kv/pins.py holds the pins)."""
+"""Cache breakpoints waiting for their prompt: pinned once it is computed (kv/prefix/pins.py holds the pins)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from kvserve.engine.request import Request
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.pins import PinRequest, cache_write_tokens
+from kvserve.kv.prefix.pins import PinRequest, cache_write_tokens
 
 
 def check_breakpoints(pins: Sequence[PinRequest], num_prompt_tokens: int) -> None:

@@ -7,26 +7,26 @@ from collections.abc import Callable, Sequence
 
 from kvserve.config import EngineConfig
 from kvserve.engine.breakpoints import PendingBreakpoints, check_breakpoints
-from kvserve.engine.constrained import ConstrainedRequests
-from kvserve.engine.drafting import Proposer
+from kvserve.engine.sample.constrained import ConstrainedRequests
+from kvserve.engine.spec_decode.drafting import Proposer
 from kvserve.engine.fault_isolation import execute_isolating_failures
-from kvserve.engine.integrity import check_engine_integrity
-from kvserve.engine.kv_publisher import open_kv_events
-from kvserve.engine.output import PrefixCacheReport, RequestDelta
-from kvserve.engine.output_processor import OutputProcessor
-from kvserve.engine.prefix_report import explain_prompt
+from kvserve.engine.observe.integrity import check_engine_integrity
+from kvserve.engine.observe.kv_publisher import open_kv_events
+from kvserve.engine.output.types import PrefixCacheReport, RequestDelta
+from kvserve.engine.output.processor import OutputProcessor
+from kvserve.engine.output.prefix_report import explain_prompt
 from kvserve.engine.request import Request
 from kvserve.engine.runner import ModelRunner
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.setup import build_engine_parts
-from kvserve.engine.snapshots import SnapshotKeeper
+from kvserve.engine.observe.snapshots import SnapshotKeeper
 from kvserve.engine.spec_decode.factory import build_drafting
 from kvserve.engine.spec_decode.slots import DraftSlotLog
-from kvserve.engine.stats import EngineStats, StepWork
+from kvserve.engine.observe.stats import EngineStats, StepWork
 from kvserve.engine.validation import RequestLimits
 from kvserve.errors import InvalidRequestError
-from kvserve.kv.pins import PinRequest
+from kvserve.kv.prefix.pins import PinRequest
 from kvserve.model.loader import LoadedModel
 
 # How long a step with nothing to run but tier reads in flight waits for one to end: short, because adds

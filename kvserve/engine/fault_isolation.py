@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from kvserve.engine.acceptance import StepResult
+from kvserve.engine.sample.acceptance import StepResult
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler_output import SchedulerOutput
 

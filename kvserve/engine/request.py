@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import enum
 
-from kvserve.engine.output import RequestMetrics, TokenLogprob
-from kvserve.engine.sampling import SamplingParams
-from kvserve.kv.hashing import BlockHashChain
+from kvserve.engine.output.types import RequestMetrics, TokenLogprob
+from kvserve.engine.sample.sampling import SamplingParams
+from kvserve.kv.prefix.hashing import BlockHashChain
 
 
 class RequestStatus(enum.Enum):
@@ -56,7 +56,7 @@ class Request:
         # Tokens a proposer guessed follow all_token_ids (speculative decoding): the next step computes them
         # after the last token and keeps those the model agrees with. Never part of all_token_ids.
         self.draft_token_ids: list[int] = []
-        # Tokens a request's grammar forces next (structured outputs, engine/constrained.py), already
+        # Tokens a request's grammar forces next (structured outputs, engine/sample/constrained.py), already
         # consumed by its matcher: the step that reaches the last token computes them too and they become
         # outputs without sampling. Kept across a preemption (the grammar has moved past them).
         self.forced_token_ids: list[int] = []

@@ -2,7 +2,7 @@
 
 All scheduled requests (decodes, prefill chunks of different lengths, and
 decodes carrying forced or draft tokens) run in ONE model forward per step;
-engine/acceptance.py turns the logits rows into each request's accepted tokens.
+engine/sample/acceptance.py turns the logits rows into each request's accepted tokens.
 
 Blocks a lower tier holds for a request come back through the runner too:
 their reads run on a reader thread (kv/tiers/reader.py) and the runner copies
@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.engine.acceptance import AcceptRows, StepResult, TokenAcceptor
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.acceptance import AcceptRows, StepResult, TokenAcceptor
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvserve.kv.attention import AttentionBackend, SequenceSlice
 from kvserve.kv.context_shift import ShiftPlan, TokenMoves
-from kvserve.kv.storage import PagedKVCache
+from kvserve.kv.cache.storage import PagedKVCache
 from kvserve.kv.tiers.connector import LoadResult, TierConnector, TierLoad
 from kvserve.kv.tiers.reader import TierReader
 from kvserve.model.causal_lm import CausalLM

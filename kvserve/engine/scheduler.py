@@ -33,13 +33,13 @@ from collections import deque
 from collections.abc import Mapping
 
 from kvserve.config import EngineConfig
-from kvserve.engine.constrained import with_forced
+from kvserve.engine.sample.constrained import with_forced
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput, scheduled_request
 from kvserve.kv.context_shift import shift_amount
-from kvserve.kv.hashing import BlockHash
+from kvserve.kv.prefix.hashing import BlockHash
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.prefix_cache import PrefixMatch
+from kvserve.kv.prefix.prefix_cache import PrefixMatch
 
 
 class Scheduler:

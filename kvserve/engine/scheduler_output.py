@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.engine.request import Request
-from kvserve.kv.block_updates import BlockTableUpdate
+from kvserve.kv.pool.block_updates import BlockTableUpdate
 from kvserve.kv.context_shift import ShiftPlan
 from kvserve.kv.tiers.connector import TierLoad
 

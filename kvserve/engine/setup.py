@@ -20,10 +20,10 @@ from kvserve.config import EngineConfig, ModelConfig, available_memory, format_m
 from kvserve.errors import ConfigError
 from kvserve.kernels.build import kernel_state
 from kvserve.kv.attention import AttentionBackend, get_attention_backend
-from kvserve.kv.fingerprint import cache_fingerprint, tensor_digest
+from kvserve.kv.cache.fingerprint import cache_fingerprint, tensor_digest
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.spec import KVSpec, kv_spec
-from kvserve.kv.storage import PagedKVCache
+from kvserve.kv.cache.kv_spec import KVSpec, kv_spec
+from kvserve.kv.cache.storage import PagedKVCache
 from kvserve.kv.tiers.connector import TierConnector
 from kvserve.kv.tiers.disk import DiskTier
 from kvserve.kv.tiers.traffic import TierTraffic

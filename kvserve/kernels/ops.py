@@ -170,7 +170,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return ext.paged_decode(q, k_cache, v_cache, *rows, scale, split_blocks)
 
 
-# paged_decode_quant's kinds of quantized sides (kv/quant.py's codecs; the C++ enum).
+# paged_decode_quant's kinds of quantized sides (kv/cache/quant.py's codecs; the C++ enum).
 INT8_ROW, INT4_ROW, INT4_CHANNEL = 1, 2, 3
 _F16 = torch.float16
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.arith import cdiv
-from kvserve.kv.block_pool import BlockPool
-from kvserve.kv.free_queue import KVBlock
+from kvserve.kv.pool.block_pool import BlockPool
+from kvserve.kv.pool.free_queue import KVBlock
 
 
 @dataclass(frozen=True, slots=True)

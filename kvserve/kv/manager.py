@@ -3,10 +3,10 @@
 The scheduler asks only yes/no questions (`allocate_slots`, `can_fit`) and gets opaque prefix matches; it
 never sees a block. The runner gets block ids to address the paged tensors (`block_ids`, or what changed
 since it last asked: `take_block_updates`). Behind the facade, vLLM v1's coordinator shape: one manager per
-KV group and attention kind (kv/full.py, kv/window.py), each holding its group's tables (all of one length
-per request); the prefix cache (kv/prefix_cache.py), pins (kv/pins.py) and the context shift
-(kv/context_shift.py) each in their own module; the pool (kv/block_pool.py) tells subscribers what enters
-and leaves the cache (kv/events.py).
+KV group and attention kind (kv/groups/full.py, kv/groups/window.py), each holding its group's tables (all of one length
+per request); the prefix cache (kv/prefix/prefix_cache.py), pins (kv/prefix/pins.py) and the context shift
+(kv/context_shift.py) each in their own module; the pool (kv/pool/block_pool.py) tells subscribers what enters
+and leaves the cache (kv/events/events.py).
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from typing import Callable, Sequence
 
 from kvserve.arith import cdiv
 from kvserve.errors import KVIntegrityError
-from kvserve.kv.block_pool import BlockPool
-from kvserve.kv.block_updates import BlockTableUpdate, BlockTableUpdates, table_ids
+from kvserve.kv.pool.block_pool import BlockPool
+from kvserve.kv.pool.block_updates import BlockTableUpdate, BlockTableUpdates, table_ids
 from kvserve.kv.context_shift import ShiftPlan, plan_shift
-from kvserve.kv.full import FullAttentionManager
-from kvserve.kv.group_manager import GroupManager
-from kvserve.kv.hashing import BlockHash, BlockHashChain
-from kvserve.kv.pins import PinStats, PinTable
-from kvserve.kv.prefix_cache import Divergence, PrefixCache, PrefixMatch
+from kvserve.kv.groups.full import FullAttentionManager
+from kvserve.kv.groups.group_manager import GroupManager
+from kvserve.kv.prefix.hashing import BlockHash, BlockHashChain
+from kvserve.kv.prefix.pins import PinStats, PinTable
+from kvserve.kv.prefix.prefix_cache import Divergence, PrefixCache, PrefixMatch
 from kvserve.kv.tiers.connector import TierConnector, TierLoad
-from kvserve.kv.window import SlidingWindowManager
+from kvserve.kv.groups.window import SlidingWindowManager
 
 
 class KVCacheManager:
@@ -52,7 +52,7 @@ class KVCacheManager:
         # Admissions keep this many blocks free, so running requests can grow
         # a little before anyone has to be preempted.
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 and num_blocks > 1 else 0
-        # Cache breakpoints with a TTL (kv/pins.py): evicted last, within a share of the pool.
+        # Cache breakpoints with a TTL (kv/prefix/pins.py): evicted last, within a share of the pool.
         self.pins = PinTable(self.pool, int(max_pinned_fraction * num_blocks), clock)
         self._updates = BlockTableUpdates()
 
@@ -175,7 +175,7 @@ class KVCacheManager:
         return kept
 
     def take_block_updates(self, request_id: str) -> BlockTableUpdate:
-        """The request's tables as changed since the last call for it (kv/block_updates.py)."""
+        """The request's tables as changed since the last call for it (kv/pool/block_updates.py)."""
         return self._updates.take(request_id, [group.tables.get(request_id, ()) for group in self.groups])
 
     def shift(self, request_id: str, keep: int, drop: int, num_computed_tokens: int) -> ShiftPlan | None:

@@ -16,7 +16,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError, TokenizerUnavailableError
-from kvserve.kv.spec import kv_spec
+from kvserve.kv.cache.kv_spec import kv_spec
 from kvserve.model.causal_lm import CausalLM
 from kvserve.model.checkpoint import load_checkpoint
 from kvserve.model.gguf import load_gguf

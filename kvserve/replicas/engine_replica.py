@@ -6,7 +6,7 @@ the ingress hands it each HTTP request whole (method, path, headers, body)
 and streams back what the app sends. What the router needs is reported
 through Ray Serve's `record_routing_stats`: load (waiting, running, free
 blocks) and the block hashes the pool holds, kept from the pool's own cache
-events (kv/events.py) as vLLM's external hashes (kv/event_wire.py).
+events (kv/events/events.py) as vLLM's external hashes (kv/events/wire.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import contextlib
 import threading
 from typing import Any, AsyncIterator
 
-from kvserve.kv.event_wire import external_block_hash
-from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvserve.kv.events.wire import external_block_hash
+from kvserve.kv.events.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 class HeldBlocks:

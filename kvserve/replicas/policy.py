@@ -39,7 +39,7 @@ class ReplicaView:
     running: int = 0
     free_blocks: int = 0
     num_blocks: int = 1
-    held: set[int] = field(default_factory=set)  # external block hashes it holds (kv/event_wire.py)
+    held: set[int] = field(default_factory=set)  # external block hashes it holds (kv/events/wire.py)
 
     @property
     def load(self) -> int:

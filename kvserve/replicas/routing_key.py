@@ -6,7 +6,7 @@ hashes equal the replica's block hashes by construction. The answers that made t
 replicas' (each forwards what it remembers after a response, replicas/engine_replica.py), kept here per
 tenant as a replica keeps them. The hashes are kvserve's stable block hashes under the tenant's salt
 (the API key's, as server/core/tenancy.py derives it, with the client's `cache_salt` mixed in),
-converted to the external hashes the replicas report (kv/event_wire.py).
+converted to the external hashes the replicas report (kv/events/wire.py).
 
 A Responses request continued by `previous_response_id` is routed by load: the ingress has no store
 of responses. So is anything it cannot read: the replica answers it (a 400 or 401 comes from the server
@@ -21,8 +21,8 @@ from typing import Any, Mapping
 from pydantic import ValidationError
 
 from kvserve.errors import KVServeError
-from kvserve.kv.event_wire import external_block_hash
-from kvserve.kv.hashing import block_hashes
+from kvserve.kv.events.wire import external_block_hash
+from kvserve.kv.prefix.hashing import block_hashes
 from kvserve.server.anthropic.conversation import messages_conversation
 from kvserve.server.anthropic.protocol import MessagesPrompt
 from kvserve.server.core.tenancy import Tenancy, tenant_id

@@ -4,7 +4,7 @@ The usual causes in an agent loop (the mission's "accidental nondeterminism"): t
 changed (a tool added, dropped, reordered, or its schema re-serialized with other key order or
 spacing), a tool call in the history was re-serialized differently from how the model wrote it, or a
 timestamp in the system prompt moved on. The divergence's position says which: inside the `<tools>`
-block, inside a `<tool_call>`, or on a date or time. The prefix report (engine/prefix_report.py)
+block, inside a `<tool_call>`, or on a date or time. The prefix report (engine/output/prefix_report.py)
 adds the cause to its reason.
 """
 

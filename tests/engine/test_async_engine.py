@@ -6,8 +6,8 @@ from concurrent.futures import Executor, Future
 import pytest
 
 from kvserve.engine.async_engine import AsyncEngine, EngineFailedError
-from kvserve.engine.output import RequestOutputAssembler
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.output.types import RequestOutputAssembler
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from tests.engine.test_engine import make_engine
 

@@ -2,8 +2,8 @@
 
 import asyncio
 
-from kvserve.engine.output import RequestOutputAssembler
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.output.types import RequestOutputAssembler
+from kvserve.engine.sample.sampling import SamplingParams
 from tests.engine.test_async_engine import PROMPT, run, started
 from tests.engine.test_engine import make_engine
 

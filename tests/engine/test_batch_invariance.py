@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.output import RequestOutputAssembler
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.output.types import RequestOutputAssembler
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.kernels import ops
 from kvserve.model.loader import ModelLoadError
 

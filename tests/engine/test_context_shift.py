@@ -5,7 +5,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import ConfigError, InvalidRequestError
 from tests.helpers import TINY_VOCAB, run_to_finals
 

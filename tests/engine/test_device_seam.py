@@ -4,7 +4,7 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import ConfigError
 from tests.device_guard import DeviceGuard
 from tests.engine.test_drafting import OracleProposer

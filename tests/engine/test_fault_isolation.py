@@ -6,9 +6,9 @@ import asyncio
 import pytest
 import torch
 
-from kvserve.engine import acceptance as acceptance_module
-from kvserve.engine.output import RequestOutputAssembler
-from kvserve.engine.sampling import SamplingParams, sample
+from kvserve.engine.sample import acceptance as acceptance_module
+from kvserve.engine.output.types import RequestOutputAssembler
+from kvserve.engine.sample.sampling import SamplingParams, sample
 from kvserve.errors import RequestFailedError
 from tests.engine.test_async_engine import async_engine_for
 from tests.engine.test_engine import make_engine, run_all, workload

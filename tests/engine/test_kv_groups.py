@@ -7,9 +7,9 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import ConfigError
-from kvserve.kv.groups import max_blocks_held
+from kvserve.kv.groups.layout import max_blocks_held
 from kvserve.model.loader import load_model
 from kvserve.planner import plan
 from tests.helpers import TINY_VOCAB, build_hf_model, run_to_finals, save_hf_model
@@ -133,6 +133,6 @@ def test_a_context_longer_than_the_pool_fits_when_only_windows_hold_it(tiny_mode
 
 
 def loaded_page(loaded):
-    from kvserve.kv.spec import kv_spec
+    from kvserve.kv.cache.kv_spec import kv_spec
 
     return kv_spec(loaded.config).page_bytes(BS)

@@ -5,7 +5,7 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from tests.engine.test_engine import BYTES_PER_TOKEN, make_engine
 from tests.helpers import TINY_VOCAB, run_to_finals
 

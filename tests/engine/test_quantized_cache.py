@@ -7,8 +7,8 @@ runs must give the tokens the same dtype gives a request run alone.
 
 import pytest
 
-from kvserve.engine.sampling import SamplingParams
-from kvserve.kv.spec import kv_spec
+from kvserve.engine.sample.sampling import SamplingParams
+from kvserve.kv.cache.kv_spec import kv_spec
 from tests.engine.test_engine import make_engine, run_all, workload
 from tests.engine.test_prefix_caching import finish, shared_prompts
 

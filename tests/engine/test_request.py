@@ -1,8 +1,8 @@
 """A request's block hashes: computed once, extended as output tokens fill blocks."""
 
 from kvserve.engine.request import Request
-from kvserve.engine.sampling import SamplingParams
-from kvserve.kv.hashing import block_hashes
+from kvserve.engine.sample.sampling import SamplingParams
+from kvserve.kv.prefix.hashing import block_hashes
 
 
 def make_request(prompt, block_size=4, salt="tenant"):

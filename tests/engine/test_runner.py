@@ -6,7 +6,7 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.kv.attention import CpuAttentionBackend
 from kvserve.kv.attention.registry import ATTENTION_BACKENDS
 from tests.helpers import run_to_finals

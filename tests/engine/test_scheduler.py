@@ -3,9 +3,9 @@
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.output.processor import OutputProcessor
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.manager import KVCacheManager
 

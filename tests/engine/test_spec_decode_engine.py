@@ -8,7 +8,7 @@ import pytest
 from kvserve.arith import cdiv
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.engine.spec_decode import policy as policy_module
 from kvserve.engine.spec_decode.policy import DraftPolicy
 from kvserve.model.loader import load_model

@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from kvserve.engine.output import RequestOutputAssembler
-from kvserve.kv.hashing import block_hashes
+from kvserve.engine.output.types import RequestOutputAssembler
+from kvserve.kv.prefix.hashing import block_hashes
 from kvserve.kv.tiers import block_file
 from kvserve.kv.tiers.connector import BlockKey
 from kvserve.kv.tiers.disk_files import block_path

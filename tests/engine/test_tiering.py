@@ -11,10 +11,10 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import ConfigError
 from kvserve.kv.tiers import block_file
-from kvserve.kv.spec import kv_spec
+from kvserve.kv.cache.kv_spec import kv_spec
 from kvserve.model.loader import load_model
 from tests.helpers import TINY_VOCAB, build_hf_model, run_to_finals, save_hf_model
 
@@ -201,7 +201,7 @@ _CHILD = """
 import json, sys
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.model.loader import load_model
 from tests.helpers import run_to_finals
 model, disk, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -229,7 +229,7 @@ def test_a_new_process_hits_what_an_earlier_one_wrote(tiny_models, tmp_path):
 
 
 def test_write_through_skips_what_a_load_brought_from_a_tier_but_fills_the_other_tiers():
-    from kvserve.kv.hashing import block_hashes
+    from kvserve.kv.prefix.hashing import block_hashes
     from kvserve.kv.manager import KVCacheManager
     from kvserve.kv.tiers.connector import LoadResult, TierConnector
     from kvserve.kv.tiers.traffic import TierTraffic

@@ -3,7 +3,7 @@
 import pytest
 
 from kvserve.kv.context_shift import shift_amount
-from kvserve.kv.hashing import block_hashes
+from kvserve.kv.prefix.hashing import block_hashes
 from kvserve.kv.manager import KVCacheManager
 
 BS = 4

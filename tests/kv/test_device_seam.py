@@ -6,7 +6,7 @@ import torch
 
 from kvserve.kv.attention import SequenceSlice
 from kvserve.kv.attention.registry import ATTENTION_BACKENDS
-from kvserve.kv.spec import KVSpec
+from kvserve.kv.cache.kv_spec import KVSpec
 from tests.device_guard import DeviceGuard
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4

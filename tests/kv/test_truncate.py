@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.kv.block_updates import NULL_BLOCK_ID
-from kvserve.kv.hashing import block_hashes
+from kvserve.kv.pool.block_updates import NULL_BLOCK_ID
+from kvserve.kv.prefix.hashing import block_hashes
 from kvserve.kv.manager import KVCacheManager
 
 BS = 4

@@ -5,7 +5,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.model.loader import embedded_model_path
 from tests.helpers import reference_greedy, run_to_finals
 

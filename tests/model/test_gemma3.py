@@ -8,7 +8,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.model.checkpoint import read_config
 from kvserve.model.gemma3 import Gemma3ForCausalLM

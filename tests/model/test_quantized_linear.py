@@ -145,7 +145,7 @@ def test_the_embedded_model_in_int4_agrees_with_float32_wherever_float32_is_sure
     # What must hold: teacher-forced on fp32's own greedy answer, int4 picks fp32's token wherever fp32's
     # margin is clear, and the distributions stay close (a wrong layout or scale breaks both).
     from kvserve.engine.engine import Engine
-    from kvserve.engine.sampling import SamplingParams
+    from kvserve.engine.sample.sampling import SamplingParams
     from tests.helpers import run_to_finals
 
     tokenizer = embedded.require_tokenizer()

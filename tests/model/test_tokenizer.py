@@ -3,7 +3,7 @@
 import pytest
 
 from kvserve.model.loader import embedded_model_path
-from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.output.detokenizer import IncrementalDetokenizer
 from kvserve.model.tokenizer import Tokenizer
 
 TEXTS = [

@@ -6,7 +6,7 @@ import pytest
 from kvserve.errors import ModelLoadError
 from kvserve.model.gguf import load_gguf
 from kvserve.model.loader import gemma3_270m_path
-from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.output.detokenizer import IncrementalDetokenizer
 from kvserve.model.tokenizer import Tokenizer
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6

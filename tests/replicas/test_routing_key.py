@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from kvserve.kv.event_wire import external_block_hash
-from kvserve.kv.hashing import block_hashes
+from kvserve.kv.events.wire import external_block_hash
+from kvserve.kv.prefix.hashing import block_hashes
 from kvserve.kv.manager import KVCacheManager
 from kvserve.replicas.engine_replica import HeldBlocks
 from kvserve.replicas.routing_key import RoutingKeys

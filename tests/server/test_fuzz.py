@@ -13,7 +13,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserve.engine.sampling import SEED_RANGE
+from kvserve.engine.sample.sampling import SEED_RANGE
 from tests.server.inprocess import assert_idle_and_intact
 
 JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),

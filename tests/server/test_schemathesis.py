@@ -18,7 +18,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import negative_data_rejection
 
-from kvserve.engine.sampling import SEED_RANGE
+from kvserve.engine.sample.sampling import SEED_RANGE
 from tests.server.inprocess import assert_idle_and_intact
 
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),

@@ -1,6 +1,6 @@
 import pytest
 
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.structured.params import StructuredOutputsParams
 

@@ -32,7 +32,7 @@ def test_other_divergences_have_no_guess():
 def test_the_prefix_report_names_changed_tool_definitions(embedded):
     from kvserve.config import EngineConfig
     from kvserve.engine.engine import Engine
-    from kvserve.engine.sampling import SamplingParams
+    from kvserve.engine.sample.sampling import SamplingParams
     from kvserve.tools.rendering import Turn, render_conversation
     from tests.helpers import run_to_finals
 

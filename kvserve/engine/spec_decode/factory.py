@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvserve.config import EngineConfig
-from kvserve.engine.drafting import Drafting, Proposer
+from kvserve.engine.spec_decode.drafting import Drafting, Proposer
 from kvserve.engine.spec_decode.ngram import NgramProposer
 from kvserve.engine.spec_decode.policy import DraftPolicy
 from kvserve.engine.spec_decode.suffix import SuffixProposer

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.kv.block_updates import NULL_BLOCK_ID
+from kvserve.kv.pool.block_updates import NULL_BLOCK_ID
 from kvserve.kv.manager import KVCacheManager
 
 Slot = tuple[int, int]  # (block id, offset of the token within the block)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvserve.engine.sampling import SamplingParams, sample
+from kvserve.engine.sample.sampling import SamplingParams, sample
 
 
 def verify_drafts(logits: torch.Tensor, drafts: Sequence[int], params: SamplingParams, generator: torch.Generator,

@@ -8,7 +8,7 @@ order of requests in the batch, the step's metadata and the kernels.
 
 Layers differ only in their attention *kind*, i.e. their sliding window
 (None = full attention). Layers of one kind share block tables in KV groups
-(kv/groups.py): a request brings one table per group, and a backend builds a
+(kv/groups/layout.py): a request brings one table per group, and a backend builds a
 step's metadata once per group, never once per layer. A windowed group's
 table holds the null block (id -1) where blocks behind the window were freed;
 attention never reads those.
@@ -22,8 +22,8 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from kvserve.kv.spec import KVSpec
-from kvserve.kv.storage import PagedKVCache
+from kvserve.kv.cache.kv_spec import KVSpec
+from kvserve.kv.cache.storage import PagedKVCache
 
 
 def single_token_decode(num_new_tokens: int) -> bool:

@@ -28,8 +28,8 @@ from kvserve.kv.attention.cpu_decode import cpp_decode, cpp_decode_reads, split_
 from kvserve.kv.attention.cpu_metadata import (UNION_SHARING_FACTOR, AttentionMetadata, DecodeMetadata,
                                                PrefillMetadata, build_attention_metadata)
 from kvserve.kv.attention.cpu_prefill import open_block_prefill, prefill_attention
-from kvserve.kv.quant import OPEN_BLOCK_DTYPE
-from kvserve.kv.storage import PagedKVCache
+from kvserve.kv.cache.quant import OPEN_BLOCK_DTYPE
+from kvserve.kv.cache.storage import PagedKVCache
 
 
 def slot_indices(slot_blocks: torch.Tensor, slot_rows: torch.Tensor, num_kv_heads: int, block_size: int) -> torch.Tensor:

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from kvserve.kernels import ops
 from kvserve.kv.attention.cpu_metadata import DecodeMetadata
-from kvserve.kv.quant import KVCodec, int4_group
-from kvserve.kv.storage import GatheredKV, PagedKVCache
+from kvserve.kv.cache.quant import KVCodec, int4_group
+from kvserve.kv.cache.storage import GatheredKV, PagedKVCache
 
 
 def _kernel_kind(codec: KVCodec) -> int | None:

@@ -3,7 +3,7 @@
 A step's batch is a flat list of tokens from several requests, decode tokens
 first (one per request: the backend's `is_decode` says which), then prefill
 chunks. Every tensor is built on the cache's device. Metadata is built once per KV
-group (kv/groups.py), from each request's table in that group, and read by
+group (kv/groups/layout.py), from each request's table in that group, and read by
 every layer of the group. Only blocks inside a windowed group's window are
 read; the positions before it may hold the null block (freed), and reading
 one there would be a bug, so building the metadata refuses it.
@@ -19,7 +19,7 @@ import torch
 from kvserve.arith import cdiv
 from kvserve.errors import KVIntegrityError
 from kvserve.kv.attention.base import SequenceSlice, single_token_decode
-from kvserve.kv.groups import first_needed_block
+from kvserve.kv.groups.layout import first_needed_block
 
 
 @dataclass

@@ -50,7 +50,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
 def open_block_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor,
                        q_positions: torch.Tensor, scale: float, block_size: int, sliding_window: int | None,
                        key_start: int, own_start: int) -> torch.Tensor:
-    """A prefill chunk over a pool with open blocks (kv/open_blocks.py): each query sees its own block, up to
+    """A prefill chunk over a pool with open blocks (kv/cache/open_blocks.py): each query sees its own block, up to
     itself, in float16 (`own_k`/`own_v`: positions own_start.., the chunk's first block on) unless it is that
     block's last row, and every other key as the pool holds it (`k`/`v`: positions key_start.., read after
     the chunk was written, so the blocks it filled are encoded). That is what a decode at the same position

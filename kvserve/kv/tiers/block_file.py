@@ -4,7 +4,7 @@ Plain bytes, parsed field by field (no pickle: reading a file can never
 execute code). Little-endian:
 
     magic         8 bytes   b"KVSBLK01" (format version in the last two)
-    fingerprint  16 bytes   what produced it (kvserve/kv/fingerprint.py)
+    fingerprint  16 bytes   what produced it (kvserve/kv/cache/fingerprint.py)
     block_hash   16 bytes
     parent_hash  16 bytes
     num_tokens    u32
@@ -27,7 +27,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from kvserve.kv.hashing import token_bytes, tokens_from_bytes
+from kvserve.kv.prefix.hashing import token_bytes, tokens_from_bytes
 from kvserve.kv.tiers.connector import BlockKey
 
 MAGIC = b"KVSBLK01"

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvserve.kv.hashing import BlockHash
+from kvserve.kv.prefix.hashing import BlockHash
 from kvserve.kv.tiers.stats import TierStats
 
 Payload = bytes | memoryview  # one block's K/V bytes, every layer (a view avoids copying 100s of KiB)

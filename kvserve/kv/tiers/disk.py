@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Sequence
 
 from kvserve.errors import KVIntegrityError
-from kvserve.kv.events import BlockRemoved, BlockStored, KVEventSubscribers
-from kvserve.kv.hashing import BlockHash
+from kvserve.kv.events.events import BlockRemoved, BlockStored, KVEventSubscribers
+from kvserve.kv.prefix.hashing import BlockHash
 from kvserve.kv.tiers import block_file
 from kvserve.kv.tiers.connector import BlockKey, KVTier, Payload
 from kvserve.kv.tiers.disk_files import (BlockShape, DiskEntry, block_path, check_entries, open_directory, read_entry,

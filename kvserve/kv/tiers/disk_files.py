@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.errors import KVIntegrityError
-from kvserve.kv.hashing import BlockHash, hash_block
+from kvserve.kv.prefix.hashing import BlockHash, hash_block
 from kvserve.kv.tiers import block_file
 from kvserve.kv.tiers.connector import BlockKey
 

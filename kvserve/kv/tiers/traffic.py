@@ -2,7 +2,7 @@
 delivered, and the write-through of what the pool newly cached.
 
 The pool tells which blocks a step registered in the cache (BlockStored
-events, kv/events.py); after the step they are copied out of the pool and
+events, kv/events/events.py); after the step they are copied out of the pool and
 handed to the tiers' background writers. A block a load just delivered is
 registered too, like any block a request filled, but it is not written back
 to the tier it came from: the load's result says where it came from.
@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from kvserve.kv.events import BlockStored, KVCacheEvent
-from kvserve.kv.hashing import BlockHash
+from kvserve.kv.events.events import BlockStored, KVCacheEvent
+from kvserve.kv.prefix.hashing import BlockHash
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.storage import PagedKVCache
+from kvserve.kv.cache.storage import PagedKVCache
 from kvserve.kv.tiers.connector import BlockKey, LoadResult, TierConnector
 from kvserve.kv.tiers.stats import TierStats
 

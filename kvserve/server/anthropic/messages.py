@@ -6,7 +6,7 @@ prompt: a token that straddles the boundary is not part of the prefix). Answers
 that made tool calls are remembered, so a tool loop's next turn holds their
 generated ids exactly (server/prompt/answers.py). The engine pins the
 whole blocks up to each breakpoint for its TTL once the prompt is computed
-(kv/pins.py). Usage is the cache's own accounting: `cache_read_input_tokens`
+(kv/prefix/pins.py). Usage is the cache's own accounting: `cache_read_input_tokens`
 are the prompt tokens served from the prefix cache, `cache_creation_input_tokens`
 the tokens this request wrote to the cache up to its last breakpoint
 (kv/pins.cache_write_tokens), `input_tokens` the rest.
@@ -19,9 +19,9 @@ from collections.abc import Iterable
 
 from fastapi import Request as HTTPRequest
 
-from kvserve.engine.output import RequestDelta, RequestOutput
+from kvserve.engine.output.types import RequestDelta, RequestOutput
 from kvserve.errors import InvalidRequestError, KVServeError
-from kvserve.kv.pins import PinRequest, cache_write_tokens
+from kvserve.kv.prefix.pins import PinRequest, cache_write_tokens
 from kvserve.server.anthropic.protocol import MessagesPrompt, MessagesRequest
 from kvserve.server.anthropic.conversation import messages_conversation
 from kvserve.server.anthropic.tool_blocks import BlockStream, output_blocks

@@ -13,9 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
-from kvserve.kv.pins import TTL_SECONDS
+from kvserve.kv.prefix.pins import TTL_SECONDS
 from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
                                      check_typed_fields, needs_tools,
                                      required_in_schema, required_when, sampling_params)

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, StrictFloat, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 
 def _integral(value: Any) -> Any:

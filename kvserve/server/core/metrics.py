@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.constrained import StructuredOutputStats
-from kvserve.engine.output import RequestDelta
+from kvserve.engine.sample.constrained import StructuredOutputStats
+from kvserve.engine.output.types import RequestDelta
 from kvserve.engine.spec_decode.counters import SpecDecodeStats
 from kvserve.kv.tiers.stats import LOAD_SECONDS_BUCKETS
 

@@ -16,15 +16,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from kvserve.kv.hashing import block_hashes
-from kvserve.kv.pins import TTL_SECONDS, PinRequest
+from kvserve.kv.prefix.hashing import block_hashes
+from kvserve.kv.prefix.pins import TTL_SECONDS, PinRequest
 
 MAX_ENTRIES = 100_000
 _LONGEST_TTL_S = max(TTL_SECONDS.values())
 
 
 def pin_key(block_hash: bytes) -> str:
-    """How the snapshot spells a pin's key (kv/pins.py: the hash's first 12 hex digits)."""
+    """How the snapshot spells a pin's key (kv/prefix/pins.py: the hash's first 12 hex digits)."""
     return block_hash.hex()[:12]
 
 

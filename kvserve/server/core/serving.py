@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 from fastapi import Request as HTTPRequest
 
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.output import RequestOutput
-from kvserve.engine.sampling import SEED_RANGE, SamplingParams
+from kvserve.engine.output.types import RequestOutput
+from kvserve.engine.sample.sampling import SEED_RANGE, SamplingParams
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.server.core.errors import bad_request, model_not_found, overloaded

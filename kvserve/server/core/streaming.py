@@ -26,10 +26,10 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.output import RequestDelta, RequestOutput, RequestOutputAssembler
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.output.types import RequestDelta, RequestOutput, RequestOutputAssembler
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import KVServeError
-from kvserve.kv.pins import PinRequest
+from kvserve.kv.prefix.pins import PinRequest
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Job:
     token_ids: list[int]
     params: SamplingParams
     prompt_text: str = ""
-    pins: tuple[PinRequest, ...] = field(default=())  # cache breakpoints in the prompt (kv/pins.py)
+    pins: tuple[PinRequest, ...] = field(default=())  # cache breakpoints in the prompt (kv/prefix/pins.py)
 
 
 class OutputFormat(abc.ABC):

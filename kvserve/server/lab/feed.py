@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.spec_decode.slots import StepDrafts
-from kvserve.engine.stats import BlockView, EngineStats, RequestStats
+from kvserve.engine.observe.stats import BlockView, EngineStats, RequestStats
 
 FEED_INTERVAL_S = 0.25  # four updates a second: live to the eye, a rounding error for the engine
 _FRESH_POLLS = 1000  # x 10 ms: longer than any step; past it the newest snapshot is returned as it is

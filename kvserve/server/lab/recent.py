@@ -11,7 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvserve.engine.output import PrefixCacheReport, RequestDelta
+from kvserve.engine.output.types import PrefixCacheReport, RequestDelta
 from kvserve.model.tokenizer import Tokenizer
 
 RECENT_REQUESTS = 32

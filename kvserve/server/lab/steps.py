@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from kvserve.arith import cdiv
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.platform import compute_executor
 

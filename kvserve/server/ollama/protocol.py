@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.server.core.fields import sampling_params
 from kvserve.server.core.tool_use import ToolUse

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 
 from fastapi import Request as HTTPRequest
 
-from kvserve.engine.output import RequestDelta, RequestOutput
+from kvserve.engine.output.types import RequestDelta, RequestOutput
 from kvserve.errors import KVServeError
 from kvserve.server.core.serving import Serving
 from kvserve.server.core.streaming import Job, OutputFormat

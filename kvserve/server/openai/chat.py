@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import Request as HTTPRequest
 
-from kvserve.engine.output import RequestDelta, RequestOutput, TokenLogprob
+from kvserve.engine.output.types import RequestDelta, RequestOutput, TokenLogprob
 from kvserve.errors import KVServeError
 from kvserve.server.core.serving import Serving
 from kvserve.server.core.streaming import Job

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Iterable
 
-from kvserve.engine.output import RequestDelta, RequestOutput
+from kvserve.engine.output.types import RequestDelta, RequestOutput
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.server.core.errors import bad_request, internal
 from kvserve.server.core.serving import Serving, Usage

@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvserve.engine.sampling import (
+from kvserve.engine.sample.sampling import (
     MAX_LOGPROBS, MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams,
 )
 from kvserve.errors import InvalidRequestError

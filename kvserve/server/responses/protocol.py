@@ -14,9 +14,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvserve.engine.sampling import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams
+from kvserve.engine.sample.sampling import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams
 from kvserve.errors import InvalidRequestError
-from kvserve.kv.pins import TTL_SECONDS
+from kvserve.kv.prefix.pins import TTL_SECONDS
 from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
                                      check_typed_fields, needs_tools,
                                      non_empty_list, required_in_schema, required_when, sampling_params)
@@ -209,7 +209,7 @@ class ResponsesRequest(NullMeansDefault):
 
     @property
     def pin_ttl_s(self) -> float | None:
-        """A prompt_cache_key with a prompt_cache_retention pins the prompt (kv/pins.py) for this long."""
+        """A prompt_cache_key with a prompt_cache_retention pins the prompt (kv/prefix/pins.py) for this long."""
         return TTL_SECONDS[self.prompt_cache_retention] if self.prompt_cache_retention else None
 
     def sampling_params(self, max_tokens: int, tool_use: ToolUse) -> SamplingParams:

@@ -8,7 +8,7 @@ answers that made tool calls spliced back (server/prompt/answers.py). `truncatio
 turns (never the instructions, never the new turn) until the prompt and
 `max_output_tokens` fit; "disabled" (the default) answers 400 with the counts.
 A `prompt_cache_key` with `prompt_cache_retention` pins the whole prompt for
-the retention's TTL (kv/pins.py). Stored responses live in
+the retention's TTL (kv/prefix/pins.py). Stored responses live in
 `ResponsesStore`, per tenant.
 """
 
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest
 
-from kvserve.engine.output import RequestDelta, RequestOutput
+from kvserve.engine.output.types import RequestDelta, RequestOutput
 from kvserve.errors import InvalidRequestError, KVServeError
-from kvserve.kv.pins import PinRequest
+from kvserve.kv.prefix.pins import PinRequest
 from kvserve.server.core.errors import APIError, bad_request, internal
 from kvserve.server.core.serving import Serving
 from kvserve.server.core.streaming import Job, OutputFormat, sse_event

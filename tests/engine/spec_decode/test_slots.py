@@ -3,7 +3,7 @@ per step, checked against what the scheduler truncated in the KV manager."""
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.server.lab.feed import snapshot_json
 from tests.engine.test_spec_decode_engine import CONFIG, repetitive_prompts, weights  # noqa: F401 (fixture)
 

@@ -4,7 +4,7 @@ chi-square bound; and a seeded request samples the same tokens with or without a
 import numpy as np
 import torch
 
-from kvserve.engine.sampling import SamplingParams, make_generator, sample
+from kvserve.engine.sample.sampling import SamplingParams, make_generator, sample
 from kvserve.engine.spec_decode.verify import verify_drafts
 
 VOCAB = 6

@@ -5,8 +5,8 @@ import torch
 
 from kvserve.kv.attention import (CpuAttentionBackend, PagedKVContext, SequenceSlice, attend, attention_mask,
                                   build_attention_metadata)
-from kvserve.kv.spec import KVSpec
-from kvserve.kv.storage import PagedKVCache
+from kvserve.kv.cache.kv_spec import KVSpec
+from kvserve.kv.cache.storage import PagedKVCache
 from tests.helpers import write_tokens
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4

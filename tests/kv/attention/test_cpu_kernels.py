@@ -7,7 +7,7 @@ from kvserve.kv.attention import CpuAttentionBackend, PagedKVContext, SequenceSl
 from kvserve.kv.attention.cpu import TorchCpuAttentionBackend
 from kvserve.kv.attention.cpu_decode import cpp_decode
 from kvserve.kernels import ops
-from kvserve.kv.spec import KVSpec
+from kvserve.kv.cache.kv_spec import KVSpec
 from tests.helpers import write_tokens
 from tests.kv.attention.test_cpu import poison, seen
 

@@ -6,7 +6,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.kv.attention import SequenceSlice, attend
 from kvserve.kv.attention.cpu import TorchCpuAttentionBackend
-from kvserve.kv.spec import KVSpec
+from kvserve.kv.cache.kv_spec import KVSpec
 from kvserve.model.loader import load_model
 from tests.kv.attention.test_cpu import seen
 from tests.helpers import TINY_VOCAB, build_hf_model, paged_logits, save_hf_model, write_tokens

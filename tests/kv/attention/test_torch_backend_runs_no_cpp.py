@@ -5,7 +5,7 @@ import torch
 
 from kvserve.kernels import build
 from kvserve.kv.attention import SequenceSlice, get_attention_backend
-from kvserve.kv.spec import KVSpec
+from kvserve.kv.cache.kv_spec import KVSpec
 
 
 class _Refused:

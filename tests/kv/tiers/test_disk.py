@@ -6,7 +6,7 @@ import stat
 import pytest
 
 from kvserve.errors import KVIntegrityError
-from kvserve.kv.hashing import block_hashes
+from kvserve.kv.prefix.hashing import block_hashes
 from kvserve.kv.tiers import block_file
 from kvserve.kv.tiers.connector import BlockKey
 from kvserve.kv.tiers.disk import DiskTier

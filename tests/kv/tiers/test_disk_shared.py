@@ -5,7 +5,7 @@ import multiprocessing
 import os
 import time
 
-from kvserve.kv.hashing import block_hashes
+from kvserve.kv.prefix.hashing import block_hashes
 from kvserve.kv.tiers import block_file
 from kvserve.kv.tiers.connector import BlockKey
 from kvserve.kv.tiers.disk import DiskTier

@@ -3,8 +3,8 @@ loaded blocks belong to their request, and the blocks to write through are the p
 
 import pytest
 
-from kvserve.kv.events import BlockStored
-from kvserve.kv.hashing import block_hashes
+from kvserve.kv.events.events import BlockStored
+from kvserve.kv.prefix.hashing import block_hashes
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.tiers.connector import BlockKey, TierConnector
 from tests.kv.tiers.fakes import DictTier

@@ -1,7 +1,7 @@
 """/metrics engine gauges come from the engine's stats snapshot (in process, no HTTP server)."""
 
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.server.core.metrics import ServerMetrics
 from tests.engine.test_engine import make_engine
 
@@ -39,7 +39,7 @@ def test_engine_gauges_follow_the_snapshot(tiny_models):
 def test_disk_tier_metrics_and_the_request_log_line(tiny_models, tmp_path, caplog):
     import logging
 
-    from kvserve.engine.output import RequestOutputAssembler
+    from kvserve.engine.output.types import RequestOutputAssembler
     from kvserve.server.core.metrics import log_request
 
     loaded = tiny_models("llama-gqa")

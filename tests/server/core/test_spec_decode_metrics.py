@@ -4,7 +4,7 @@ how many drafts a request had accepted."""
 import logging
 
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.server.core.metrics import ServerMetrics, log_request
 from tests.engine.test_engine import make_engine
 from tests.server.core.test_metrics import scrape

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from kvserve.engine.output import RequestDelta, RequestMetrics
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.output.types import RequestDelta, RequestMetrics
+from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.server.core.streaming import Job
 from kvserve.server.core.tool_use import ToolUse
 from kvserve.server.openai.chat import ChatFormat, tool_call_entries

@@ -1,0 +1,162 @@
+"""How many bytes one token of KV cache takes: the ONE formula (DESIGN §3).
+
+The loader's summary, the cache allocator and the memory planner all go
+through `kv_spec`; nothing else in kvserve may recompute it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.config import ModelConfig
+from kvserve.errors import InvalidRequestError
+from kvserve.kv.groups.layout import KVGroupLayout, blocks_held, kv_group_layout
+from kvserve.kv.cache.quant import CODECS, OPEN_BLOCK_DTYPE, PARAM_DTYPE, REFERENCE_BLOCK, KVCodec, key_codec
+
+# User-facing aliases ("auto" is resolved by `auto_cache_dtype`).
+_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+            "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
+
+
+def auto_cache_dtype(linear_dtype: str = "float32") -> str:
+    """What "auto" holds: float32 beside exact float32 weights (greedy output equals transformers'), float16
+    beside bf16 / int8 / int4 weights, as llama.cpp's default cache. float16 K/V cost nothing measurable
+    on the embedded model (bench/kv_quant_accuracy.py: perplexity -0.000%, KL 3.7e-7, top-1 99.96%) and
+    halve both the memory and what a decode step reads (W2 TPOT 9.2 -> 7.7 ms, W4 13.5 -> 11.6 ms with
+    int4 weights, AMD EPYC)."""
+    return "float32" if linear_dtype == "float32" else "float16"
+
+
+def resolve_cache_dtype(name: str, linear_dtype: str = "float32") -> str:
+    """Map a user-facing cache dtype to a canonical one; "auto" by the linear layers' dtype (`auto_cache_dtype`).
+
+    "K/V" gives keys and values different dtypes (llama.cpp's --cache-type-k /
+    --cache-type-v), e.g. "int8/int4": keys carry the attention pattern and
+    suffer more from coarse quantization than values.
+    """
+    if "/" in name:
+        k, _, v = name.partition("/")
+        k, v = resolve_cache_dtype(k, linear_dtype), resolve_cache_dtype(v, linear_dtype)
+        return k if k == v else f"{k}/{v}"
+    resolved = auto_cache_dtype(linear_dtype) if name == "auto" else _ALIASES.get(name, name)
+    if resolved not in CODECS:
+        raise InvalidRequestError(f"unsupported KV cache dtype {name!r}; choose one of: auto, {', '.join(CODECS)} "
+                                  f"(or K/V, e.g. int8/int4)")
+    return resolved
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """KV-cache geometry of one model at one cache dtype.
+
+    `bytes_per_token` counts every layer: what a token costs where every layer
+    keeps it. With sliding-window layers, the pool is paged per KV group
+    (kv/groups/layout.py): a page holds `page_layers` layers, and a request holds
+    fewer pages in windowed groups (`request_bytes`).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # canonical: "int8", or "int8/int4" for different K and V dtypes
+    # Each layer's sliding window (None = full attention); empty: every layer full.
+    layer_windows: tuple[int | None, ...] = ()
+
+    @property
+    def layout(self) -> KVGroupLayout:
+        return kv_group_layout(self.layer_windows or (None,) * self.num_layers)
+
+    @property
+    def k_codec(self) -> KVCodec:
+        return key_codec(self.dtype.partition("/")[0])
+
+    @property
+    def v_codec(self) -> KVCodec:
+        return CODECS[self.dtype.partition("/")[2] or self.dtype]
+
+    def token_bytes_per_layer(self, block_size: int = REFERENCE_BLOCK) -> int:
+        """One K row and one V row per KV head: elements plus quantization parameters (a blockwise codec's
+        share of its block's: they depend on the block size)."""
+        return self.num_kv_heads * (self.k_codec.bytes_per_row(self.head_dim, block_size)
+                                    + self.v_codec.bytes_per_row(self.head_dim, block_size))
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        return self.token_bytes_per_layer()
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Every layer's bytes for one token, in blocks of REFERENCE_BLOCK tokens (the default)."""
+        return self.num_layers * self.bytes_per_token_per_layer
+
+    @property
+    def has_open_blocks(self) -> bool:
+        """Whether blocks are encoded only when full (a blockwise codec): the pool then keeps each block still
+        being filled in float16 (kv/cache/open_blocks.py), one per request and KV group."""
+        return self.k_codec.blockwise or self.v_codec.blockwise
+
+    def open_block_bytes(self, block_size: int) -> int:
+        """One open block's float16 K and V (a page's layers); 0 without blockwise codecs."""
+        if not self.has_open_blocks:
+            return 0
+        return 2 * self.page_layers * self.num_kv_heads * block_size * self.head_dim * OPEN_BLOCK_DTYPE.itemsize
+
+    def open_slots(self, max_num_seqs: int) -> int:
+        """Open blocks the pool keeps room for: one per request of a full batch and KV group."""
+        return max_num_seqs * self.layout.num_groups if self.has_open_blocks else 0
+
+    def open_blocks_bytes(self, max_num_seqs: int, block_size: int, num_pages: int | None = None) -> int:
+        """What the open blocks of `max_num_seqs` requests take beside the pages (0 without them); never more
+        than one per page of a pool of `num_pages`."""
+        slots = self.open_slots(max_num_seqs)
+        return (slots if num_pages is None else min(slots, num_pages)) * self.open_block_bytes(block_size)
+
+    def pool_pages(self, budget: int, block_size: int, max_num_seqs: int) -> int:
+        """The most pages that fit in `budget` bytes beside their open blocks (the pool keeps one per page
+        at most, up to `open_slots(max_num_seqs)`)."""
+        page, slot, slots = self.page_bytes(block_size), self.open_block_bytes(block_size), self.open_slots(max_num_seqs)
+        beside_all = (budget - slots * slot) // page
+        return beside_all if beside_all >= slots else budget // (page + slot)
+
+    @property
+    def page_layers(self) -> int:
+        return self.layout.page_layers
+
+    def page_bytes(self, block_size: int) -> int:
+        """One pool page: `block_size` tokens of `page_layers` layers (one group's block)."""
+        return block_size * self.page_layers * self.token_bytes_per_layer(block_size)
+
+    def request_pages(self, num_tokens: int, block_size: int) -> int:
+        """Pages a request with `num_tokens` computed holds between steps, over every group."""
+        return sum(blocks_held(window, num_tokens, block_size) for window in self.layout.windows)
+
+    def request_bytes(self, num_tokens: int, block_size: int) -> int:
+        """KV bytes a request with `num_tokens` computed holds between steps: whole pages, windows freed."""
+        return self.request_pages(num_tokens, block_size) * self.page_bytes(block_size)
+
+    def formula(self, block_size: int = REFERENCE_BLOCK) -> str:
+        """The factors, e.g. '2 (K, V) x 30 layers x 3 KV heads x (64 x 1 B + 2 B scale) = 11,880 bytes/token'."""
+        def row(codec: KVCodec) -> str:
+            element = f"{self.head_dim} x {codec.bits / 8:g} B"
+            params = codec.num_params(self.head_dim, block_size)
+            if not params:
+                return element
+            per = " per channel and block" if codec.blockwise else ""
+            return f"({element} + {params * PARAM_DTYPE.itemsize} B {'scale' if params == 1 else 'scales/mins'}{per})"
+
+        k_row, v_row = row(self.k_codec), row(self.v_codec)
+        layout = f"2 (K, V) x {k_row}" if k_row == v_row else f"(K {k_row} + V {v_row})"
+        return (f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {layout} "
+                f"= {self.num_layers * self.token_bytes_per_layer(block_size):,} bytes/token")
+
+
+def kv_spec(config: ModelConfig, dtype: str = "auto", linear_dtype: str = "float32") -> KVSpec:
+    """The spec at cache dtype `dtype` ("auto": by `linear_dtype`, what the linear layers hold)."""
+    windows = tuple(config.window_for_layer(layer) for layer in range(config.num_layers))
+    return KVSpec(config.num_layers, config.num_kv_heads, config.head_dim, resolve_cache_dtype(dtype, linear_dtype),
+                  windows if any(window is not None for window in windows) else ())
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: str = "auto", linear_dtype: str = "float32") -> int:
+    """2 (K and V) x layers x kv_heads x (head_dim x bytes per element + quantization parameters)."""
+    return kv_spec(config, dtype, linear_dtype).bytes_per_token

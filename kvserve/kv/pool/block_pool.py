@@ -1,0 +1,268 @@
+"""Physical KV blocks: ids, reference counts and the free queue.
+
+Every block is created once, at startup. A block is either in use (ref_cnt > 0)
+or in the free queue, never both. A full block can carry a hash (prefix
+caching) and keeps it while free, until it is handed out again. The free queue
+(kv/pool/free_queue.py) is ordered least recently used first. Subscribers hear
+when a block enters or leaves the cache (kv/events/events.py).
+
+Pinned blocks (a cache breakpoint with a TTL, kv/prefix/pins.py) hold no reference:
+a reference would keep a block from every request, and a pool full of pins
+would then stall running requests (SGLang's hard session pins deadlocked its
+worker that way). Instead a free pinned block waits in a second free queue
+that `allocate` reaches only once the ordinary one is empty: pins are evicted
+last, never "never", and every free block stays allocatable.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+from kvserve.errors import KVIntegrityError
+from kvserve.kv.events.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventCallback, KVEventSubscribers
+from kvserve.kv.pool.free_queue import FreeBlockQueue, KVBlock
+from kvserve.kv.prefix.hashing import BlockHash
+
+
+class BlockPool:
+    """All blocks, the free queue, and (with prefix caching) (group, hash) -> cached block.
+
+    A cached block keeps its hash while free, so a later request can claim it
+    back (`touch`); its hash is dropped only when the block is handed out anew.
+    Blocks are pages of one KV group (kv/groups/layout.py); the same tokens are cached
+    once per group, under the same hash.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 1) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.block_size = block_size
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[tuple[int, BlockHash], KVBlock] = {}
+        # (group, parent hash) -> cached children: what lets a miss be explained to the token.
+        self.children: dict[tuple[int, BlockHash | None], dict[BlockHash, KVBlock]] = {}
+        self.num_cached_free_blocks = 0  # free blocks still holding a reusable prefix (kept up to date: O(1) stats)
+        # Free blocks with pin_count > 0, handed out only when `free_queue` is empty (see the module doc).
+        self.pinned_free_queue = FreeBlockQueue(())
+        self.num_pinned_blocks = 0  # blocks with pin_count > 0, free or in use
+        # Called with a pinned block that `allocate` is about to evict; it must drop every pin on it.
+        self.on_pinned_evict: Callable[[KVBlock], None] | None = None
+        self._subscribers = KVEventSubscribers()
+
+    def subscribe(self, callback: KVEventCallback) -> None:
+        """Call `callback` with every BlockStored / BlockRemoved / AllBlocksCleared from now on (kv/events/events.py)."""
+        self._subscribers.add(callback)
+
+    def unsubscribe(self, callback: KVEventCallback) -> None:
+        self._subscribers.remove(callback)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue) + len(self.pinned_free_queue)
+
+    def allocate(self, count: int) -> list[KVBlock]:
+        """Take `count` blocks from the head of the free queue (ref_cnt 1 each), evicting their cached content."""
+        if count > self.num_free_blocks:
+            raise ValueError(f"asked for {count} blocks, {self.num_free_blocks} are free")
+        taken = [self._pop_free() for _ in range(count)]
+        for block in taken:
+            if block.block_hash is not None:
+                self.num_cached_free_blocks -= 1
+                self._evict(block)
+            block.ref_cnt = 1
+        return taken
+
+    def _pop_free(self) -> KVBlock:
+        if len(self.free_queue):
+            return self.free_queue.popleft()
+        # Only pinned blocks are left: a request that needs a block wins over a pin. The pin lapses
+        # (its owner unpins every block of it) before the block's content is evicted.
+        block = self.pinned_free_queue.popleft()
+        if self.on_pinned_evict is not None:
+            self.on_pinned_evict(block)
+        if block.pin_count:
+            raise KVIntegrityError(f"block {block.block_id} is still pinned as it is evicted")
+        return block
+
+    def _queue_of(self, block: KVBlock) -> FreeBlockQueue:
+        return self.pinned_free_queue if block.pin_count else self.free_queue
+
+    def pin(self, block: KVBlock) -> None:
+        """One more pin on a cached block; a free one moves to the pinned queue's tail."""
+        if block.block_hash is None:
+            raise KVIntegrityError(f"block {block.block_id} holds no prefix and cannot be pinned")
+        if self._is_queued(block):
+            self._queue_of(block).remove(block)
+            block.pin_count += 1
+            self.pinned_free_queue.append(block)
+        else:
+            block.pin_count += 1
+        self.num_pinned_blocks += block.pin_count == 1
+
+    def bump_pinned(self, block: KVBlock) -> None:
+        """A refreshed pin's free block goes to the pinned queue's tail: the last to lapse under pressure."""
+        if block.pin_count and self._is_queued(block):
+            self.pinned_free_queue.remove(block)
+            self.pinned_free_queue.append(block)
+
+    def unpin(self, block: KVBlock) -> None:
+        """Drop one pin; a free block with none left goes to the HEAD of the ordinary queue: nobody
+        used it for its whole TTL, so it is the least recently used block there is."""
+        if block.pin_count <= 0:
+            raise KVIntegrityError(f"block {block.block_id} unpinned more often than pinned")
+        queued = self._is_queued(block)
+        if queued and block.pin_count == 1:
+            self.pinned_free_queue.remove(block)
+        block.pin_count -= 1
+        self.num_pinned_blocks -= block.pin_count == 0
+        if queued and block.pin_count == 0:
+            self.free_queue.appendleft(block)
+
+    @staticmethod
+    def _is_queued(block: KVBlock) -> bool:
+        return block.ref_cnt == 0 and block.prev_free is not None
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference on cached blocks, claiming free ones back from the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self._queue_of(block).remove(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks -= 1
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block; blocks nobody holds go to the free queue's tail.
+
+        Callers pass a request's blocks tail-first, so the ends of block chains
+        are reused before their roots.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"block {block.block_id} freed more often than allocated")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._queue_of(block).append(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks += 1
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash | None,
+                    token_ids: tuple[int, ...], group: int = 0, first: bool = False) -> bool:
+        """Register a full, computed (held) block of `group` under its hash; whether it was registered.
+        If another block already holds the same content, that one stays the cached copy. `first`: the
+        chain's first block (its parent hash is the salt's root), for the events' subscribers."""
+        if block.block_hash is not None or (group, block_hash) in self.cached:
+            return False
+        block.block_hash, block.parent_hash, block.token_ids, block.group = block_hash, parent_hash, token_ids, group
+        self.cached[group, block_hash] = block
+        self.children.setdefault((group, parent_hash), {})[block_hash] = block
+        if block.ref_cnt == 0:
+            self.num_cached_free_blocks += 1
+        if self._subscribers:
+            self._subscribers.emit(BlockStored(block.block_id, block_hash, parent_hash, token_ids, group, first))
+        return True
+
+    def uncache(self, block: KVBlock) -> None:
+        """A held block's content is about to change (a context shift rewrites it in place): it leaves the
+        cache, and any pin covering it lapses first."""
+        if block.ref_cnt != 1:
+            raise KVIntegrityError(f"block {block.block_id} is held {block.ref_cnt} times; only a block one "
+                                   f"request holds alone may be rewritten")
+        if block.block_hash is None:
+            return
+        if block.pin_count and self.on_pinned_evict is not None:
+            self.on_pinned_evict(block)
+        self._evict(block)
+
+    def lookup(self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: Sequence[int],
+               group: int = 0) -> KVBlock | None:
+        block = self.cached.get((group, block_hash))
+        if block is None or block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
+            return None  # absent, or a hash collision: never serve other tokens' K/V
+        return block
+
+    def cached_block(self, block_hash: BlockHash, group: int = 0) -> KVBlock | None:
+        """The block caching `block_hash` in `group`, if any (no token check: for hashes of a known chain)."""
+        return self.cached.get((group, block_hash))
+
+    def children_of(self, parent_hash: BlockHash | None, group: int = 0) -> dict[BlockHash, KVBlock]:
+        """The cached blocks of `group` whose parent is `parent_hash`."""
+        return self.children.get((group, parent_hash), {})
+
+    def reset_cache(self) -> bool:
+        """Drop every cached prefix (pins lapse first); False, and nothing changes, while any block is in use
+        (a running request's blocks must keep their hashes: vLLM's reset_prefix_cache has the same rule)."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        subscribers, self._subscribers = self._subscribers, KVEventSubscribers()  # one event, not one per block
+        try:
+            for block in list(self.cached.values()):
+                if block.pin_count and self.on_pinned_evict is not None:
+                    self.on_pinned_evict(block)
+                self._evict(block)
+        finally:
+            self._subscribers = subscribers
+        self.num_cached_free_blocks = 0
+        if self._subscribers:
+            self._subscribers.emit(AllBlocksCleared())
+        return True
+
+    def _evict(self, block: KVBlock) -> None:
+        if self._subscribers and block.block_hash is not None:
+            self._subscribers.emit(BlockRemoved(block.block_hash, block.group))
+        del self.cached[block.group, block.block_hash]
+        key = (block.group, block.parent_hash)
+        siblings = self.children[key]
+        del siblings[block.block_hash]
+        if not siblings:
+            del self.children[key]
+        block.block_hash, block.parent_hash, block.token_ids, block.group = None, None, (), 0
+
+    def check_integrity(self) -> None:
+        """Raise KVIntegrityError (never a bare assert: `python -O` must not silence it) if the pool is inconsistent."""
+        pinned_free = list(self.pinned_free_queue)
+        if len(pinned_free) != len(self.pinned_free_queue):
+            raise KVIntegrityError(f"pinned free queue length is {len(self.pinned_free_queue)} but it links "
+                                   f"{len(pinned_free)} blocks")
+        if any(block.pin_count <= 0 for block in pinned_free):
+            raise KVIntegrityError("an unpinned block sits in the pinned free queue")
+        unpinned_free = list(self.free_queue)
+        if len(unpinned_free) != len(self.free_queue):
+            raise KVIntegrityError(f"free queue length is {len(self.free_queue)} but it links {len(unpinned_free)} blocks")
+        if any(block.pin_count for block in unpinned_free):
+            raise KVIntegrityError("a pinned block sits in the ordinary free queue")
+        pinned = [block for block in self.blocks if block.pin_count]
+        if len(pinned) != self.num_pinned_blocks:
+            raise KVIntegrityError(f"{len(pinned)} blocks are pinned, the counter says {self.num_pinned_blocks}")
+        if any(block.block_hash is None for block in pinned):
+            raise KVIntegrityError("a pinned block holds no prefix")
+        free = unpinned_free + pinned_free
+        free_ids = {b.block_id for b in free}
+        if len(free_ids) != len(free):
+            raise KVIntegrityError("a block is in the free queue twice")
+        cached_free = 0
+        for block in self.blocks:
+            if block.block_id in free_ids:
+                if block.ref_cnt != 0:
+                    raise KVIntegrityError(f"free block {block.block_id} has ref_cnt {block.ref_cnt}")
+                cached_free += block.block_hash is not None
+            elif block.ref_cnt <= 0:
+                raise KVIntegrityError(f"block {block.block_id} is neither free nor referenced (leak)")
+            if block.block_hash is not None:
+                if len(block.token_ids) != self.block_size:
+                    raise KVIntegrityError(f"hashed block {block.block_id} holds {len(block.token_ids)} tokens, "
+                                           f"not a full block of {self.block_size}")
+                if self.cached.get((block.group, block.block_hash)) is not block:
+                    raise KVIntegrityError(f"hashed block {block.block_id} is not in the hash map")
+        if not all(b.block_hash == h and b.group == g for (g, h), b in self.cached.items()):
+            raise KVIntegrityError("the hash map points at a re-used block")
+        if sum(len(c) for c in self.children.values()) != len(self.cached):
+            raise KVIntegrityError("the children index is out of sync with the hash map")
+        if cached_free != self.num_cached_free_blocks:
+            raise KVIntegrityError(f"{cached_free} free blocks hold a cached prefix, "
+                                   f"the counter says {self.num_cached_free_blocks}")
