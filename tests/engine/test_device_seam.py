@@ -7,7 +7,7 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import ConfigError
 from tests.device_guard import DeviceGuard
-from tests.engine.test_drafting import OracleProposer
+from tests.engine.spec_decode.test_drafting import OracleProposer
 from tests.engine.test_engine import BYTES_PER_TOKEN
 from tests.helpers import run_to_finals
 

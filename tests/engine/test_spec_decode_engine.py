@@ -12,7 +12,7 @@ from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.engine.spec_decode import policy as policy_module
 from kvserve.engine.spec_decode.policy import DraftPolicy
 from kvserve.model.loader import load_model
-from tests.engine.test_drafting import OracleProposer, finals_of
+from tests.engine.spec_decode.test_drafting import OracleProposer, finals_of
 from tests.engine.test_engine import BYTES_PER_TOKEN
 from tests.helpers import TINY_VOCAB, build_hf_model, save_hf_model
 from tests.server.inprocess import with_tiny_tokenizer

@@ -10,7 +10,7 @@ from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.structured.params import StructuredOutputsParams as Spec
 from tests.engine.test_async_engine import run, started
-from tests.engine.test_constrained import LONG_KEYS, make_engine
+from tests.engine.sample.test_constrained import LONG_KEYS, make_engine
 from tests.server.inprocess import with_tiny_tokenizer
 
 
