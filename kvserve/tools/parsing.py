@@ -56,7 +56,7 @@ class ParsedOutput:
     calls: list[ToolCall]
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """How many trailing characters of `text` could be the start of `marker`."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):
@@ -147,7 +147,7 @@ class ToolCallParser:
         elif self._state in ("args", "suffix"):
             self._close_call()
         elif self._state == "between":
-            rest = rest[:len(rest) - _held_back(rest, self.layout.next_marker)]  # a further call's first characters
+            rest = rest[:len(rest) - held_back(rest, self.layout.next_marker)]  # a further call's first characters
             if not self.layout.is_layout_text(rest):
                 events.append(ContentDelta(rest))
         self._state = "between" if self._calls else "text"
@@ -172,7 +172,7 @@ class ToolCallParser:
             self._emit_content(self._pending[:start], events)
             self._open_head(trigger, self.layout.first_head[len(trigger):], start + len(trigger))
             return
-        keep = _held_back(self._pending, trigger)
+        keep = held_back(self._pending, trigger)
         self._emit_content(self._pending[:len(self._pending) - keep], events)
         self._pending = self._pending[len(self._pending) - keep:]
 

@@ -8,19 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.tools.parsing import held_back
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 def template_supports_thinking(template: str | None) -> bool:
     """A chat template that knows thinking switches it (`enable_thinking`) or writes the tags itself."""
     return bool(template) and ("enable_thinking" in template or THINK_OPEN in template)
-
-
-def _held_back(text: str, marker: str) -> int:
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 @dataclass
@@ -53,7 +48,7 @@ class ThinkingSplitter:
                 return "", ""
             end = self._pending.find(THINK_CLOSE)
             if end < 0:  # hold back what may be the closing tag, and newlines that may precede it
-                keep = _held_back(self._pending, THINK_CLOSE)
+                keep = held_back(self._pending, THINK_CLOSE)
                 body = self._pending[:len(self._pending) - keep]
                 emit = body.rstrip("\n")
                 self._pending = self._pending[len(emit):]
