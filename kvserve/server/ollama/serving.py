@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Iterable
 from datetime import datetime, timezone
 
@@ -102,7 +103,7 @@ class OllamaFormat(OutputFormat):
         self.body = body
         self.tenant = tenant
         self.chat = chat
-        self.request_id = f"ollama-{time.monotonic_ns()}"
+        self.request_id = f"ollama-{uuid.uuid4().hex}"  # unique, as every API's
         self.parser: ToolCallParser | None = tool_use.parser()
         self.splitter = thinking
         self.started_ns = time.perf_counter_ns()
