@@ -27,6 +27,7 @@ from torch import nn
 from kvserve.config import RopeScaling
 from kvserve.kernels import ops
 from kvserve.kernels.packing import GroupCodes
+from kvserve.model.float_gemm import row_invariant_linear
 
 
 class WeightShapeError(ValueError):
@@ -99,7 +100,7 @@ class UnquantizedLinearMethod(LinearMethod):
         copy_checked(param.data[rows], loaded)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        return row_invariant_linear(x, layer.weight, layer.bias)  # kvserve.model.float_gemm
 
 
 class Linear(nn.Module):

@@ -56,7 +56,7 @@ def test_paged_attention_row_alone_equals_it_in_a_batch_or_a_prefill_chunk(dtype
     length = 330  # request 0's tokens: its chunk is every one of them, one row each
     q = torch.randn(length + 64, heads, head_dim, generator=gen)
     scale = head_dim**-0.5
-    for split_blocks in (16, 3):
+    for split_blocks in (16, 3, 0):  # 0: one split per row, as long as the row
         chunk = ops.paged_decode(q[:length], k, v, _rows(tables, [(0, 0, length)], window, block), scale, split_blocks)
         # Beside 64 rows of request 1 (other positions), after and before them.
         mixed = ops.paged_decode(torch.cat([q[length:], q[:length]]), k, v,

@@ -114,44 +114,86 @@ struct SplitPartials {
 };
 
 constexpr int64_t kMaxItems = 1024;  // split items whose partials are held at once
+// Rows of one request (one table, one first block: consecutive tokens of a prefill chunk or a verify) are
+// attended in tiles: the tile's rows take each run of kTileBlocks blocks in turn while it is in cache,
+// instead of each row streaming the request's whole K/V from L3 alone. A row's operations and their order
+// are the same as alone (its blocks in order, each block's arithmetic unchanged): only the interleaving
+// with its tile's other rows changes, so its bits do not. One 4,096-token chunk: see bench/decode_attention.py.
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kTileBlocks = 4;
 
-// Attention of every row: fn(partials, item, b, blocks, valid, n) attends split `item` of row b, the n
-// blocks blocks[0 .. n) with valid [n, BS] (keys the row sees), into `partials`, on at::parallel_for's
+// Attention of every row: fn(partials, item, b, blocks, valid, lo, hi) attends blocks [lo, hi) of split `item`
+// of row b (blocks[0 .. n), valid [n, BS]: the keys the row sees) into `partials`, on at::parallel_for's
 // threads; the splits are merged row by row. Returns [B, H * D]. Which thread runs a split, and which rows
-// run beside it, never changes a row's result: its splits are fixed by its own position and merged in order.
+// run beside it, never changes a row's result: its splits are fixed by its own position, each walked block
+// by block in order, and merged in order.
 template <typename Fn>
 torch::Tensor attend_splits(const DecodeRows& rows, Fn fn) {
   auto out = torch::empty({rows.B, rows.H * rows.D}, rows.q.options());
-  const int64_t total = rows.split_start[rows.B];
-  std::vector<int64_t> row_of(total);
-  int64_t widest = 0;  // one row's splits always fit, however many
-  for (int64_t b = 0; b < rows.B; ++b) {
-    std::fill(row_of.begin() + rows.split_start[b], row_of.begin() + rows.split_start[b + 1], b);
-    widest = std::max(widest, rows.split_start[b + 1] - rows.split_start[b]);
+  // Tiles: runs of up to kTileRows consecutive rows reading one table from one first block.
+  std::vector<int64_t> tile_start{0};
+  for (int64_t b = 1; b < rows.B; ++b) {
+    if (b - tile_start.back() == kTileRows || rows.table[b] != rows.table[b - 1] ||
+        rows.first_block(b) != rows.first_block(b - 1)) {
+      tile_start.push_back(b);
+    }
   }
+  const int64_t num_tiles = static_cast<int64_t>(tile_start.size());
+  tile_start.push_back(rows.B);
+  auto splits_of = [&](int64_t b) { return rows.split_start[b + 1] - rows.split_start[b]; };
+  std::vector<int64_t> tile_splits(num_tiles, 0);  // the most splits of a row of the tile
+  int64_t widest = 0;  // one tile's splits always fit, however many
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    for (int64_t b = tile_start[t]; b < tile_start[t + 1]; ++b) tile_splits[t] = std::max(tile_splits[t], splits_of(b));
+    widest = std::max(widest, rows.split_start[tile_start[t + 1]] - rows.split_start[tile_start[t]]);
+  }
+  const int64_t total = rows.split_start[rows.B];
   SplitPartials partials(rows, std::max(std::min(total, kMaxItems), widest));
   const int64_t BS = rows.BS;
-  for (int64_t row_begin = 0; row_begin < rows.B;) {
-    int64_t row_end = row_begin + 1;  // rows whose splits fit the partials (at least one row)
-    while (row_end < rows.B && rows.split_start[row_end + 1] - rows.split_start[row_begin] <= kMaxItems) ++row_end;
-    const int64_t first = rows.split_start[row_begin], count = rows.split_start[row_end] - first;
-    at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-      thread_local std::vector<uint8_t> valid;  // bool flags, as the attend functions read them
-      for (int64_t local = begin; local < end; ++local) {
-        const int64_t b = row_of[first + local], s = first + local - rows.split_start[b];
-        const int64_t blocks = rows.num_blocks(b);
-        const int64_t step = rows.split_blocks > 0 ? rows.split_blocks : blocks;
-        const int64_t lo = s * step, n = std::min(blocks, lo + step) - lo;
-        const int64_t key0 = (rows.first_block(b) + lo) * BS;  // position of the split's first key
-        valid.resize(n * BS);
-        for (int64_t i = 0; i < n * BS; ++i) valid[i] = key0 + i >= rows.low[b] && key0 + i <= rows.pos[b];
-        partials.reset(local);
-        fn(partials, local, b, rows.blocks + rows.table[b] + rows.first_block(b) + lo,
-           reinterpret_cast<const bool*>(valid.data()), n);
+  std::vector<std::pair<int64_t, int64_t>> work;  // (tile, split)
+  for (int64_t tile_begin = 0; tile_begin < num_tiles;) {
+    int64_t tile_end = tile_begin + 1;  // tiles whose rows' splits fit the partials (at least one tile)
+    const int64_t first = rows.split_start[tile_start[tile_begin]];
+    while (tile_end < num_tiles && rows.split_start[tile_start[tile_end + 1]] - first <= kMaxItems) ++tile_end;
+    work.clear();
+    for (int64_t t = tile_begin; t < tile_end; ++t) {
+      for (int64_t s = 0; s < tile_splits[t]; ++s) work.emplace_back(t, s);
+    }
+    at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<uint8_t> valid;  // bool flags, as the attend functions read them, row by row
+      int64_t count[kTileRows], stride = 0;
+      for (int64_t w = begin; w < end; ++w) {
+        const auto [t, s] = work[w];
+        const int64_t b0 = tile_start[t], b1 = tile_start[t + 1];
+        int64_t widest_run = 0;
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t step = rows.split_blocks > 0 ? rows.split_blocks : rows.num_blocks(b);
+          count[b - b0] = s < splits_of(b) ? std::min(rows.num_blocks(b), s * step + step) - s * step : 0;
+          widest_run = std::max(widest_run, count[b - b0]);
+        }
+        stride = widest_run * BS;
+        valid.resize((b1 - b0) * stride);
+        for (int64_t b = b0; b < b1; ++b) {
+          if (count[b - b0] == 0) continue;
+          const int64_t step = rows.split_blocks > 0 ? rows.split_blocks : rows.num_blocks(b);
+          const int64_t key0 = (rows.first_block(b) + s * step) * BS;  // position of the split's first key
+          uint8_t* flags = valid.data() + (b - b0) * stride;
+          for (int64_t i = 0; i < count[b - b0] * BS; ++i) flags[i] = key0 + i >= rows.low[b] && key0 + i <= rows.pos[b];
+          partials.reset(rows.split_start[b] + s - first);
+        }
+        for (int64_t lo = 0; lo < widest_run; lo += kTileBlocks) {
+          for (int64_t b = b0; b < b1; ++b) {
+            const int64_t hi = std::min(count[b - b0], lo + kTileBlocks);
+            if (lo >= hi) continue;
+            const int64_t step = rows.split_blocks > 0 ? rows.split_blocks : rows.num_blocks(b);
+            fn(partials, rows.split_start[b] + s - first, b, rows.blocks + rows.table[b] + rows.first_block(b) + s * step,
+               reinterpret_cast<const bool*>(valid.data() + (b - b0) * stride), lo, hi);
+          }
+        }
       }
     });
-    partials.merge(rows, row_begin, row_end, first, out.data_ptr<float>());
-    row_begin = row_end;
+    partials.merge(rows, tile_start[tile_begin], tile_start[tile_end], first, out.data_ptr<float>());
+    tile_begin = tile_end;
   }
   return out;
 }

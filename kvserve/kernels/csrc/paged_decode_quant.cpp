@@ -164,13 +164,13 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
   static const int64_t kIota[kChunk] = {0, 1, 2, 3, 4, 5, 6, 7};
 
   return attend_splits(rows, [&](SplitPartials& partials, int64_t item, int64_t b, const int64_t* blocks,
-                                 const bool* valid, int64_t hi) {
+                                 const bool* valid, int64_t lo, int64_t hi) {
     thread_local std::vector<float> k_buffer, v_buffer;
     if (static_cast<int64_t>(k_buffer.size()) < kChunk * BS * D) {
       k_buffer.resize(kChunk * BS * D);
       v_buffer.resize(kChunk * BS * D);
     }
-    for (int64_t idx = 0; idx < hi;) {
+    for (int64_t idx = lo; idx < hi;) {
       const int64_t slot = has_open ? slot_of[blocks[idx]] : -1;
       if (slot >= 0) {  // an open block, attended in place (fp16)
         for (int64_t h = 0; h < KVH; ++h) {
