@@ -42,6 +42,7 @@ from kvserve.cpu_features import has_fast_bf16_matmul
 from kvserve.errors import ConfigError
 from kvserve.kernels import ops
 from kvserve.kernels.packing import GROUP_SIZE, GroupCodes, pack, packed_bytes, quantize_groups
+from kvserve.model.float_gemm import row_invariant_linear
 from kvserve.model.layers import Linear, UnquantizedLinearMethod
 from kvserve.model.weights import hf_name
 
@@ -91,7 +92,7 @@ class Bf16LinearMethod(UnquantizedLinearMethod):
         layer.weight = _frozen(layer.weight.detach().to(torch.bfloat16))
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.to(torch.bfloat16), layer.weight).float()
+        y = row_invariant_linear(x.to(torch.bfloat16), layer.weight, None).float()
         return y if layer.bias is None else y + layer.bias
 
 

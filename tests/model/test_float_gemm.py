@@ -10,14 +10,15 @@ from kvserve.model.float_gemm import invariant_rows, row_invariant_linear
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_features,in_features", SHAPES)
-def test_a_row_alone_equals_it_in_a_batch_or_a_prefill_chunk(out_features, in_features):
-    if invariant_rows() == 0:
-        pytest.skip("this CPU's float32 GEMM is not row-invariant at any padding tried (logged; README)")
+def test_a_row_alone_equals_it_in_a_batch_or_a_prefill_chunk(out_features, in_features, dtype):
+    if invariant_rows(dtype) == 0:
+        pytest.skip(f"this CPU's {dtype} GEMM is not row-invariant at any padding tried (logged; README)")
     gen = torch.Generator().manual_seed(out_features)
-    weight = torch.randn(out_features, in_features, generator=gen)
-    bias = torch.randn(out_features, generator=gen)
-    x = torch.randn(300, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    x = torch.randn(300, in_features, generator=gen).to(dtype)
     chunk = row_invariant_linear(x, weight, bias)
     for count in (1, 2, 3, 5, 7, 9, 17, 64):
         for start in (0, 11):
