@@ -57,6 +57,13 @@ class ModelConfig:
     query_pre_attn_scalar: int | None = None
     # logits = c * tanh(logits / c) (Gemma 2 style); None means no capping.
     final_logit_softcapping: float | None = None
+    # Mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` gated MLPs of `moe_intermediate_size`,
+    # of which a softmax router picks `num_experts_per_tok` per token, their weights renormalised to sum to 1
+    # when `norm_topk_prob`. 0 experts: a dense MLP of `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -69,6 +76,8 @@ class ModelConfig:
             bad = next((w for w in self.layer_windows if w is not None and (not isinstance(w, int) or w < 1)), None)
             if bad is not None:
                 raise ValueError(f"a layer window must be a positive token count or None, got {bad!r}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be 1..{self.num_experts}, got {self.num_experts_per_tok}")
 
     def window_for_layer(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None = full attention)."""

@@ -52,12 +52,26 @@ GEMMA3_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
                          "full_attention": {"rope_type": "default", "rope_theta": 5000.0}},
         attn_implementation="eager")),
 }
+# Qwen3 and Qwen3-MoE (kvserve.model.qwen3): head_dim decoupled from hidden / heads (64 / 4 = 16) in most.
+QWEN3_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+    "qwen3-tied-mqa": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=24, tie_word_embeddings=True)),
+    # Every layer sparse: 8 experts of 32, the top 2 renormalised (as llama.cpp runs a qwen3moe file).
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True)),
+    # ... and the top 3 of 6 as the softmax gives them (Qwen1.5-MoE style: not renormalised).
+    "qwen3-moe-unnormed": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=4, head_dim=16, num_experts=6, num_experts_per_tok=3,
+        moe_intermediate_size=64, norm_topk_prob=False)),
+}
 
 
 def build_hf_model(variant: str, seed: int = 0):
     import transformers
 
-    config_name, model_name, overrides = {**VARIANTS, **GEMMA3_VARIANTS}[variant]
+    config_name, model_name, overrides = {**VARIANTS, **GEMMA3_VARIANTS, **QWEN3_VARIANTS}[variant]
     kwargs = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         max_position_embeddings=256, rms_norm_eps=1e-6,

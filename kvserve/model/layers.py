@@ -106,6 +106,10 @@ class UnquantizedLinearMethod(LinearMethod):
 class Linear(nn.Module):
     """y = x W^T (+ b), with W held as `method` decides (fp32 by default)."""
 
+    # Held in 8-bit groups where the others hold 4 (kvserve.model.quantized_linear), as the output head is: a
+    # MoE router, whose top-k choice is discrete and would flip on 4-bit weights.
+    keeps_8_bits: bool = False
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  method: LinearMethod | None = None) -> None:
         super().__init__()

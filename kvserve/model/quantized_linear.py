@@ -194,7 +194,7 @@ def convert_linear_weights(model: nn.Module, weights_dtype: str, exact_int4: boo
         raise ConfigError(f"--weights-dtype {resolved} holds weights in groups of {GROUP_SIZE} inputs, and "
                           f"{uneven[0]} has {uneven[1]}; use bfloat16 or float32 for this model")
     for name, module in linears:
-        dtype = _HEAD_DTYPE.get(resolved, resolved) if name == HEAD_NAME else resolved
+        dtype = _HEAD_DTYPE.get(resolved, resolved) if name == HEAD_NAME or module.keeps_8_bits else resolved
         module.method = _method(dtype)
         codes = _checkpoint_codes(model, name, module, source) if source and dtype in GROUP_BITS else None
         module.method.process_weights_after_loading(module, codes)

@@ -10,15 +10,15 @@ readers look their architecture up here, and the loader builds `model_class(conf
 from __future__ import annotations
 
 from kvserve.errors import UnsupportedModelError
-from kvserve.model import gemma3, llama
+from kvserve.model import gemma3, llama, qwen3
 from kvserve.model.causal_lm import CausalLM
 from kvserve.model.family import GGUF, HF, Architecture, ModelFamily
 
 __all__ = ["ARCHITECTURES", "GGUF", "HF", "Architecture", "find_architecture", "model_class",
            "supported_architectures"]
 
-FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, gemma3.FAMILY)
-ARCHITECTURES: tuple[Architecture, ...] = (*llama.ARCHITECTURES, *gemma3.ARCHITECTURES)
+FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, gemma3.FAMILY, qwen3.FAMILY)
+ARCHITECTURES: tuple[Architecture, ...] = (*llama.ARCHITECTURES, *gemma3.ARCHITECTURES, *qwen3.ARCHITECTURES)
 
 
 def supported_architectures(source: str) -> list[str]:
