@@ -139,9 +139,28 @@ _GEMMA3_GGUF_LAYER_NAMES = {
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 
+# llama.cpp's gguf-py tensor map for MODEL_ARCH.QWEN3 / QWEN3MOE (its stacked experts: `_split_experts`)
+_QWEN3_GGUF_LAYER_NAMES = {
+    **_LLAMA_GGUF_LAYER_NAMES,
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+}
+_GGUF_ARCH = {"gemma3_text": "gemma3", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+
+
+def _split_experts(hf_name: str, tensor: torch.Tensor) -> list[tuple[str, str, torch.Tensor]]:
+    """(HF name, llama.cpp layer name, tensor) of one state-dict entry: transformers holds a layer's experts
+    as gate_up_proj [E, 2I, H] and down_proj [E, H, I]; llama.cpp as ffn_gate_exps, ffn_up_exps, ffn_down_exps."""
+    if hf_name.endswith("mlp.experts.gate_up_proj"):
+        gate, up = tensor.chunk(2, dim=1)
+        return [(hf_name, "ffn_gate_exps.weight", gate), (hf_name, "ffn_up_exps.weight", up)]
+    if hf_name.endswith("mlp.experts.down_proj"):
+        return [(hf_name, "ffn_down_exps.weight", tensor)]
+    return [(hf_name, "", tensor)]
+
 
 def write_gguf(model, path: Path, quant_types: dict[str, str], tokenizer_metadata: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """Write a transformers Llama or Gemma 3 model as a llama.cpp-style GGUF file.
+    """Write a transformers Llama, Gemma 3, Qwen3 or Qwen3-MoE model as a llama.cpp-style GGUF file.
 
     `quant_types` maps a substring of the HF weight name to a GGML type name
     ("Q8_0", "Q4_1", ...); other 2-D weights are F32. Returns the weights as
@@ -155,7 +174,8 @@ def write_gguf(model, path: Path, quant_types: dict[str, str], tokenizer_metadat
 
     cfg = model.config
     gemma = cfg.model_type == "gemma3_text"
-    writer = gguf.GGUFWriter(str(path), "gemma3" if gemma else "llama")
+    qwen3 = cfg.model_type in ("qwen3", "qwen3_moe")  # NEOX RoPE: Q/K unpermuted
+    writer = gguf.GGUFWriter(str(path), _GGUF_ARCH.get(cfg.model_type, "llama"))
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -175,6 +195,13 @@ def write_gguf(model, path: Path, quant_types: dict[str, str], tokenizer_metadat
         writer.add_sliding_window(cfg.sliding_window)
         if cfg.final_logit_softcapping:
             writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if qwen3:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    if cfg.model_type == "qwen3_moe":
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     for key, value in (tokenizer_metadata or {}).items():
         writer.add_key_value(key, value[0], value[1])
 
@@ -182,36 +209,39 @@ def write_gguf(model, path: Path, quant_types: dict[str, str], tokenizer_metadat
         "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
     }
-    layer_names = _GEMMA3_GGUF_LAYER_NAMES if gemma else _LLAMA_GGUF_LAYER_NAMES
-    reference: dict[str, torch.Tensor] = {}
-    for hf_name, tensor in model.state_dict().items():
-        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+    layer_names = _GEMMA3_GGUF_LAYER_NAMES if gemma else _QWEN3_GGUF_LAYER_NAMES if qwen3 else _LLAMA_GGUF_LAYER_NAMES
+    pieces: dict[str, list[torch.Tensor]] = {}  # HF name -> what the file holds of it (experts: gate, up)
+    for state_name, state_tensor in model.state_dict().items():
+        if state_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        if hf_name in names:
-            gguf_name = names[hf_name]
-        else:
-            _, _, index, rest = hf_name.split(".", 3)
-            gguf_name = f"blk.{index}.{layer_names[rest]}"
-        data = tensor.float().numpy()
-        qtype = next((t for key, t in quant_types.items() if key in hf_name), "F32") if data.ndim == 2 else "F32"
-        stored = data
-        if gemma and hf_name.endswith("norm.weight"):
-            stored = data + 1  # Gemma3RMSNorm scales by (1 + w)
-        elif not gemma and "q_proj" in hf_name:
-            stored = _permute_for_gguf(data, cfg.num_attention_heads)
-        elif not gemma and "k_proj" in hf_name:
-            stored = _permute_for_gguf(data, cfg.num_key_value_heads)
-        if qtype == "F32":
-            writer.add_tensor(gguf_name, np.ascontiguousarray(stored))
-            # a Gemma norm in Hugging Face's terms is what the file holds, less 1
-            shifted = gemma and hf_name.endswith("norm.weight")
-            reference[hf_name] = torch.from_numpy(stored - 1) if shifted else tensor.float().clone()
-        else:
-            ggml_type = gguf.GGMLQuantizationType[qtype]
-            packed = quantize(np.ascontiguousarray(stored), ggml_type)
-            writer.add_tensor(gguf_name, packed, raw_dtype=ggml_type)
-            # Quantization blocks lie within rows, so quantizing commutes with the row permutation.
-            reference[hf_name] = torch.from_numpy(dequantize(quantize(data, ggml_type), ggml_type).copy())
+        for hf_name, expert_name, tensor in _split_experts(state_name, state_tensor):
+            if hf_name in names:
+                gguf_name = names[hf_name]
+            else:
+                _, _, index, rest = hf_name.split(".", 3)
+                gguf_name = f"blk.{index}.{expert_name or layer_names[rest]}"
+            data = tensor.float().contiguous().numpy()
+            qtype = next((t for key, t in quant_types.items() if key in hf_name), "F32") if data.ndim >= 2 else "F32"
+            stored = data
+            if gemma and hf_name.endswith("norm.weight"):
+                stored = data + 1  # Gemma3RMSNorm scales by (1 + w)
+            elif not (gemma or qwen3) and "q_proj" in hf_name:
+                stored = _permute_for_gguf(data, cfg.num_attention_heads)
+            elif not (gemma or qwen3) and "k_proj" in hf_name:
+                stored = _permute_for_gguf(data, cfg.num_key_value_heads)
+            if qtype == "F32":
+                writer.add_tensor(gguf_name, np.ascontiguousarray(stored))
+                # a Gemma norm in Hugging Face's terms is what the file holds, less 1
+                shifted = gemma and hf_name.endswith("norm.weight")
+                held = torch.from_numpy(stored - 1) if shifted else tensor.float().clone()
+            else:
+                ggml_type = gguf.GGMLQuantizationType[qtype]
+                packed = quantize(np.ascontiguousarray(stored), ggml_type)
+                writer.add_tensor(gguf_name, packed, raw_dtype=ggml_type)
+                # Quantization blocks lie within rows, so quantizing commutes with the row permutation.
+                held = torch.from_numpy(dequantize(quantize(data, ggml_type), ggml_type).copy()).view(data.shape)
+            pieces.setdefault(hf_name, []).append(held)
+    reference = {name: parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) for name, parts in pieces.items()}
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -38,6 +38,12 @@ KNOWN_MODELS: dict[str, ModelConfig] = {
         _shape(18, 4, 1, 256, 640, 2048, 262144, 32768, tied=True), architecture="gemma3", rms_norm_eps=1e-6,
         rope_theta=1_000_000.0, rope_local_theta=gemma3.GGUF_LOCAL_ROPE_THETA, query_pre_attn_scalar=256,
         sliding_window=512, layer_windows=gemma3.gguf_layer_windows(512, 18)),
+    # head_dim 128 beside a hidden of 1024 / 16 heads: the KV is counted with 128.
+    "Qwen3-0.6B": replace(_shape(28, 16, 8, 128, 1024, 3072, 151936, 40960, tied=True), architecture="qwen3"),
+    # 128 experts of 768 in every layer, 8 per token: 30.5B parameters, 3.3B active.
+    "Qwen3-30B-A3B": replace(
+        _shape(48, 32, 4, 128, 2048, 6144, 151936, 40960), architecture="qwen3moe", num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
 }
 
 
@@ -48,13 +54,16 @@ def find_known_model(name: str) -> ModelConfig | None:
 
 
 def num_parameters(config: ModelConfig) -> int:
-    """Weights of a Llama-family decoder from its shape (biases and norms included, rotary tables not)."""
+    """Weights of a Llama-family decoder from its shape (biases and norms included, rotary tables not; per-head
+    q/k norms, a few hundred per layer, not either)."""
     q = config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
     attention = config.hidden_size * (q + 2 * kv) + q * config.hidden_size
     if config.attention_bias:
         attention += q + 2 * kv
     mlp = 3 * config.hidden_size * config.intermediate_size
+    if config.num_experts:  # every expert (a token runs num_experts_per_tok of them), and the router
+        mlp = config.num_experts * (3 * config.moe_intermediate_size + 1) * config.hidden_size
     per_layer = attention + mlp + 2 * config.hidden_size  # two RMSNorm weights
     embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
     return config.num_layers * per_layer + embeddings + config.hidden_size  # final norm

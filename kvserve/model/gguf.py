@@ -23,10 +23,15 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.kernels.packing import GroupCodes
-from kvserve.model.gguf_file import GGUFFile
+from kvserve.model.gguf_file import GGUFFile, GGUFTensorInfo
 from kvserve.model.gguf_quants import dequantize, ggml_type_name, group_codes, tensor_nbytes
 from kvserve.model.family import GGUF_GLOBAL_TENSORS
 from kvserve.model.registry import GGUF, Architecture, find_architecture
+
+# llama.cpp's MoE router, which its quantizer leaves in F32: held in 8 bits whatever the file's type
+# (kvserve.model.moe.Router), so its type says nothing of how the file's matrices were quantized.
+_ROUTER = "ffn_gate_inp.weight"
+
 
 @dataclass
 class GGUFModel:
@@ -49,21 +54,21 @@ class GGUFModel:
     def linear_types(self) -> set[str]:
         """The quantization types of the layers' matrices (what the linear layers are loaded from)."""
         return {ggml_type_name(t.ggml_type) for t in self.file.tensors
-                if t.name.startswith("blk.") and len(t.shape) == 2}
+                if t.name.startswith("blk.") and len(t.shape) in (2, 3)  # 3-D: stacked experts
+                and not t.name.endswith(_ROUTER)}
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, fp32 tensor), dequantized one at a time as the consumer asks for it.
 
         GGUF's `rope_freqs` (Llama 3.1-style scaling) comes as ("rope_freqs", divisors).
         """
-        for tensor in self.file.tensors:
-            type_name = ggml_type_name(tensor.ggml_type)
-            raw = self.file.tensor_bytes(tensor, tensor_nbytes(type_name, tensor.shape))
-            value = dequantize(raw, type_name, tensor.shape)
-            if tensor.name == "rope_freqs.weight":
+        for part in self._parts:
+            type_name, raw, shape = self._raw(part)
+            value = dequantize(raw, type_name, shape)
+            if part.tensor.name == "rope_freqs.weight":
                 yield "rope_freqs", value.reshape(-1)
                 continue
-            hf_name = _hf_name(tensor.name, self.architecture)
+            hf_name = part.hf_name
             if self.norm_shift and hf_name.endswith("norm.weight"):
                 value = value - self.norm_shift
             if self.permuted_qk and ".q_proj." in hf_name:
@@ -75,14 +80,13 @@ class GGUFModel:
     def group_codes(self, hf_name: str) -> GroupCodes | None:
         """The file's own codes of the matrix loaded as `hf_name` (Q/K rows unpermuted as in `weights`), where
         its type is a group of w = d * q + m that a group-quantized linear layer holds exactly; else None."""
-        tensor = self._tensors_by_hf_name.get(hf_name)
-        if tensor is None:
+        part = self._parts_by_hf_name.get(hf_name)
+        if part is None:
             return None
-        type_name = ggml_type_name(tensor.ggml_type)
-        shape = tuple(int(n) for n in tensor.shape)
+        type_name, raw, shape = self._raw(part)
         if len(shape) != 2:
             return None
-        codes = group_codes(self.file.tensor_bytes(tensor, tensor_nbytes(type_name, shape)), type_name, shape)
+        codes = group_codes(raw, type_name, shape)
         if codes is None or not self.permuted_qk:
             return codes
         heads = {".q_proj.": self.config.num_heads, ".k_proj.": self.config.num_kv_heads}
@@ -92,8 +96,45 @@ class GGUFModel:
         return codes
 
     @functools.cached_property
-    def _tensors_by_hf_name(self) -> dict[str | None, Any]:
-        return {_hf_name(t.name, self.architecture): t for t in self.file.tensors}
+    def _parts(self) -> list[TensorPart]:
+        return [part for tensor in self.file.tensors for part in tensor_parts(tensor, self.architecture)]
+
+    @functools.cached_property
+    def _parts_by_hf_name(self) -> dict[str | None, TensorPart]:
+        return {part.hf_name: part for part in self._parts}
+
+    def _raw(self, part: TensorPart) -> tuple[str, Any, tuple[int, ...]]:
+        """(type name, raw bytes, shape) of one part: a whole tensor, or one expert's slice of a stacked one
+        (quantization blocks lie within rows, so an expert's rows are its own run of bytes)."""
+        tensor = part.tensor
+        type_name = ggml_type_name(tensor.ggml_type)
+        shape = tuple(int(n) for n in tensor.shape)
+        if part.expert is None:
+            return type_name, self.file.tensor_bytes(tensor, tensor_nbytes(type_name, shape)), shape
+        shape = shape[1:]
+        size = tensor_nbytes(type_name, shape)
+        raw = self.file.tensor_bytes(tensor, size * int(tensor.shape[0]))
+        return type_name, raw[part.expert * size : (part.expert + 1) * size], shape
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPart:
+    """What the loader streams as one Hugging Face tensor: a file's tensor, or one expert of a stacked one."""
+
+    tensor: GGUFTensorInfo
+    hf_name: str | None
+    expert: int | None = None
+
+
+def tensor_parts(tensor: GGUFTensorInfo, arch: Architecture) -> list[TensorPart]:
+    """A tensor as the loader streams it: whole, or (a family's name with `{expert}`, a 3-D tensor of llama.cpp's
+    stacked experts) one part per expert."""
+    name = _hf_name(tensor.name, arch)
+    if name is None or "{expert}" not in name:
+        return [TensorPart(tensor, name)]
+    if len(tensor.shape) != 3:
+        raise ModelLoadError(f"GGUF tensor {tensor.name} has shape {tensor.shape}: stacked experts are 3-D")
+    return [TensorPart(tensor, name.format(expert=e), e) for e in range(int(tensor.shape[0]))]
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -141,25 +141,35 @@ def linear_held_bytes(rows: int, cols: int, bias: bool, dtype: str) -> int:
 
 def resolve_for_config(config: ModelConfig, weights_dtype: str) -> str:
     """`resolve_weights_dtype` for a model of `config`'s shape (its linear layers' input sizes)."""
-    return resolve_weights_dtype(weights_dtype, (config.hidden_size, config.num_heads * config.head_dim,
-                                                 config.intermediate_size))
+    mlp_size = config.moe_intermediate_size if config.num_experts else config.intermediate_size
+    return resolve_weights_dtype(weights_dtype, (config.hidden_size, config.num_heads * config.head_dim, mlp_size))
 
 
 def held_weight_bytes(config: ModelConfig, weights_dtype: str) -> int:
     """Bytes a Llama-family model of `config` holds with `weights_dtype` ("auto" resolved on this CPU):
     fp32 embedding and norms, each linear in its converted format. `kvserve memory` plans with it."""
     dtype = resolve_for_config(config, weights_dtype)
+    head_dtype = _HEAD_DTYPE.get(dtype, dtype)
     hidden, q_size, kv_size = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     per_layer = (linear_held_bytes(q_size + 2 * kv_size, hidden, config.attention_bias, dtype)
                  + linear_held_bytes(hidden, q_size, False, dtype)
-                 + linear_held_bytes(2 * config.intermediate_size, hidden, False, dtype)
-                 + linear_held_bytes(hidden, config.intermediate_size, False, dtype)
+                 + _mlp_held_bytes(config, dtype, head_dtype)
                  + 2 * 4 * hidden)  # two RMSNorm weights
     embedding = 4 * config.vocab_size * hidden
-    head_dtype = _HEAD_DTYPE.get(dtype, dtype)
     shares_embedding = config.tie_word_embeddings and dtype == "float32"
     head = 0 if shares_embedding else linear_held_bytes(config.vocab_size, hidden, False, head_dtype)
     return config.num_layers * per_layer + embedding + head + 4 * hidden  # final norm
+
+
+def _mlp_held_bytes(config: ModelConfig, dtype: str, router_dtype: str) -> int:
+    """One layer's gated MLP, or its experts and their router (held like the head: kvserve.model.moe)."""
+    hidden = config.hidden_size
+    if not config.num_experts:
+        size = config.intermediate_size
+        return linear_held_bytes(2 * size, hidden, False, dtype) + linear_held_bytes(hidden, size, False, dtype)
+    size = config.moe_intermediate_size
+    expert = linear_held_bytes(2 * size, hidden, False, dtype) + linear_held_bytes(hidden, size, False, dtype)
+    return config.num_experts * expert + linear_held_bytes(config.num_experts, hidden, False, router_dtype)
 
 
 def _checkpoint_codes(model: nn.Module, name: str, layer: Linear, source: CodeSource) -> GroupCodes | None:

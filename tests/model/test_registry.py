@@ -10,8 +10,8 @@ from kvserve.model.registry import ARCHITECTURES, GGUF, HF, find_architecture, m
 
 def test_lookups():
     assert supported_architectures(HF) == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                           "Gemma3ForCausalLM"]
-    assert supported_architectures(GGUF) == ["llama", "qwen2", "gemma3"]
+                                           "Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
+    assert supported_architectures(GGUF) == ["llama", "qwen2", "gemma3", "qwen3", "qwen3moe"]
     assert find_architecture("llama", GGUF).gguf_permuted_qk
     assert not find_architecture("qwen2", GGUF).gguf_permuted_qk
     assert not find_architecture("gemma3", GGUF).gguf_permuted_qk
