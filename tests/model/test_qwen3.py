@@ -209,6 +209,7 @@ def test_a_tokens_moe_output_does_not_depend_on_its_batch(moe_int4):
     assert torch.equal(moe(x[7:19]), batched[7:19])
 
 
+@pytest.mark.slow
 @needs_kernels
 def test_engine_tokens_are_the_same_cold_cached_chunked_and_drafted(moe_int4):
     from kvserve.engine.sample.sampling import SamplingParams
@@ -225,3 +226,35 @@ def test_engine_tokens_are_the_same_cold_cached_chunked_and_drafted(moe_int4):
     oracle = Oracle({tuple(p): out[0] for p, out in zip(prompts, alone)}, TINY_VOCAB)
     assert run(moe_int4, prompts, params, proposer=oracle, k=3) == alone  # drafts verified
     assert oracle.accepted > 0
+
+
+# --- memory planning -----------------------------------------------------------------------------------
+
+
+def test_memory_plan_counts_the_decoupled_head_dim_and_every_expert(tmp_path):
+    from kvserve.config import EngineConfig
+    from kvserve.engine.engine import Engine
+    from kvserve.model.quantized_linear import held_weight_bytes
+    from kvserve.planner import plan, resolve_model
+
+    directory = save_hf_model(build_hf_model("qwen3-moe"), tmp_path)
+    name, config, params = resolve_model(str(directory))
+    result = plan(name, config, params, context=37, kv_dtype="float32", block_size=16)
+    assert result.bytes_per_token == 3 * 2 * 32 * 2 * 4  # layers x KV heads x head_dim 32 (not 64 / 4) x K, V
+    loaded = load_model(directory)
+    engine = Engine(EngineConfig(kv_cache_memory=result.kv_bytes_total, kv_cache_dtype="float32", block_size=16,
+                                 max_num_seqs=1), loaded=loaded)
+    assert engine.kv_spec.bytes_per_token == result.bytes_per_token
+    assert engine.kv_cache.bytes_allocated == result.kv_bytes_total
+    qk_norms = config.num_layers * 2 * config.head_dim  # the one thing the Llama-shaped count leaves out
+    assert params == loaded.model.num_parameters() - qk_norms
+    for dtype in ["float32"] + (["int8", "int4"] if ops.available() else []):
+        held = load_model(directory, weights_dtype=dtype).weight_bytes
+        assert held_weight_bytes(config, dtype) == sum(held.values()) - 4 * qk_norms, dtype
+
+
+def test_catalog_qwen3_sizes():
+    from kvserve.model.catalog import KNOWN_MODELS, num_parameters
+
+    assert num_parameters(KNOWN_MODELS["Qwen3-30B-A3B"]) / 1e9 == pytest.approx(30.53, abs=0.01)
+    assert num_parameters(KNOWN_MODELS["Qwen3-0.6B"]) / 1e9 == pytest.approx(0.596, abs=0.001)
