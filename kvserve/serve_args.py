@@ -48,6 +48,10 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                             "input items and the exact token ids of its conversation) persist as JSON files, so a "
                             "restart keeps them and previous_response_id goes on; one directory per model (default: "
                             "in memory only, forgotten at restart)")
+    serve.add_argument("--compaction-secret", default=None, metavar="SECRET",
+                       help="secret (16+ bytes) that seals compaction items (/v1/responses/compact, "
+                            "context_management); or KVSERVE_COMPACTION_SECRET (default: one kept in "
+                            "--responses-store-path, else a random one per process); replicas must share it")
     replicas = serve.add_argument_group("replicas (Ray Serve; needs kvserve[ray])")
     replicas.add_argument("--replicas", type=int, default=0, metavar="N",
                           help="run N engine replicas on Ray Serve behind one ingress with this same API "
@@ -75,7 +79,10 @@ def server_settings_from_args(args: argparse.Namespace, model_name: str):
         raise ConfigError("--admin-key must differ from every --api-key: a tenant must not open the lab")
     if metrics_key is not None and metrics_key in api_keys:
         raise ConfigError("--metrics-key must differ from every --api-key: /metrics counts every tenant's traffic")
-    return ServerSettings(model_name=model_name, api_keys=api_keys, max_waiting_requests=args.max_waiting_requests,
+    compaction_secret = args.compaction_secret or os.environ.get("KVSERVE_COMPACTION_SECRET") or None
+    if compaction_secret is not None and len(compaction_secret.encode()) < 16:
+        raise ConfigError("--compaction-secret must be at least 16 bytes")
+    return ServerSettings(model_name=model_name, api_keys=api_keys, compaction_secret=compaction_secret, max_waiting_requests=args.max_waiting_requests,
                           log_prompts=args.log_prompts, max_request_bytes=args.max_request_bytes,
                           admin_key=admin_key, responses_store_path=args.responses_store_path,
                           default_max_tokens=args.default_max_tokens, metrics_key=metrics_key)

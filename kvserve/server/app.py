@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -27,6 +28,8 @@ from kvserve.server.lab import mount_lab
 from kvserve.server.ollama import ollama_router
 from kvserve.server.ollama.router import ollama_error_response
 from kvserve.server.openai import openai_router
+from kvserve.server.compaction.sealing import Sealer, server_secret
+from kvserve.server.compaction.summarizer import Summarizer
 from kvserve.server.responses import responses_router, responses_store
 
 disable_created_metrics()  # the *_created series only add noise to every scrape
@@ -40,6 +43,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     serving = Serving(async_engine, settings)
     serving.count_tool_calls = metrics.count_tool_calls
     store = responses_store(serving)
+    directory = Path(settings.responses_store_path) if settings.responses_store_path is not None else None
+    summarizer = Summarizer(serving, Sealer(server_secret(settings.compaction_secret, directory)))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -64,8 +69,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     metrics_keys = [key for key in (settings.metrics_key, settings.admin_key) if key] if settings.metrics_key else []
     app.include_router(health_router(async_engine, metrics, metrics_guard(metrics_keys)))
     app.include_router(openai_router(serving))
-    app.include_router(messages_router(serving))
-    app.include_router(responses_router(serving, store))
+    app.include_router(messages_router(serving, summarizer))
+    app.include_router(responses_router(serving, store, summarizer))
     app.include_router(ollama_router(serving))
     app.include_router(kv_cache_router(async_engine, pool_viewer_dependency(serving.tenancy, settings.admin_key),
                                        serving.pin_owners))

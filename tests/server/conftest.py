@@ -126,3 +126,23 @@ def tiny_app(tiny_models):
     with serve_in_process(with_tiny_tokenizer(tiny_models("llama-gqa")), max_waiting_requests=8,
                           max_request_bytes=64 * 1024, engine_options={"speculative": "ngram"}) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def tiny_long_model(tmp_path_factory):
+    """The llama-gqa tiny random model with a 1,024-token context and the character tokenizer: room for a
+    history, a compaction pass and its summary (the character tokenizer spends a token a character)."""
+    import transformers
+
+    from kvserve.model.loader import load_model
+    from tests.helpers import TINY_VOCAB
+    from tests.server.inprocess import with_tiny_tokenizer
+
+    config = transformers.LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=1024, rms_norm_eps=1e-6)
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("llama-long")
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(directory)
+    return with_tiny_tokenizer(load_model(directory))

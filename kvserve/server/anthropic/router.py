@@ -6,12 +6,13 @@ from fastapi import APIRouter, Depends, Request
 
 from kvserve.server.anthropic.messages import MessagesServing
 from kvserve.server.anthropic.protocol import MessagesPrompt, MessagesRequest
+from kvserve.server.compaction.summarizer import Summarizer
 from kvserve.server.core.auth import api_key_dependency
 from kvserve.server.core.errors import error_responses
 from kvserve.server.core.serving import Serving
 
 
-def messages_router(serving: Serving) -> APIRouter:
+def messages_router(serving: Serving, summarizer: Summarizer | None = None) -> APIRouter:
     router = APIRouter()
     # Anthropic's clients send `x-api-key`; a Bearer header works too. Both name the same tenants.
     api_key = api_key_dependency(serving.tenancy, accept_x_api_key=True)

@@ -58,6 +58,8 @@ class ServerSettings:
     responses_store_max_bytes: int = 256 * 2**20
     # Where stored responses also persist (JSON files, one per response), so a restart keeps them; None: memory only.
     responses_store_path: str | None = None
+    # Seals compaction items (server/compaction/sealing.py); None: kept in responses_store_path, else random.
+    compaction_secret: str | None = None
     admin_key: str | None = None  # opens the lab (/lab), which shows every tenant's activity
     # Output cap of a request that gives none (llama.cpp's --n-predict); None: to the end of the context.
     default_max_tokens: int | None = None

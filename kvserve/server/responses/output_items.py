@@ -12,8 +12,9 @@ from kvserve.tools.parsing import ArgumentsDelta, CallStarted, ContentDelta, Too
 
 
 class OutputItems:
-    def __init__(self, event: Callable[..., str], parser: ToolCallParser) -> None:
+    def __init__(self, event: Callable[..., str], parser: ToolCallParser, first_index: int = 0) -> None:
         self._event = event  # (type, **fields) -> an SSE event with its sequence number
+        self.first_index = first_index  # of the first item in the Response's output (after a compaction item)
         self.parser = parser
         self.items: list[dict] = []  # each {"item": the item as it stands, "text": [...] for a message}
         self._open: dict | None = None
@@ -59,7 +60,7 @@ class OutputItems:
         return bool(self.parser.calls)
 
     def _index(self) -> int:
-        return len(self.items) - 1
+        return self.first_index + len(self.items) - 1
 
     def _open_message(self) -> list[str]:
         self._open = {"item": {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress",
@@ -74,7 +75,7 @@ class OutputItems:
         entry, self._open = self._open, None
         if entry is None:
             return []
-        index = self.items.index(entry)
+        index = self.first_index + self.items.index(entry)
         item = self._finished_item(entry, status)
         if item["type"] == "message":
             text = item["content"][0]["text"]

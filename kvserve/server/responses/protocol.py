@@ -3,8 +3,10 @@
 Type errors are pydantic's (-> 400); ranges are SamplingParams' own. Function
 tools, `function_call` / `function_call_output` items and `text.format` json
 output are served (server/core/tool_use.py); what the model cannot serve —
-other tool types, reasoning, images, files, other item types, background mode,
-server-side conversations — is refused by name, never ignored.
+other tool types, reasoning, images, files, other item types, background mode —
+is refused by name, never ignored. `compaction` items (server/compaction/) stand for every item before
+them; `context_management` compaction and `conversation` are served (responses/compacting.py,
+responses/conversations.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kvserve.kv.prefix.pins import TTL_SECONDS
 from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
                                      check_typed_fields, needs_tools,
                                      non_empty_list, required_in_schema, required_when, sampling_params)
+from kvserve.server.compaction.summary import compacted_instructions
 from kvserve.server.core.structured_output import text_format_constraint
 from kvserve.server.core.tool_use import ToolUse, link_tool_results
 from kvserve.server.prompt.builder import Conversation
@@ -51,7 +54,7 @@ class InputContent(BaseModel):
 
 
 _ITEM_FIELDS = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
-                "function_call_output": ("call_id", "output")}
+                "function_call_output": ("call_id", "output"), "compaction": ("encrypted_content",)}
 
 
 class InputMessage(BaseModel):
@@ -67,6 +70,7 @@ class InputMessage(BaseModel):
     name: Text | None = None
     arguments: Text | None = None
     output: Text | None = None
+    encrypted_content: Text | None = None
 
     @model_validator(mode="after")
     def _known_item(self) -> "InputMessage":
@@ -79,6 +83,8 @@ class InputMessage(BaseModel):
             return {"type": "function_call", "call_id": self.call_id, "name": self.name, "arguments": self.arguments}
         if self.type == "function_call_output":
             return {"type": "function_call_output", "call_id": self.call_id, "output": self.output}
+        if self.type == "compaction":
+            return {"type": "compaction", "encrypted_content": self.encrypted_content}
         part = "output_text" if self.role == "assistant" else "input_text"
         return {"type": "message", "role": self.role, "content": [{"type": part, "text": self.text()}]}
 
@@ -105,6 +111,32 @@ class NamedFunction(BaseModel):
 _RETENTION_NEEDS_KEY = {
     "if": {"required": ["prompt_cache_retention"], "properties": {"prompt_cache_retention": {"type": "string"}}},
     "then": {"required": ["prompt_cache_key"], "properties": {"prompt_cache_key": {"type": "string"}}}}
+
+
+class ContextManagement(BaseModel):
+    """A `context_management` entry: compaction once the input passes `compact_threshold` tokens."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["compaction"]
+    compact_threshold: Integer | None = bounded(minimum=1)
+
+
+class ConversationRef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: NonEmptyText
+
+
+def last_compaction(items: Any) -> tuple[str | None, list["InputMessage"]]:
+    """(the encrypted_content of the last compaction item or None, the items after it): a compaction item
+    stands for everything before it."""
+    if isinstance(items, str):
+        return None, []
+    for n in range(len(items) - 1, -1, -1):
+        if items[n].type == "compaction":
+            return items[n].encrypted_content, list(items[n + 1:])
+    return None, list(items)
 
 
 class ResponsesRequest(NullMeansDefault):
@@ -140,8 +172,9 @@ class ResponsesRequest(NullMeansDefault):
     include: list[Any] | None = None
     text: dict[str, Any] | None = None
     background: StrictBool | None = None
-    conversation: Any = None
     top_logprobs: Integer | None = None
+    context_management: list[ContextManagement] | None = None
+    conversation: NonEmptyText | ConversationRef | None = None
 
     def check(self) -> None:
         """Checks that need no prompt (call before rendering)."""
@@ -149,7 +182,6 @@ class ResponsesRequest(NullMeansDefault):
             ("reasoning", self.reasoning is not None and self.reasoning.get("effort") not in (None, "none")),
             ("include", bool(self.include)),
             ("background", bool(self.background)),
-            ("conversation", self.conversation is not None),
             ("top_logprobs", bool(self.top_logprobs)),
         ) if on]
         if refused:
@@ -160,6 +192,20 @@ class ResponsesRequest(NullMeansDefault):
                                       param="metadata")
         if self.prompt_cache_retention is not None and self.prompt_cache_key is None:
             raise InvalidRequestError("prompt_cache_retention needs a prompt_cache_key", param="prompt_cache_retention")
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise InvalidRequestError("conversation and previous_response_id cannot be used together",
+                                      param="conversation")
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
+
+    @property
+    def compact_threshold(self) -> int | None:
+        """The input size past which the server compacts first (`context_management`), or None."""
+        thresholds = [entry.compact_threshold for entry in self.context_management or []
+                      if entry.compact_threshold is not None]
+        return min(thresholds) if thresholds else None
 
     def tool_use(self) -> ToolUse:
         tools = [FunctionTool(t.name, t.description, t.parameters if t.parameters is not None else
@@ -174,12 +220,15 @@ class ResponsesRequest(NullMeansDefault):
         use.check()
         return use
 
-    def to_conversation(self, tool_use: ToolUse, tenant: str | None, earlier_calls: dict[str, str] | None = None
-                     ) -> Conversation:
-        """The request as the prompt builder takes it, the instructions a segment of their own, as a
-        conversation continued by previous_response_id tokenizes them (`earlier_calls`: see `turns`)."""
-        return Conversation(self.turns(earlier_calls or {}), tool_use.tools, instructions=self.instructions or "",
-                            tenant=tenant, split_instructions=True, param="input")
+    def to_conversation(self, tool_use: ToolUse, tenant: str | None, earlier_calls: dict[str, str] | None = None,
+                        summary: str | None = None, turns: list[Turn] | None = None) -> Conversation:
+        """The request as the prompt builder takes it, the instructions (and the `summary` of a compacted
+        history, server/compaction/summary.py) a segment of their own, as a conversation continued by
+        previous_response_id tokenizes them (`earlier_calls`: see `turns`; `turns`: in place of the input's)."""
+        turns = self.turns(earlier_calls or {}) if turns is None else turns
+        instructions = compacted_instructions(self.instructions, summary) or ""
+        return Conversation(turns, tool_use.tools, instructions=instructions, tenant=tenant, split_instructions=True,
+                            param="input")
 
     def turns(self, earlier_calls: dict[str, str]) -> list[Turn]:
         """The input, API-neutral ("developer" is the system role to a template); a function_call_output must
@@ -187,7 +236,7 @@ class ResponsesRequest(NullMeansDefault):
         if isinstance(self.input, str):
             return [Turn("user", self.input)]
         turns: list[Turn] = []
-        for m in self.input:
+        for m in last_compaction(self.input)[1]:
             if m.type == "function_call":
                 call = ToolCall(m.call_id, m.name, m.arguments)
                 if turns and turns[-1].role == "assistant":
@@ -220,3 +269,50 @@ class ResponsesRequest(NullMeansDefault):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
         return sampling_params(values, {"max_tokens": "max_output_tokens"})
+
+
+class CompactRequest(NullMeansDefault):
+    """`POST /v1/responses/compact`: the history (`input`, and/or a stored `previous_response_id`) to fold
+    into one compaction item."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text | None = None
+    input: NonEmptyText | non_empty_list(InputMessage) | None = None
+    instructions: Text | None = None
+    previous_response_id: Text | None = None
+
+    def check(self) -> None:
+        if self.input is None and self.previous_response_id is None:
+            raise InvalidRequestError("nothing to compact: give input, previous_response_id or both", param="input")
+
+    def as_request(self) -> ResponsesRequest:
+        """The history as a create request reads it (one prompt path for both)."""
+        return ResponsesRequest.model_construct(model=self.model, input=self.input if self.input is not None else [],
+                                                instructions=self.instructions,
+                                                previous_response_id=self.previous_response_id)
+
+
+class ConversationCreate(NullMeansDefault):
+    """`POST /v1/conversations`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    items: list[InputMessage] | None = None
+    metadata: dict[Text, Text] | None = None
+
+
+class ConversationUpdate(BaseModel):
+    """`POST /v1/conversations/{id}`: new metadata (null clears it)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    metadata: dict[Text, Text] | None
+
+
+class ConversationItemsCreate(BaseModel):
+    """`POST /v1/conversations/{id}/items`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    items: non_empty_list(InputMessage)

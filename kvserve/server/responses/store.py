@@ -26,6 +26,7 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any, ClassVar
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ _BYTES_PER_TOKEN = 8  # a Python int in a tuple: one pointer (small ints are sha
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
+    PREFIX: ClassVar[str] = "resp_"  # of its id, and of its file's name
+
     response_id: str
     tenant: str
     body: dict  # the response object as returned
@@ -43,6 +46,11 @@ class StoredResponse:
     instructions: str | None
     instruction_ids: tuple[int, ...]
     turns: tuple[tuple[int, ...], ...]  # per turn: its messages' tokens + generation prompt + output tokens
+    summary: str | None = None  # a compacted history's summary (in instruction_ids; a follow-up keeps it)
+
+    @property
+    def key(self) -> str:
+        return self.response_id
 
     @property
     def token_ids(self) -> list[int]:
@@ -52,13 +60,15 @@ class StoredResponse:
     @property
     def num_bytes(self) -> int:
         tokens = len(self.instruction_ids) + sum(len(turn) for turn in self.turns)
-        text = len(json.dumps(self.body, ensure_ascii=False)) + len(json.dumps(self.input_items, ensure_ascii=False))
+        text = len(json.dumps(self.body, ensure_ascii=False)) + len(json.dumps(self.input_items, ensure_ascii=False)) \
+            + len(self.summary or "")
         return tokens * _BYTES_PER_TOKEN + text
 
     def to_json(self) -> dict:
         return {"version": 1, "response_id": self.response_id, "tenant": self.tenant, "body": self.body,
                 "input_items": list(self.input_items), "instructions": self.instructions,
-                "instruction_ids": list(self.instruction_ids), "turns": [list(turn) for turn in self.turns]}
+                "instruction_ids": list(self.instruction_ids), "turns": [list(turn) for turn in self.turns],
+                "summary": self.summary}
 
     @classmethod
     def from_json(cls, data: dict) -> "StoredResponse":
@@ -69,15 +79,22 @@ class StoredResponse:
         turns = tuple(tuple(int(t) for t in turn) for turn in data["turns"])
         if not isinstance(data["body"], dict) or not all(isinstance(i, dict) for i in data["input_items"]):
             raise ValueError("malformed body or input items")
+        summary = data.get("summary")
+        if summary is not None and not isinstance(summary, str):
+            raise ValueError("malformed summary")
         return cls(data["response_id"], str(data["tenant"]), data["body"], tuple(data["input_items"]),
-                   data["instructions"], ids, turns)
+                   data["instructions"], ids, turns, summary)
 
 
 class ResponsesStore:
     """Thread-safe (handlers run on the event loop, rendering on workers)."""
 
     def __init__(self, max_responses: int = 10_000, max_bytes: int = 256 * 2**20,
-                 directory: Path | None = None) -> None:
+                 directory: Path | None = None, kind: type = StoredResponse) -> None:
+        # `kind`: what it keeps (StoredResponse; responses/conversations.py's StoredConversation), any class
+        # with PREFIX, key, tenant, num_bytes, to_json and from_json
+        self.kind = kind
+        self._id = re.compile(re.escape(kind.PREFIX) + r"[0-9a-f]{32}")
         self.max_responses = max_responses
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
@@ -98,11 +115,11 @@ class ResponsesStore:
 
     def _load_all(self) -> None:
         """Read back what an earlier process stored, oldest first (file times keep the LRU order)."""
-        paths = sorted(self.directory.glob("resp_*.json"), key=lambda path: path.stat().st_mtime)
+        paths = sorted(self.directory.glob(f"{self.kind.PREFIX}*.json"), key=lambda path: path.stat().st_mtime)
         for path in paths:
             try:
-                entry = StoredResponse.from_json(json.loads(path.read_text()))
-                if path.stem != entry.response_id:
+                entry = self.kind.from_json(json.loads(path.read_text()))
+                if path.stem != entry.key:
                     raise ValueError("file name and id differ")
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("stored responses: removing unreadable %s (%s)", path, exc)
@@ -112,13 +129,13 @@ class ResponsesStore:
         if paths:
             log.info("stored responses: %d read back from %s", len(self._entries), self.directory)
 
-    def _path(self, response_id: str) -> Path:
-        return self.directory / f"{response_id}.json"
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}.json"
 
     def _write(self, entry: StoredResponse) -> None:
-        if self.directory is None or not _ID.fullmatch(entry.response_id):
+        if self.directory is None or not self._id.fullmatch(entry.key):
             return
-        path = self._path(entry.response_id)
+        path = self._path(entry.key)
         temporary = path.with_name(path.name + f".tmp-{os.getpid()}")
         try:
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -128,10 +145,10 @@ class ResponsesStore:
         except OSError as exc:
             self._give_up_disk(exc)
 
-    def _unlink(self, response_id: str) -> None:
+    def _unlink(self, key: str) -> None:
         if self.directory is not None:
             try:
-                self._path(response_id).unlink()
+                self._path(key).unlink()
             except FileNotFoundError:
                 pass
             except OSError as exc:
@@ -144,18 +161,18 @@ class ResponsesStore:
     def _remember(self, entry: StoredResponse) -> list[str]:
         """Under the lock (or before the store is shared): add an entry, evict past the bounds; the evicted ids."""
         size = entry.num_bytes
-        if self._entries.pop(entry.response_id, None) is not None:
-            self._bytes -= self._sizes.pop(entry.response_id)
-        self._entries[entry.response_id] = entry
-        self._sizes[entry.response_id] = size
+        if self._entries.pop(entry.key, None) is not None:
+            self._bytes -= self._sizes.pop(entry.key)
+        self._entries[entry.key] = entry
+        self._sizes[entry.key] = size
         self._bytes += size
         evicted = []
         while len(self._entries) > self.max_responses or self._bytes > self.max_bytes:
-            response_id, _ = self._entries.popitem(last=False)
-            self._bytes -= self._sizes.pop(response_id)
-            evicted.append(response_id)
-        for response_id in evicted:
-            self._unlink(response_id)
+            key, _ = self._entries.popitem(last=False)
+            self._bytes -= self._sizes.pop(key)
+            evicted.append(key)
+        for key in evicted:
+            self._unlink(key)
         return evicted
 
     def __len__(self) -> int:
@@ -172,43 +189,43 @@ class ResponsesStore:
             self._remember(entry)
             self._write(entry)
 
-    def get(self, response_id: str, tenant: str) -> StoredResponse | None:
+    def get(self, key: str, tenant: str) -> Any:
         with self._lock:
-            entry = self._entries.get(response_id)
+            entry = self._entries.get(key)
         if entry is None:
-            entry = self._read_back(response_id)
+            entry = self._read_back(key)
         with self._lock:
             if entry is None or entry.tenant != tenant:
                 return None
-            if response_id in self._entries:
-                self._entries.move_to_end(response_id)
+            if key in self._entries:
+                self._entries.move_to_end(key)
         if self.directory is not None:
             try:
-                os.utime(self._path(response_id))  # LRU order that survives a restart
+                os.utime(self._path(key))  # LRU order that survives a restart
             except OSError:
                 pass
         return entry
 
-    def _read_back(self, response_id: str) -> StoredResponse | None:
+    def _read_back(self, key: str) -> Any:
         """A response that another process sharing the directory stored (kvserve replicas on one host)."""
-        if self.directory is None or not _ID.fullmatch(response_id):
+        if self.directory is None or not self._id.fullmatch(key):
             return None
         try:
-            entry = StoredResponse.from_json(json.loads(self._path(response_id).read_text()))
+            entry = self.kind.from_json(json.loads(self._path(key).read_text()))
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        if entry.response_id != response_id:
+        if entry.key != key:
             return None
         with self._lock:
             self._remember(entry)
         return entry
 
-    def delete(self, response_id: str, tenant: str) -> bool:
+    def delete(self, key: str, tenant: str) -> bool:
         with self._lock:
-            entry = self._entries.get(response_id)
+            entry = self._entries.get(key)
             if entry is None or entry.tenant != tenant:
                 return False
-            del self._entries[response_id]
-            self._bytes -= self._sizes.pop(response_id)
-            self._unlink(response_id)
+            del self._entries[key]
+            self._bytes -= self._sizes.pop(key)
+            self._unlink(key)
             return True

@@ -129,6 +129,7 @@ def test_truncation_auto_drops_the_oldest_turns_and_disabled_refuses_with_counts
      "input_image"),
     ({"input": [{"type": "input_file", "file_id": "f"}]}, "input_file"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "json_schema"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
 ])
 def test_unsupported_features_are_refused_by_name(app, extra, named):
     body = {"model": "tiny", "input": "hi", **extra}
