@@ -18,13 +18,16 @@ import uuid
 from collections.abc import Iterable
 
 from fastapi import Request as HTTPRequest
+from fastapi.responses import StreamingResponse
 
 from kvserve.engine.output.types import RequestDelta, RequestOutput
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.kv.prefix.pins import PinRequest, cache_write_tokens
 from kvserve.server.anthropic.protocol import MessagesPrompt, MessagesRequest
+from kvserve.server.anthropic.context_edits import ContextEdits, check_betas
 from kvserve.server.anthropic.conversation import messages_conversation
 from kvserve.server.anthropic.tool_blocks import BlockStream, output_blocks
+from kvserve.server.compaction.summarizer import Summarizer, SummaryPass
 from kvserve.server.core.serving import Serving
 from kvserve.server.core.streaming import Job, OutputFormat, sse_event
 from kvserve.server.core.tenancy import tenant_id
@@ -32,8 +35,9 @@ from kvserve.server.core.tool_use import ToolUse
 
 
 class MessagesServing:
-    def __init__(self, serving: Serving) -> None:
+    def __init__(self, serving: Serving, summarizer: Summarizer | None = None) -> None:
         self.serving = serving
+        self.summarizer = summarizer  # None: context_management compaction is refused
 
     async def create(self, body: MessagesRequest, http: HTTPRequest, api_key: str):
         serving = self.serving
@@ -41,9 +45,23 @@ class MessagesServing:
         body.check()
         tool_use = serving.tool_use(body)
         tenant = tenant_id(api_key)
+        applied, done = None, None
+        if body.context_management is not None:
+            check_betas(body.context_management.edits, http.headers.get("anthropic-beta"))
+            edits = ContextEdits(serving.prompts)
+            body, applied = await serving.off_loop(edits.clear_tool_uses, body, tool_use, tenant)
+            edit = await serving.off_loop(edits.compaction_due, body, tool_use, tenant)
+            if edit is not None:
+                if self.summarizer is None:
+                    raise InvalidRequestError("compaction is not served here", param="context_management")
+                prompt = await serving.off_loop(edits.pass_prompt, body, tool_use, tenant, edit)
+                done = await self.summarizer.run(prompt, tenant, serving.tenancy.cache_salt(api_key, None))
+                if edit.pause_after_compaction:
+                    return paused_after_compaction(body, done, applied, serving.settings.model_name)
+                body = edits.compacted(body, done.summary)
         job = await serving.off_loop(self._job, body, tool_use, tenant)
-        return await serving.respond(MessagesFormat(serving, body, job, tool_use, tenant), [job], http, api_key,
-                                     None, body.stream)
+        fmt = MessagesFormat(serving, body, job, tool_use, tenant, done, applied)
+        return await serving.respond(fmt, [job], http, api_key, None, body.stream)
 
     async def count_tokens(self, body: MessagesPrompt, api_key: str) -> dict:
         """/v1/messages/count_tokens: the prompt's tokens, exactly as /v1/messages would send them."""
@@ -70,13 +88,17 @@ class MessagesServing:
 class MessagesFormat(OutputFormat):
     """Anthropic's Message object, and its stream (message_start ... message_stop)."""
 
-    def __init__(self, serving: Serving, body: MessagesRequest, job: Job, tool_use: ToolUse, tenant: str) -> None:
+    def __init__(self, serving: Serving, body: MessagesRequest, job: Job, tool_use: ToolUse, tenant: str,
+                 compaction: SummaryPass | None = None, applied_edits: list[dict] | None = None) -> None:
         self.serving = serving
+        self.compaction = compaction  # a pass that ran first: its block leads the content
+        self.applied_edits = applied_edits  # None: no context_management asked for
         self.tenant = tenant
         self.body = body
         self.job = job
         parser = tool_use.parser()  # None: plain text, one text block opened at once
-        self.blocks = BlockStream(self._event, parser) if parser is not None else None
+        self.first_index = 1 if compaction is not None else 0  # of the answer's blocks
+        self.blocks = BlockStream(self._event, parser, self.first_index) if parser is not None else None
         self.request_id = f"msg_{uuid.uuid4().hex}"
         self._started = False
         self._num_output_tokens = 0
@@ -95,7 +117,15 @@ class MessagesFormat(OutputFormat):
             "cache_creation": {"ephemeral_5m_input_tokens": 0 if long_lived else written,
                                "ephemeral_1h_input_tokens": written if long_lived else 0},
             "output_tokens": num_output_tokens, "service_tier": "standard",
-        }
+        } | self._iterations(num_cached_tokens, num_output_tokens)
+
+    def _iterations(self, num_cached_tokens: int, num_output_tokens: int) -> dict:
+        """With a compaction pass: each pass's usage (the pass's not in the top-level fields, as Anthropic)."""
+        if self.compaction is None:
+            return {}
+        top = {"input_tokens": len(self.job.token_ids) - num_cached_tokens, "cache_read_input_tokens":
+               num_cached_tokens, "cache_creation_input_tokens": 0, "output_tokens": num_output_tokens}
+        return {"iterations": [compaction_usage(self.compaction), {"type": "message", **top}]}
 
     def _stop(self, output: RequestOutput) -> tuple[str, str | None]:
         completion = output.outputs[0]
@@ -113,8 +143,11 @@ class MessagesFormat(OutputFormat):
         return "end_turn", None
 
     def _message(self, content: list[dict], stop: tuple[str | None, str | None], usage: dict) -> dict:
-        return {"id": self.request_id, "type": "message", "role": "assistant", "model": self.body.model,
-                "content": content, "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+        message = {"id": self.request_id, "type": "message", "role": "assistant", "model": self.body.model,
+                   "content": content, "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+        if self.applied_edits is not None:
+            message["context_management"] = {"applied_edits": self.applied_edits}
+        return message
 
     def _remember(self, final: RequestOutput) -> None:
         """Keep an answer's generated ids for the turn that sends its tool_use blocks back (token-exact loops)."""
@@ -130,6 +163,8 @@ class MessagesFormat(OutputFormat):
         completion = final.outputs[0]
         content = [{"type": "text", "text": completion.text}] if self.blocks is None else \
             output_blocks(completion.text, self.blocks.parser)
+        if self.compaction is not None:
+            content = [compaction_block(self.compaction), *content]
         self._remember(final)
         self.serving.count_tool_calls(sum(block["type"] == "tool_use" for block in content))
         return self._message(content, self._stop(final),
@@ -144,18 +179,25 @@ class MessagesFormat(OutputFormat):
     def _start(self, num_cached_tokens: int) -> list[str]:
         """message_start waits for the first delta: only then are the cache numbers known."""
         self._started = True
-        start = self._event("message_start", message=self._message([], (None, None), self._usage(num_cached_tokens, 0)))
+        start = [self._event("message_start", message=self._message([], (None, None),
+                                                                      self._usage(num_cached_tokens, 0)))]
+        if self.compaction is not None:  # the pass ran before the stream: its block, whole
+            start += [self._event("content_block_start", index=0,
+                                  content_block={"type": "compaction", "content": None}),
+                      self._event("content_block_delta", index=0, delta={"type": "compaction_delta",
+                                                                          "content": self.compaction.summary}),
+                      self._event("content_block_stop", index=0)]
         if self.blocks is not None:  # blocks open as the output shows what they are
-            return [start, self._event("ping")]
-        return [start, self._event("content_block_start", index=0, content_block={"type": "text", "text": ""}),
-                self._event("ping")]
+            return [*start, self._event("ping")]
+        return [*start, self._event("content_block_start", index=self.first_index,
+                                    content_block={"type": "text", "text": ""}), self._event("ping")]
 
     def output_events(self, job: Job, delta: RequestDelta) -> Iterable[str]:
         events = [] if self._started else self._start(delta.num_cached_tokens)
         if self.blocks is not None:
             return events + self.blocks.feed(delta.new_text, delta.finished)
         if delta.new_text:
-            events.append(self._event("content_block_delta", index=0,
+            events.append(self._event("content_block_delta", index=self.first_index,
                                       delta={"type": "text_delta", "text": delta.new_text}))
         return events
 
@@ -175,7 +217,37 @@ class MessagesFormat(OutputFormat):
         if self.blocks is not None:
             self.serving.count_tool_calls(len(self.blocks.parser.calls))
         if self.blocks is None:  # (the blocks' own events closed them)
-            yield self._event("content_block_stop", index=0)
+            yield self._event("content_block_stop", index=self.first_index)
         yield self._event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                           usage=usage)
         yield self._event("message_stop")
+
+
+def compaction_block(done: SummaryPass) -> dict:
+    return {"type": "compaction", "content": done.summary}
+
+
+def compaction_usage(done: SummaryPass) -> dict:
+    return {"type": "compaction", "input_tokens": done.num_prompt_tokens - done.num_cached_tokens,
+            "cache_read_input_tokens": done.num_cached_tokens, "cache_creation_input_tokens": 0,
+            "output_tokens": done.num_output_tokens}
+
+
+def paused_after_compaction(body: MessagesRequest, done: SummaryPass, applied: list[dict] | None, model: str):
+    """`pause_after_compaction`: the compaction block alone, stop_reason "compaction" (whole or streamed)."""
+    usage = {"input_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0, "output_tokens": 0,
+             "iterations": [compaction_usage(done)]}
+    message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model or model,
+               "content": [compaction_block(done)], "stop_reason": "compaction", "stop_sequence": None, "usage": usage}
+    if applied is not None:
+        message["context_management"] = {"applied_edits": applied}
+    if not body.stream:
+        return message
+    event = MessagesFormat._event
+    events = [event("message_start", message={**message, "content": [], "stop_reason": None}),
+              event("content_block_start", index=0, content_block={"type": "compaction", "content": None}),
+              event("content_block_delta", index=0, delta={"type": "compaction_delta", "content": done.summary}),
+              event("content_block_stop", index=0),
+              event("message_delta", delta={"stop_reason": "compaction", "stop_sequence": None}, usage=usage),
+              event("message_stop")]
+    return StreamingResponse(iter(events), media_type="text/event-stream")

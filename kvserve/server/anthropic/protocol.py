@@ -56,23 +56,26 @@ class TextBlock(BaseModel):
         return self
 
 
-_BLOCK_FIELDS = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
+_BLOCK_FIELDS = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",),
+                 "compaction": ()}
 
 
 class ContentBlock(BaseModel):
-    """A message block: text, a `tool_use` (assistant) or a `tool_result` (user)."""
+    """A message block: text, a `tool_use` (assistant), a `tool_result` (user) or a `compaction` (assistant:
+    the summary that stands for every block before it; null content: a failed compaction, a no-op)."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"allOf": required_when("type", _BLOCK_FIELDS)})
 
-    type: Text = Field(json_schema_extra={"enum": ["text", "tool_use", "tool_result"]})
+    type: Text = Field(json_schema_extra={"enum": ["text", "tool_use", "tool_result", "compaction"]})
     text: Text | None = None
     cache_control: CacheControl | None = None
     id: Text | None = None  # tool_use
     name: Text | None = None  # tool_use
     input: Any = None  # tool_use: the arguments object
     tool_use_id: Text | None = None  # tool_result
-    content: Text | list[TextBlock] | None = None  # tool_result
+    content: Text | list[TextBlock] | None = None  # tool_result; compaction: the summary
     is_error: StrictBool | None = None  # tool_result
+    encrypted_content: Text | None = None  # compaction: round-tripped, unused here
 
     @model_validator(mode="after")
     def _known_block(self) -> "ContentBlock":
@@ -159,6 +162,42 @@ class MessagesPrompt(NullMeansDefault):
         return [TextBlock(type="text", text=self.system)] if isinstance(self.system, str) else self.system
 
 
+class InputTokens(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["input_tokens"]
+    value: Integer = bounded(..., minimum=1)
+
+
+class ToolUses(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["tool_uses"]
+    value: Integer = bounded(..., minimum=0)
+
+
+class ContextEdit(BaseModel):
+    """One `context_management` edit (beta): `clear_tool_uses_20250919` (the oldest tool results cleared past
+    `trigger`, the last `keep` kept) or `compact_20260112` (the history summarized past `trigger`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["clear_tool_uses_20250919", "compact_20260112"]
+    trigger: InputTokens | ToolUses | None = None
+    keep: ToolUses | None = None  # clear_tool_uses
+    clear_at_least: InputTokens | None = None  # clear_tool_uses
+    exclude_tools: list[Text] | None = None  # clear_tool_uses
+    clear_tool_inputs: StrictBool | list[Text] | None = None  # clear_tool_uses
+    instructions: Text | None = None  # compact: in place of kvserve's summarizing request
+    pause_after_compaction: StrictBool | None = None  # compact
+
+
+class ContextManagement(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    edits: list[ContextEdit] = Field(default_factory=list)
+
+
 class MessagesRequest(MessagesPrompt):
     max_tokens: Integer = bounded(..., minimum=1)  # required, as Anthropic's API
     stop_sequences: list[NonEmptyText] | None = None
@@ -168,6 +207,7 @@ class MessagesRequest(MessagesPrompt):
     stream: StrictBool | None = False
     metadata: dict[str, Any] | None = None
     ignore_eos: StrictBool = False  # vLLM's extra, as on the other endpoints (benchmarks)
+    context_management: ContextManagement | None = None  # beta (anthropic/context_edits.py)
 
     def check(self) -> None:
         super().check()

@@ -16,7 +16,7 @@ def messages_router(serving: Serving, summarizer: Summarizer | None = None) -> A
     router = APIRouter()
     # Anthropic's clients send `x-api-key`; a Bearer header works too. Both name the same tenants.
     api_key = api_key_dependency(serving.tenancy, accept_x_api_key=True)
-    messages = MessagesServing(serving)
+    messages = MessagesServing(serving, summarizer)
 
     @router.post("/v1/messages", responses=error_responses(400, 401, 404, 413, 429, 500, 503))
     async def create_message(body: MessagesRequest, request: Request, key: str = Depends(api_key)):

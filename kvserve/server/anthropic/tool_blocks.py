@@ -33,10 +33,10 @@ def tool_use_block(call_id: str, name: str, arguments: str | None) -> dict:
 class BlockStream:
     """Content blocks opened as the output shows what they are, with their indexes."""
 
-    def __init__(self, event: Callable[..., str], parser: ToolCallParser) -> None:
+    def __init__(self, event: Callable[..., str], parser: ToolCallParser, first_index: int = 0) -> None:
         self._event = event
         self.parser = parser
-        self._index = -1
+        self._index = first_index - 1  # (a compaction block may come first)
         self._open: str | None = None  # "text" | "tool_use"
 
     def feed(self, text: str, finished: bool) -> list[str]:
