@@ -71,7 +71,7 @@ def run(client: TestClient, finished: dict, mode: str, system: str, args, trial:
         answer = finished[body["id"] + "-0"]
         usage = body["usage"]
         compacted = any(item["type"] == "compaction" for item in body["output"])
-        pass_prompt = sum(p.num_prompt_tokens for p in passes)
+        pass_prompt = sum(p.metrics.num_prompt_tokens for p in passes)
         text = "".join(part["text"] for item in body["output"] if item["type"] == "message"
                        for part in item["content"])
         rows.append({

@@ -271,11 +271,15 @@ class ResponsesRequest(NullMeansDefault):
         return sampling_params(values, {"max_tokens": "max_output_tokens"})
 
 
+_SOMETHING_TO_COMPACT = {"anyOf": [
+    {"required": [name], "properties": {name: {"not": {"type": "null"}}}} for name in ("input", "previous_response_id")]}
+
+
 class CompactRequest(NullMeansDefault):
     """`POST /v1/responses/compact`: the history (`input`, and/or a stored `previous_response_id`) to fold
     into one compaction item."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_SOMETHING_TO_COMPACT)
 
     model: Text | None = None
     input: NonEmptyText | non_empty_list(InputMessage) | None = None

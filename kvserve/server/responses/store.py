@@ -9,12 +9,13 @@ is skipped and removed; a disk error is logged once and the store goes on in
 memory. Without a directory, a restart forgets every stored response (a
 follow-up then gets "not found").
 Each entry keeps the response object as returned, its input
-items, and the exact token ids of its conversation (responses/conversation.py),
+items, and the exact token ids of its conversation (server/prompt/segments.py),
 so a follow-up continues from those ids. Bounded by count and by an estimate
 of bytes (token ids counted at 8 bytes, text at its UTF-8 size); past either
 bound the least recently used responses go. Entries belong to the tenant
 (a digest of its API key, never the key) that created them: for anyone else
-they do not exist.
+they do not exist. The same store keeps conversations (responses/conversations.py's
+StoredConversation, `conv_*.json`): a store holds one kind of entry.
 """
 
 from __future__ import annotations
