@@ -15,6 +15,9 @@ from kvserve.server.compaction.summary import SUMMARY_MAX_TOKENS
 from kvserve.server.core.serving import Serving
 
 
+COMPACTION_PASS_PREFIX = "cmp_"  # of a pass's engine request id (the lab tells passes apart by it)
+
+
 @dataclass(frozen=True)
 class SummaryPass:
     """A finished compaction pass: the summary, and what it cost."""
@@ -47,7 +50,7 @@ class Summarizer:
         """Generate the summary for the pass prompt `token_ids` (built by the API's own prompt path)."""
         params = self.params()
         await self.serving.off_loop(self.serving.engine.validate_request, token_ids, params)
-        request_id = f"cmp_{uuid.uuid4().hex}"
+        request_id = f"{COMPACTION_PASS_PREFIX}{uuid.uuid4().hex}"
         engine = self.serving.async_engine
         assembler, final = RequestOutputAssembler(), None
         try:

@@ -16,6 +16,7 @@ from kvserve.server.core.serving import Serving
 from kvserve.server.lab.access import LabAccess
 from kvserve.server.lab.feed import FeedSettings, feed_events, fresh_snapshot, snapshot_json
 from kvserve.server.lab.memory import MemoryQuery, catalog, memory_plan
+from kvserve.server.compaction.summarizer import COMPACTION_PASS_PREFIX
 from kvserve.server.lab.recent import RecentRequests, explanation_json
 from kvserve.server.lab.steps import StepsBusyError, StepsRunner
 
@@ -109,7 +110,11 @@ def lab_router(async_engine: AsyncEngine, serving: Serving, access: LabAccess, r
             "id": r.request_id, "finished_at": r.finished_at, "prompt_tokens": r.num_prompt_tokens,
             "cached_tokens": r.report.num_cached_tokens, "output_tokens": r.num_output_tokens,
             "finish_reason": r.finish_reason, "ttft": r.ttft, "tpot": r.tpot, "reason": r.report.reason,
-            "divergence_position": r.report.divergence_position} for r in recent.newest_first()]}
+            "divergence_position": r.report.divergence_position,
+            # the KV it held when it finished (prompt + output), and whether it was a compaction pass
+            # (server/compaction/): the pass holds the whole history, the answer after it the summary
+            "kv_tokens": r.num_prompt_tokens + r.num_output_tokens,
+            "compaction_pass": r.request_id.startswith(COMPACTION_PASS_PREFIX)} for r in recent.newest_first()]}
 
     @api.post("/explain")
     async def explain(body: ExplainBody) -> dict:

@@ -17,7 +17,7 @@ INSTRUCTIONS = "Be brief."
 
 @pytest.fixture(scope="module")
 def app(tiny_long_model):
-    with serve_in_process(tiny_long_model, api_keys=KEYS) as client:
+    with serve_in_process(tiny_long_model, api_keys=KEYS, admin_key="admin-key") as client:
         yield client
 
 
@@ -132,4 +132,9 @@ def test_a_threshold_compacts_before_answering_and_counts_the_pass(app):
     final = events[-1].response
     assert [o.type for o in final.output] == ["compaction", "message"]
     assert final.output[0].encrypted_content == events[4].item.encrypted_content
+    # the lab's recent requests show the KV held before (the pass: the whole history) and after (the answer)
+    recent = app.get("/lab/api/recent", headers={"Authorization": "Bearer admin-key"}).json()["requests"]
+    answer, compaction_pass = recent[0], recent[1]
+    assert compaction_pass["compaction_pass"] and not answer["compaction_pass"]
+    assert compaction_pass["kv_tokens"] > plain.usage.input_tokens > answer["kv_tokens"]
     assert_idle_and_intact(app)

@@ -64,7 +64,9 @@ async function refresh() {
     tr.className = "clickable" + (r.id === selected ? " selected" : "");
     tr.dataset.request = r.id;
     const hit = r.prompt_tokens ? r.cached_tokens / r.prompt_tokens : 0;
-    for (const [value, cls] of [[r.id, "text"], [lab.int(r.prompt_tokens)], [lab.int(r.cached_tokens)], [lab.pct(hit)], [r.reason, "text"]]) {
+    const name = r.compaction_pass ? r.id + " (compaction pass)" : r.id;
+    for (const [value, cls] of [[name, "text"], [lab.int(r.prompt_tokens)], [lab.int(r.cached_tokens)], [lab.pct(hit)],
+                                [lab.int(r.kv_tokens)], [r.reason, "text"]]) {
       const td = document.createElement("td");
       td.textContent = value; if (cls) td.className = cls;
       tr.append(td);
