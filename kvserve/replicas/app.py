@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import time
 
 from kvserve.config import EngineConfig
@@ -54,7 +55,11 @@ def build_application(config: EngineConfig, settings: ServerSettings, options: R
     ingress = serve.deployment(Ingress, name="ingress", num_replicas=1, max_ongoing_requests=10_000,
                                ray_actor_options={"num_cpus": 0})
     engine_fields = dataclasses.asdict(config)
-    return ingress.bind(replica.bind(engine_fields, {**dataclasses.asdict(settings), "forward_answers": True}), config.model, config.block_size,
+    replica_settings = {**dataclasses.asdict(settings), "forward_answers": True}
+    if settings.compaction_secret is None and settings.responses_store_path is None:
+        # one secret for every replica, so a compaction item sealed by one opens on another
+        replica_settings["compaction_secret"] = secrets.token_hex(32)
+    return ingress.bind(replica.bind(engine_fields, replica_settings), config.model, config.block_size,
                         list(settings.api_keys))
 
 

@@ -29,7 +29,7 @@ from kvserve.server.core.tenancy import Tenancy, tenant_id
 from kvserve.server.openai.protocol import ChatCompletionRequest
 from kvserve.server.prompt.answers import GeneratedAnswers, RememberedAnswer
 from kvserve.server.prompt.builder import PromptBuilder
-from kvserve.server.responses.protocol import ResponsesRequest
+from kvserve.server.responses.protocol import ResponsesRequest, last_compaction
 
 MAX_ROUTING_BLOCKS = 256  # a prefix this long decides the route; hashing more costs the ingress for nothing
 
@@ -81,8 +81,9 @@ class RoutingKeys:
             conversation = messages_conversation(messages, messages.tool_use(), tenant)
         elif path == "/v1/responses":
             responses = ResponsesRequest.model_validate(request)
-            if responses.previous_response_id is not None:
-                return []
+            if responses.previous_response_id is not None or responses.conversation is not None or \
+                    last_compaction(responses.input)[0] is not None:
+                return []  # a stored or sealed history the ingress cannot render: the replicas hold it
             conversation = responses.to_conversation(responses.tool_use(), tenant)
         else:
             return []
