@@ -102,6 +102,7 @@ def test_explain_cache_across_prompts():
     (["serve", "--kv-cache-memory", "lots"], "--kv-cache-memory: cannot read 'lots' as a memory size"),
     (["serve", "--api-key", "k1", "--api-key", "k2", "--admin-key", "k2"],
      "--admin-key must differ from every --api-key"),
+    (["serve", "--compaction-secret", "short"], "--compaction-secret must be at least 16 bytes"),
     (["memory", "SmolLM2-135M", "--context", "0"], "--context must be >= 1, got 0"),
 ])
 def test_out_of_range_flags_are_one_line_errors_before_anything_loads(args, message, capsys):
