@@ -13,8 +13,9 @@ for), the KV the session holds after the turn (its prompt + answer: what the nex
 and MiB. A fact is planted in turn 2 and asked for in the last turn: each way's answer is checked for it
 (--trials N plants N different facts, one whole run each; the rate is over trials, for this small model).
 
-The app runs in process (Starlette's TestClient) on the embedded SmolLM2-135M; greedy answers of up to
---output-len tokens.
+The app runs in process (Starlette's TestClient) on the embedded SmolLM2-135M; greedy answers of exactly
+--output-len tokens (EOS ignored, as bench/sessions.py: the three ways see the same lengths, and the chat
+grows past the threshold; the summary itself stops at EOS).
 
     .venv/bin/python bench/compaction.py [--turns 30 --system-tokens 1500 --threshold 3000 --trials 1]
 """
@@ -53,7 +54,7 @@ def question(turn: int, trial: int, turns: int) -> str:
 def run(client: TestClient, finished: dict, mode: str, system: str, args, trial: int) -> list[dict]:
     rows, previous = [], None
     common = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "instructions": system,
-              "max_output_tokens": args.output_len}
+              "max_output_tokens": args.output_len, "ignore_eos": True}
     if mode == "compaction":
         common["context_management"] = [{"type": "compaction", "compact_threshold": args.threshold}]
     if mode == "truncation":
@@ -115,7 +116,7 @@ def main() -> None:
             print(f"trial {trial + 1}, {mode}: done", flush=True)
 
     print(f"\n{describe_cpu()}; {args.turns} turns, {args.system_tokens}-token instructions, threshold "
-          f"{args.threshold}, answers up to {args.output_len} tokens (trial 1)")
+          f"{args.threshold}, answers of {args.output_len} tokens (trial 1)")
     print("per turn: computed / prompt tokens, TTFT ms, KV held after the turn (tokens); * = compacted")
     print(f"{'turn':>4} | " + " | ".join(f"{m:>30}" for m in args.modes))
     for turn in range(args.turns):
