@@ -65,9 +65,10 @@ def explanation_json(report: PrefixCacheReport, prompt_token_ids: list[int] | tu
     if show_prompt_text and prompt_token_ids is not None and tokenizer is not None:
         ids = list(prompt_token_ids)
         cut = report.num_cached_tokens
-        split = report.divergence_position if report.divergence_position is not None else len(ids)
         # Three spans of this prompt: served from the cache, computed but matching a cached block up to
-        # the divergence, and the rest.
+        # the divergence, and the rest. Without a divergence nothing cached goes on past the cut, so
+        # nothing is "matched": the rest starts where the cache stopped.
+        split = max(cut, report.divergence_position if report.divergence_position is not None else cut)
         body["prompt"] = {"cached": tokenizer.decode(ids[:cut]), "matched": tokenizer.decode(ids[cut:split]),
                           "rest": tokenizer.decode(ids[split:])}
     if report.divergence_position is not None:

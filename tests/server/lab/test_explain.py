@@ -34,3 +34,18 @@ def test_with_log_prompts_both_sides_are_shown(logging_lab_app):
     assert body["cached_text_shown"] and body["divergence"]["prompt"].startswith("t")
     assert body["divergence"]["cached"].startswith("h")
     assert "".join(body["prompt"].values()) == PREFIX + "there."
+
+
+def test_yellow_is_only_text_that_matched_a_cached_block(lab_app):
+    """Where no cached prompt goes on past the cached prefix (or nothing is cached at all), nothing is
+    "matched": the text after the cache's cut is new, not yellow."""
+    fresh = "Zebras quietly juggle seventeen violet umbrellas beneath an unusual moon tonight."
+    body = lab_app.post("/lab/api/explain", json={"prompt": fresh}).json()
+    assert body["num_cached_tokens"] == 0 and body["divergence_position"] in (None, 0)
+    assert body["prompt"] == {"cached": "", "matched": "", "rest": fresh}
+
+    assert lab_app.post("/v1/completions", json={"prompt": PREFIX + "here.", "max_tokens": 1}).status_code == 200
+    longer = PREFIX + "here. " + fresh
+    body = lab_app.post("/lab/api/explain", json={"prompt": longer}).json()
+    assert body["num_cached_tokens"] > 0 and body["divergence_position"] is None, body["reason"]
+    assert body["prompt"]["matched"] == "" and body["prompt"]["cached"] + body["prompt"]["rest"] == longer
