@@ -2,15 +2,16 @@
 
 The page sends its controls as query parameters (the same names it keeps in
 its URL) and shows what comes back, so its numbers are the CLI's to the byte.
-Only catalog names or a custom shape are accepted: a path would let a browser
-make the server read files.
+Only catalog names, the served model's name or a custom shape are accepted: a
+path would let a browser make the server read files. The page opens on the
+served model (its own shape, under the name the server reports).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.config import format_memory, parse_memory
+from kvserve.config import ModelConfig, format_memory, parse_memory
 from kvserve.errors import InvalidRequestError
 from kvserve.model.catalog import KNOWN_MODELS, find_known_model, num_parameters
 from kvserve.planner import ENGINE_WEIGHTS_DTYPES, WEIGHT_BYTES, MemoryPlan, plan, resolve_model
@@ -20,10 +21,19 @@ CUSTOM = "custom"
 
 
 @dataclass(frozen=True)
-class MemoryQuery:
-    """The calculator's controls. `model` is a catalog name or "custom" (then layers, kv_heads and head_dim)."""
+class ServedModel:
+    """The model this server runs, under the name it reports: the calculator's first choice."""
 
-    model: str = "Llama-3.1-8B"
+    name: str
+    config: ModelConfig
+
+
+@dataclass(frozen=True)
+class MemoryQuery:
+    """The calculator's controls. `model` is a catalog name, the served model's name or "custom" (then
+    layers, kv_heads and head_dim)."""
+
+    model: str
     context: int | None = None  # None: the model's context
     batch: int = 1
     kv_dtype: str = "float16"
@@ -38,22 +48,29 @@ class MemoryQuery:
     params: float | None = None
 
 
-def catalog() -> dict:
-    """The presets and choices the page offers."""
+def catalog(served: ServedModel) -> dict:
+    """The presets and choices the page offers: the served model first (`served` names it), then the
+    catalog's presets other than it."""
+    presets = {name: c for name, c in KNOWN_MODELS.items() if name.lower() != served.name.lower()}
     return {
-        "models": [{"name": name, "layers": c.num_layers, "heads": c.num_heads, "kv_heads": c.num_kv_heads,
-                    "head_dim": c.head_dim, "context": c.max_position_embeddings, "params": num_parameters(c),
-                    "attention": c.attention_kind} for name, c in KNOWN_MODELS.items()],
+        "models": [_model_json(name, c) for name, c in {served.name: served.config, **presets}.items()],
+        "served": served.name,
         "kv_dtypes": list(KV_DTYPES),
         "weights_dtypes": [*ENGINE_WEIGHTS_DTYPES, *WEIGHT_BYTES],
     }
 
 
-def memory_plan(query: MemoryQuery) -> dict:
+def _model_json(name: str, c: ModelConfig) -> dict:
+    return {"name": name, "layers": c.num_layers, "heads": c.num_heads, "kv_heads": c.num_kv_heads,
+            "head_dim": c.head_dim, "context": c.max_position_embeddings, "params": num_parameters(c),
+            "attention": c.attention_kind}
+
+
+def memory_plan(query: MemoryQuery, served: ServedModel) -> dict:
     """The planner's figures (MemoryPlan.to_json, what `kvserve memory --json` prints) plus the same
     numbers formatted as the CLI formats them. Raises InvalidRequestError for impossible inputs."""
     try:
-        result = _plan(query)
+        result = _plan(query, served)
     except InvalidRequestError:
         raise
     except ValueError as exc:  # an impossible custom shape (heads not a multiple of KV heads) and the like
@@ -70,14 +87,17 @@ def _display(p: MemoryPlan) -> dict:
     return sizes
 
 
-def _plan(query: MemoryQuery) -> MemoryPlan:
-    if query.model == CUSTOM:
+def _plan(query: MemoryQuery, served: ServedModel) -> MemoryPlan:
+    if query.model == served.name:  # the shape the server loaded, as `kvserve memory` reads its file
+        name, config = served.name, served.config
+        num_params = int(query.params) if query.params else num_parameters(config)
+    elif query.model == CUSTOM:
         name, config, num_params = resolve_model(None, query.layers, query.kv_heads, query.head_dim, query.heads,
                                                  query.params, query.context)
     else:
         if find_known_model(query.model) is None:
-            raise InvalidRequestError(f"unknown model {query.model!r}: choose one of {', '.join(KNOWN_MODELS)} "
-                                      f"or {CUSTOM!r}", param="model")
+            raise InvalidRequestError(f"unknown model {query.model!r}: choose {served.name!r} (served), one of "
+                                      f"{', '.join(KNOWN_MODELS)} or {CUSTOM!r}", param="model")
         name, config, num_params = resolve_model(query.model, params=query.params)
     context = query.context or config.max_position_embeddings
     if not context:

@@ -15,7 +15,7 @@ from kvserve.server.core.errors import APIError, RETRY_AFTER_S, bad_request
 from kvserve.server.core.serving import Serving
 from kvserve.server.lab.access import LabAccess
 from kvserve.server.lab.feed import FeedSettings, feed_events, fresh_snapshot, snapshot_json
-from kvserve.server.lab.memory import MemoryQuery, catalog, memory_plan
+from kvserve.server.lab.memory import MemoryQuery, ServedModel, catalog, memory_plan
 from kvserve.server.compaction.summarizer import COMPACTION_PASS_PREFIX
 from kvserve.server.lab.recent import RecentRequests, explanation_json
 from kvserve.server.lab.steps import StepsBusyError, StepsRunner
@@ -43,6 +43,7 @@ def lab_router(async_engine: AsyncEngine, serving: Serving, access: LabAccess, r
                steps: StepsRunner, feed: FeedSettings) -> APIRouter:
     engine = async_engine.engine
     settings = serving.settings
+    served = ServedModel(settings.model_name, engine.loaded.config)
     router = APIRouter()
 
     for suffix, filename in PAGES.items():
@@ -79,19 +80,19 @@ def lab_router(async_engine: AsyncEngine, serving: Serving, access: LabAccess, r
 
     @api.get("/models")
     async def models() -> dict:
-        return catalog()
+        return catalog(served)
 
     @api.get("/memory")
     async def memory(
-        model: str = "Llama-3.1-8B", context: int | None = Query(None, ge=1), batch: int = Query(1, ge=1),
+        model: str | None = None, context: int | None = Query(None, ge=1), batch: int = Query(1, ge=1),
         kv_dtype: str = "float16", weights_dtype: str = "float16", memory: str | None = None,
         block_size: int = Query(16, ge=1), overhead: float = Query(0.1, ge=0), layers: int | None = Query(None, ge=1),
         kv_heads: int | None = Query(None, ge=1), head_dim: int | None = Query(None, ge=1),
         heads: int | None = Query(None, ge=1), params: float | None = Query(None, gt=0),
     ) -> dict:
-        query = MemoryQuery(model, context, batch, kv_dtype, weights_dtype, memory or None, block_size, overhead,
-                            layers, kv_heads, head_dim, heads, params)
-        return await serving.off_loop(memory_plan, query)
+        query = MemoryQuery(model or served.name, context, batch, kv_dtype, weights_dtype, memory or None, block_size,
+                            overhead, layers, kv_heads, head_dim, heads, params)
+        return await serving.off_loop(memory_plan, query, served)
 
     @api.post("/steps")
     async def run_steps(body: StepsBody) -> StreamingResponse:

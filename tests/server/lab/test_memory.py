@@ -7,6 +7,8 @@ import json
 import pytest
 
 from kvserve.cli import main
+from kvserve.model.catalog import num_parameters
+from kvserve.planner import plan
 
 CASES = [
     ({"model": "Llama-3.1-8B", "context": 131072, "batch": 1, "kv_dtype": "float16"},
@@ -44,6 +46,7 @@ def test_the_issue_link_shows_16_gib_of_kv(lab_app):
 
 def test_catalog_lists_the_presets(lab_app):
     catalog = lab_app.get("/lab/api/models").json()
+    assert catalog["served"] == "tiny" and catalog["models"][0]["name"] == "tiny"  # the served model first
     llama = next(m for m in catalog["models"] if m["name"] == "Llama-3.1-8B")
     assert (llama["layers"], llama["kv_heads"], llama["head_dim"], llama["context"]) == (32, 8, 128, 131072)
     assert "int8" in catalog["kv_dtypes"] and "q4_k" in catalog["weights_dtypes"]
@@ -61,3 +64,13 @@ def test_catalog_lists_the_presets(lab_app):
 def test_bad_inputs_get_400_with_the_reason(lab_app, query, message):
     response = lab_app.get("/lab/api/memory", params=query)
     assert response.status_code == 400 and message in response.json()["error"]["message"]
+
+
+def test_the_served_model_is_the_default_and_its_own_shape(lab_app, tiny_models):
+    """No model asked: the served one, planned from the shape the server loaded, under the name it reports."""
+    config = tiny_models("llama-gqa").config
+    body = lab_app.get("/lab/api/memory", params={"batch": 2, "memory": "1GiB"}).json()
+    expected = plan("tiny", config, num_parameters(config), config.max_position_embeddings, 2, "float16", 16,
+                    "float16", 2**30, 0.1)
+    assert body["plan"] == expected.to_json()
+    assert lab_app.get("/lab/api/memory", params={"model": "tiny", "batch": 2, "memory": "1GiB"}).json() == body

@@ -103,10 +103,12 @@ function showCell(cell) {
   panel.innerHTML = `<h2>Blocks ${first}–${last}${state.selected === cell ? " (pinned)" : ""}</h2><dl>
     <dt>in use</dt><dd id="info-used"></dd><dt>shared</dt><dd id="info-shared"></dd>
     <dt>cached, free</dt><dd id="info-cached"></dd><dt>free</dt><dd id="info-free"></dd>
-    <dt>in-use blocks</dt><dd id="info-busy"></dd><dt>held by</dt><dd id="info-holders"></dd></dl>`;
+    <dt>in-use blocks</dt><dd id="info-busy"></dd><dt>held by</dt><dd id="info-holders"></dd>
+    <dt>drafts</dt><dd id="info-drafts"></dd></dl>`;
   for (const key of ["used", "shared", "cached", "free"]) lab.text("info-" + key, lab.int(counts[key]));
   lab.text("info-busy", busy.length ? busy.slice(0, 24).join(", ") + (busy.length > 24 ? ", …" : "") : "none");
   lab.text("info-holders", holders.size ? [...holders].join(", ") : "nobody");
+  lab.text("info-drafts", drafts.describeRange(state.drafts, first, last));
 }
 
 function showBlock(id) {

@@ -4,7 +4,8 @@
 const FIELDS = ["model", "context", "batch", "kv_dtype", "weights_dtype", "memory", "overhead", "block_size",
                 "layers", "kv_heads", "head_dim", "heads", "params"];
 const CUSTOM_FIELDS = ["layers", "kv_heads", "head_dim", "heads", "params"];
-const DEFAULTS = { model: "Llama-3.1-8B", batch: "1", kv_dtype: "float16", weights_dtype: "float16", memory: "80GiB",
+// The model is the served one (the catalog names it) unless the URL says otherwise.
+const DEFAULTS = { model: null, batch: "1", kv_dtype: "float16", weights_dtype: "float16", memory: "80GiB",
                    overhead: "0.1", block_size: "16" };
 let catalog = null;
 let pending = 0;
@@ -135,7 +136,11 @@ function syncFromSlider(slider, input, transform) {
     lab.loadInfo().catch(() => {});
     catalog = await lab.fetchJSON("/lab/api/models");
   } catch (error) { lab.text("error", error.message); return; }
-  for (const m of catalog.models) option(lab.el("model"), m.name, `${m.name} (${m.attention}, ${m.layers} layers, ${m.kv_heads} KV heads)`);
+  DEFAULTS.model = catalog.served;
+  for (const m of catalog.models) {
+    option(lab.el("model"), m.name, `${m.name}${m.name === catalog.served ? ", served" : ""} ` +
+      `(${m.attention}, ${m.layers} layers, ${m.kv_heads} KV heads)`);
+  }
   option(lab.el("model"), "custom", "Custom shape…");
   for (const d of catalog.kv_dtypes) option(lab.el("kv_dtype"), d);
   for (const d of catalog.weights_dtypes) option(lab.el("weights_dtype"), d);
