@@ -178,7 +178,8 @@ def test_the_url_reproduces_the_view(lab_server, browser, shots):
 
 def test_steps_page_runs_both_and_counts_each_step(lab_server, browser, shots):
     prompt = "The KV cache keeps the keys and values of every token, so that"
-    usage = httpx.post(lab_server.api_url + "/completions", json={"prompt": prompt, "max_tokens": 1}).json()["usage"]
+    usage = httpx.post(lab_server.api_url + "/completions", json={"prompt": prompt, "max_tokens": 1},
+                       timeout=120).json()["usage"]
     num_prompt, max_tokens = usage["prompt_tokens"], 6
     browser.goto(lab_server.base_url + "/lab/steps")
     browser.evaluate(f"document.getElementById('prompt').value = {json.dumps(prompt)}")
@@ -202,8 +203,9 @@ def test_steps_page_runs_both_and_counts_each_step(lab_server, browser, shots):
 def test_explainer_shows_a_recent_request(lab_server, browser, shots):
     base = "Meeting notes for the platform team, Monday at 10:{} in room 4B. Agenda: caching, latency, costs."
     for minute in ("15", "45"):
-        httpx.post(lab_server.api_url + "/completions", json={"prompt": base.format(minute), "max_tokens": 2})
-    recent = httpx.get(lab_server.base_url + "/lab/api/recent").json()["requests"][0]
+        httpx.post(lab_server.api_url + "/completions", json={"prompt": base.format(minute), "max_tokens": 2},
+                   timeout=120)
+    recent = httpx.get(lab_server.base_url + "/lab/api/recent", timeout=60).json()["requests"][0]
     browser.goto(lab_server.base_url + "/lab/explain")
     browser.wait_for(f"!!document.querySelector('tr[data-request=\"{recent['id']}\"]')")
     browser.evaluate(f"document.querySelector('tr[data-request=\"{recent['id']}\"]').click()")
