@@ -40,7 +40,7 @@ def test_cache_map_draws_draft_slots_written_and_rolled_back(drafting_server, br
 
     def one(prompt: str) -> None:
         body = {"prompt": prompt, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
-        statuses.append(httpx.post(drafting_server.api_url + "/completions", json=body, timeout=300).status_code)
+        statuses.append(httpx.post(drafting_server.api_url + "/completions", json=body, timeout=900).status_code)
 
     threads = [threading.Thread(target=one, args=(prompt,)) for prompt in PROMPTS]
     for thread in threads:
