@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import sys
 from typing import Sequence
 
 from kvserve.config import EngineConfig
@@ -15,6 +18,19 @@ from kvserve.model.tokenizer import Tokenizer
 _ENGINE_ARGS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 
 PromptInput = str | list[int]
+
+
+def configure_default_logging() -> None:
+    """What vLLM's LLM() does (VLLM_CONFIGURE_LOGGING): a script that set up no logging still sees kvserve's
+    INFO lines (the model loaded, which kernels run) on stderr. An application's own handlers, or
+    KVSERVE_CONFIGURE_LOGGING=0, leave logging alone."""
+    package = logging.getLogger("kvserve")
+    if os.environ.get("KVSERVE_CONFIGURE_LOGGING", "1") == "0" or package.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
 
 
 class LLM:
@@ -32,6 +48,7 @@ class LLM:
             raise ConfigError(
                 f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(_ENGINE_ARGS)}"
             )
+        configure_default_logging()
         self.engine = Engine(EngineConfig(model=model, **engine_args))  # bad values raise ConfigError
 
     def get_tokenizer(self) -> Tokenizer:

@@ -59,3 +59,17 @@ def test_embedded_model_by_default_with_text_prompts():
     assert "Paris" in outputs[0].outputs[0].text
     assert outputs[0].prompt == "The capital of France is"
     assert outputs[1].prompt_token_ids == tokenizer.encode("1, 2, 3, 4,")
+
+
+def test_a_script_without_logging_set_up_sees_which_kernels_run(tiny_dir):
+    """As vLLM's LLM(): kvserve's INFO lines reach stderr unless the application configured logging."""
+    import os
+    import subprocess
+    import sys
+
+    script = f"from kvserve.llm import LLM; LLM(model={str(tiny_dir)!r}, kv_cache_memory='8MiB')"
+    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    assert "kernels: " in shown.stderr
+    quiet = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True,
+                           env={**os.environ, "KVSERVE_CONFIGURE_LOGGING": "0"})
+    assert "kernels: " not in quiet.stderr  # INFO, unshown; only a failed build (a warning) would show
