@@ -15,7 +15,7 @@ from kvserve.errors import ConfigError
 class RopeScaling:
     """RoPE frequency scaling, as in Hugging Face `rope_scaling` / `rope_parameters`.
 
-    `rope_type` is "default", "linear" or "llama3"; the other fields are used
+    `rope_type` is "default", "linear", "llama3", "yarn" or "longrope"; the other fields are used
     only by the types that need them.
     """
 
@@ -24,6 +24,20 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN: the band of dimensions blended between interpolation and extrapolation (in rotations over the
+    # original context), whether its ends are rounded to whole dimensions, and the mscale pair of the factor
+    # cos and sin are multiplied by.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    # LongRoPE (Phi-3): per-frequency divisors, `long_factor` once the context is longer than
+    # original_max_position_embeddings, `short_factor` otherwise.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    # YaRN / LongRoPE: what cos and sin are multiplied by; None: the type's own rule from `factor`.
+    attention_factor: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +58,20 @@ class ModelConfig:
     rope_scaling: RopeScaling = RopeScaling()
     attention_bias: bool = False
     tie_word_embeddings: bool = False
+    # Partial RoPE (Phi-4-mini): only the first `rotary_dim` channels of each head rotate; None: all head_dim.
+    rotary_dim: int | None = None
+    # SmolLM3: whether each layer rotates its queries and keys (False: no RoPE there); None: every layer does.
+    rope_layers: tuple[bool, ...] | None = None
+    # Granite's muP multipliers: the embeddings are multiplied by `embedding_multiplier`, each layer's attention
+    # and MLP outputs by `residual_multiplier` before they join the residual stream, and the logits divided by
+    # `logits_scaling`; `attention_multiplier` is the attention scale itself (None: the usual one).
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None
+    # Ministral 3 (Llama 4's attention temperature): a query at position p is multiplied by
+    # 1 + beta * log(1 + floor(p / rope_scaling.original_max_position_embeddings)); None: not at all.
+    query_temperature_beta: float | None = None
     # Mistral-style sliding window: a query attends to the last `sliding_window`
     # positions (itself included). None means full attention.
     sliding_window: int | None = None
@@ -66,6 +94,10 @@ class ModelConfig:
     norm_topk_prob: bool = False
 
     def __post_init__(self) -> None:
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be an even count of 1..head_dim ({self.head_dim}), got {self.rotary_dim}")
+        if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
+            raise ValueError(f"rope_layers has {len(self.rope_layers)} entries for {self.num_layers} layers")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -86,7 +118,14 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """What q.k is multiplied by before the softmax."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rope_dim(self) -> int:
+        """How many channels of each head RoPE rotates (the first ones)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def attention_kind(self) -> str:

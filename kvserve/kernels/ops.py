@@ -86,9 +86,10 @@ def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Ten
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
     """Rotate-half RoPE in place on the first `heads` heads of each row of x `[T, >= heads * head_dim]`
-    (a fused QKV output's Q and K lie side by side); cos, sin `[T, head_dim]`."""
+    (a fused QKV output's Q and K lie side by side); cos, sin `[T, rotary_dim]`: the first rotary_dim
+    channels of each head rotate (partial RoPE where rotary_dim < head_dim; the kernel rotates whole heads)."""
     ext = kernels()
-    if ext is not None and _rows(x) and _cpu_fp32(cos) and _cpu_fp32(sin):
+    if ext is not None and _rows(x) and _cpu_fp32(cos) and _cpu_fp32(sin) and cos.shape[-1] == head_dim:
         ext.rope_(x, cos, sin, heads, head_dim)
         return
     rotated = x[:, : heads * head_dim].view(x.shape[0], heads, head_dim)
@@ -96,7 +97,11 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[T, heads, D]`, cos/sin `[T, D]` (rotate-half layout, as in Hugging Face); a new tensor."""
+    """x `[T, heads, D]`, cos/sin `[T, R]` (rotate-half layout, as in Hugging Face): the first R <= D channels
+    of each head rotated, the others kept; a new tensor."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated_half * sin[:, None, :]

@@ -95,8 +95,10 @@ class CausalLM(nn.Module):
     def shift_key_positions(self, layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
         """Cached keys `[T, KVH, D]` of `layer` (RoPE applied) as if computed `delta` positions later: RoPE is
         a rotation by position, so rotating by `delta` with the layer's own rotary embedding moves them (a
-        context shift's re-rotation, as llama.cpp does)."""
-        cos, sin = self.rotary_for_layer(layer)(torch.tensor([delta], device=keys.device))
+        context shift's re-rotation, as llama.cpp does). A layer without RoPE keeps them as they are."""
+        if self.config.rope_layers is not None and not self.config.rope_layers[layer]:
+            return keys
+        cos, sin = self.rotary_for_layer(layer).rotation(torch.tensor([delta], device=keys.device))
         return ops.apply_rope(keys, cos, sin)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -40,6 +40,9 @@ class ModelFamily:
     gguf_layer_tensors: Mapping[str, str]
     # Architecture names a source may give that this family recognizes but does not run -> why (the error).
     refused: Mapping[str, str] = field(default_factory=dict)
+    # llama.cpp's tensors that are not parameters -> the name the model's `extra_checkpoint_tensors` takes
+    # them by (Phi-3's LongRoPE factors), beside `rope_freqs` which every family may have.
+    gguf_extra_tensors: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +81,10 @@ GGUF_PROJECTION_TENSORS: dict[str, str] = {
 }
 
 
-def hf_rope(params: dict[str, Any], default_theta: float) -> tuple[float, RopeScaling]:
-    """(theta, scaling) from one set of RoPE parameters (`rope_parameters` or an older `rope_scaling`)."""
+def hf_rope(params: dict[str, Any], default_theta: float,
+            max_position_embeddings: int | None = None) -> tuple[float, RopeScaling]:
+    """(theta, scaling) from one set of RoPE parameters (`rope_parameters` or an older `rope_scaling`);
+    `max_position_embeddings` over the original context is YaRN's and LongRoPE's factor where they omit it."""
     theta = float(params.get("rope_theta", default_theta))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type == "default":
@@ -94,7 +99,33 @@ def hf_rope(params: dict[str, Any], default_theta: float) -> tuple[float, RopeSc
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
-    raise UnsupportedModelError(f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3")
+    if rope_type in ("yarn", "longrope", "su"):
+        return theta, _hf_long_context_rope("yarn" if rope_type == "yarn" else "longrope", params,
+                                            max_position_embeddings)
+    raise UnsupportedModelError(f"rope scaling type {rope_type!r} is not supported; supported: default, linear, "
+                                "llama3, yarn, longrope")
+
+
+def _hf_long_context_rope(rope_type: str, params: dict[str, Any], max_position_embeddings: int | None) -> RopeScaling:
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        raise ModelLoadError(f"{rope_type} RoPE scaling without original_max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None:
+        if max_position_embeddings is None:
+            raise ModelLoadError(f"{rope_type} RoPE scaling without a factor")
+        factor = max_position_embeddings / int(original)
+    attention = params.get("attention_factor")
+    common = dict(factor=float(factor), original_max_position_embeddings=int(original),
+                  attention_factor=None if attention is None else float(attention))
+    if rope_type == "longrope":
+        return RopeScaling("longrope", short_factor=tuple(float(f) for f in params["short_factor"]),
+                           long_factor=tuple(float(f) for f in params["long_factor"]), **common)
+    return RopeScaling(
+        "yarn", beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        mscale=None if params.get("mscale") is None else float(params["mscale"]),
+        mscale_all_dim=None if params.get("mscale_all_dim") is None else float(params["mscale_all_dim"]), **common)
 
 
 def gguf_config(meta: dict[str, Any], arch: str, vocab_rows: int) -> ModelConfig:
@@ -115,13 +146,15 @@ def gguf_config(meta: dict[str, Any], arch: str, vocab_rows: int) -> ModelConfig
     value_dim = int(meta.get(f"{arch}.attention.value_length", head_dim))
     if value_dim != head_dim:
         raise UnsupportedModelError(f"value heads of {value_dim} (key heads {head_dim}) are not supported")
-    if rope_dim != head_dim:
-        raise UnsupportedModelError(f"partial RoPE (rope dimension {rope_dim} < head_dim {head_dim}) is not supported")
+    if not 0 < rope_dim <= head_dim or rope_dim % 2:
+        raise UnsupportedModelError(f"a rope dimension of {rope_dim} (head_dim {head_dim}) is not supported")
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling_type in ("none", None):
         scaling = RopeScaling()
     elif scaling_type == "linear":
         scaling = RopeScaling("linear", factor=float(meta[f"{arch}.rope.scaling.factor"]))
+    elif scaling_type == "yarn":
+        scaling = _gguf_yarn(meta, arch)
     else:
         raise UnsupportedModelError(f"GGUF rope scaling type {scaling_type!r} is not supported")
     return ModelConfig(
@@ -139,4 +172,19 @@ def gguf_config(meta: dict[str, Any], arch: str, vocab_rows: int) -> ModelConfig
         rope_scaling=scaling,
         attention_bias=False,
         tie_word_embeddings=False,
+        rotary_dim=rope_dim if rope_dim < head_dim else None,
     )
+
+
+def _gguf_yarn(meta: dict[str, Any], arch: str) -> RopeScaling:
+    """YaRN as llama.cpp's converter writes it: `yarn_log_multiplier` is transformers' mscale_all_dim, and the
+    converter writes no separate mscale (Ministral 3's equal it), so the two are read as one."""
+    key = f"{arch}.rope.scaling."
+    log_multiplier = meta.get(key + "yarn_log_multiplier")
+    attention = meta.get(key + "yarn_attn_factor", meta.get(key + "attn_factor"))
+    mscale = None if not log_multiplier else float(log_multiplier)
+    return RopeScaling(
+        "yarn", factor=float(meta[key + "factor"]),
+        original_max_position_embeddings=int(meta[key + "original_context_length"]),
+        beta_fast=float(meta.get(key + "yarn_beta_fast", 32.0)), beta_slow=float(meta.get(key + "yarn_beta_slow", 1.0)),
+        mscale=mscale, mscale_all_dim=mscale, attention_factor=None if attention is None else float(attention))

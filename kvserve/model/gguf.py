@@ -60,13 +60,15 @@ class GGUFModel:
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, fp32 tensor), dequantized one at a time as the consumer asks for it.
 
-        GGUF's `rope_freqs` (Llama 3.1-style scaling) comes as ("rope_freqs", divisors).
+        GGUF's `rope_freqs` (Llama 3.1-style scaling) comes as ("rope_freqs", divisors), a family's other
+        extra tensors by the names it gives them (kvserve.model.family), flattened like it.
         """
+        extras = _extra_tensors(self.architecture)
         for part in self._parts:
             type_name, raw, shape = self._raw(part)
             value = dequantize(raw, type_name, shape)
-            if part.tensor.name == "rope_freqs.weight":
-                yield "rope_freqs", value.reshape(-1)
+            if part.tensor.name in extras:
+                yield extras[part.tensor.name], value.reshape(-1)
                 continue
             hf_name = part.hf_name
             if self.norm_shift and hf_name.endswith("norm.weight"):
@@ -144,6 +146,11 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
+def _extra_tensors(arch: Architecture) -> dict[str, str]:
+    """The file's tensors that are not parameters -> the names the model takes them by."""
+    return {"rope_freqs.weight": "rope_freqs", **arch.family.gguf_extra_tensors}
+
+
 def _hf_name(gguf_name: str, arch: Architecture) -> str | None:
     """The Hugging Face name of llama.cpp's tensor `gguf_name` in a model of `arch`; None if it has none."""
     if gguf_name in GGUF_GLOBAL_TENSORS:
@@ -181,8 +188,9 @@ def load_gguf(path: str | Path) -> GGUFModel:
     """Open a GGUF file: its config, tokenizer metadata and tensor types now; weights as streamed."""
     file, arch, config = _open(path)
     tensor_types: dict[str, int] = {}
+    extras = _extra_tensors(arch)
     for tensor in file.tensors:
-        if tensor.name == "rope_freqs.weight":
+        if tensor.name in extras:
             continue
         if _hf_name(tensor.name, arch) is None:
             raise UnsupportedModelError(f"GGUF tensor {tensor.name!r} is not part of a supported {arch.name} model")

@@ -18,15 +18,17 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.config import RopeScaling
+from kvserve.config import ModelConfig, RopeScaling
 from kvserve.kernels import ops
 from kvserve.kernels.packing import GroupCodes
+from kvserve.model import rope_scaling
 from kvserve.model.float_gemm import row_invariant_linear
 
 
@@ -152,6 +154,8 @@ class MergedLinear(Linear):
         self.output_sizes = tuple(output_sizes)
 
     def shard_rows(self, shard_id: Any) -> slice:
+        if shard_id is None:  # a checkpoint that stores the projections fused already (Phi-3)
+            return slice(0, self.output_size)
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"{type(self).__name__} has shards 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
         start = sum(self.output_sizes[:shard_id])
@@ -169,6 +173,8 @@ class QKVLinear(MergedLinear):
         super().__init__(hidden_size, [num_heads * head_dim, kv_size, kv_size], bias, method)
 
     def shard_rows(self, shard_id: Any) -> slice:
+        if shard_id is None:
+            return super().shard_rows(None)
         if shard_id not in self.SHARDS:
             raise ValueError(f"QKVLinear has shards q, k, v, got {shard_id!r}")
         return super().shard_rows(self.SHARDS.index(shard_id))
@@ -231,14 +237,20 @@ class GatedMLP(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling(),
-                  freq_divisors: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse RoPE frequencies `[head_dim / 2]` with the scaling applied (always on CPU, even on a meta build)."""
+                  freq_divisors: torch.Tensor | None = None, context_length: int | None = None) -> torch.Tensor:
+    """Inverse RoPE frequencies `[head_dim / 2]` with the scaling applied (always on CPU, even on a meta build);
+    `head_dim`: the channels rotated. `context_length`: the model's, which LongRoPE's choice of set depends on."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if freq_divisors is not None:  # GGUF `rope_freqs`: llama.cpp's precomputed scaling
         return inv_freq / freq_divisors.to("cpu", torch.float32)
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return rope_scaling.yarn_inv_freq(head_dim, theta, scaling)
+    if scaling.rope_type == "longrope":
+        context = context_length or scaling.original_max_position_embeddings
+        return rope_scaling.longrope_inv_freq(head_dim, theta, scaling, context)
     if scaling.rope_type == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept,
         # the band between interpolated smoothly.
@@ -257,21 +269,48 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling = RopeScalin
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for a step's positions (computed once per step, shared by every layer)."""
+    """cos/sin tables for a step's positions (computed once per step, shared by every layer).
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()) -> None:
+    `head_dim` is the channels rotated: the first ones of each head (partial RoPE rotates fewer than the head
+    has). YaRN and LongRoPE multiply cos and sin by their attention factor (rope_scaling.py).
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling = RopeScaling(),
+                 context_length: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
         self.scaling = scaling
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self.context_length = context_length
+        self.attention_factor = rope_scaling.attention_factor(scaling)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling, context_length=context_length),
+                             persistent=False)
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> RotaryEmbedding:
+        """A model's RoPE: its rotated channels, base, scaling and context."""
+        return cls(config.rope_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
+
+    def load_longrope_factors(self, which: str, factors: torch.Tensor) -> None:
+        """A GGUF file's LongRoPE factors (`which`: "short" or "long"), which its metadata does not hold."""
+        values = tuple(float(f) for f in factors.reshape(-1).tolist())
+        self.scaling = replace(self.scaling, **{f"{which}_factor": values})
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, context_length=self.context_length)
 
     def load_freq_divisors(self, divisors: torch.Tensor) -> None:
         """GGUF `rope_freqs` (Llama 3.1-style scaling as per-frequency divisors) replaces the config's scaling."""
         self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, divisors.reshape(-1))
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions `[T]` -> cos, sin `[T, head_dim]` (what `ops.rope_` and `ops.apply_rope` take)."""
+        """positions `[T]` -> cos, sin `[T, head_dim]` (what `ops.rope_` and `ops.apply_rope` take), times the
+        scaling's attention factor."""
+        cos, sin = self.rotation(positions)
+        if self.attention_factor == 1.0:
+            return cos, sin
+        return cos * self.attention_factor, sin * self.attention_factor
+
+    def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of a pure rotation by `positions` (no attention factor): what moves cached keys."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()

@@ -38,6 +38,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
         self.sliding_window = config.window_for_layer(layer_index)  # this layer's attention kind
+        self.rotates = config.rope_layers is None or config.rope_layers[layer_index]  # SmolLM3: some do not
         self.qkv_proj = QKVLinear(config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
                                   bias=config.attention_bias)
         self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size)
@@ -48,7 +49,8 @@ class Attention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)
-        ops.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)  # Q and K, in place
+        if self.rotates:
+            ops.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)  # Q and K, in place
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -74,12 +76,14 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """The Llama family's decoder: pre-norm layers, one RoPE for every layer, SiLU gated MLP."""
 
+    decoder_layer: type[nn.Module] = DecoderLayer  # a family built on Llama's may scale its branches (Granite)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.build_head()
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding.of(config)
 
     def extra_checkpoint_tensors(self) -> dict[str, Callable[[torch.Tensor], None]]:
         return {"rope_freqs": self.rotary_emb.load_freq_divisors}  # GGUF: Llama 3.1-style scaling as divisors
@@ -93,7 +97,8 @@ def read_hf_config(cfg: dict[str, Any], arch: str) -> ModelConfig:
     hidden = int(cfg["hidden_size"])
     # transformers >= 5 writes `rope_parameters` (theta included); older
     # checkpoints write `rope_theta` + `rope_scaling`. Accept both.
-    theta, scaling = hf_rope(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}, cfg.get("rope_theta", 10000.0))
+    theta, scaling = hf_rope(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}, cfg.get("rope_theta", 10000.0),
+                             cfg.get("max_position_embeddings"))
     if arch == "Qwen2ForCausalLM":
         attention_bias = True
         # Qwen2 declares a window but applies it only when use_sliding_window is set.

@@ -72,9 +72,9 @@ def test_unsupported_architecture_is_named(tmp_path):
 def test_unsupported_rope_scaling_is_named(tmp_path):
     directory = save_hf_model(build_hf_model("llama-gqa"), tmp_path)
     config = json.loads((directory / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
     (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="'yarn'"):
+    with pytest.raises(UnsupportedModelError, match="'dynamic'"):
         load_model(directory)
 
 
