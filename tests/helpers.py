@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.dense_variants import DENSE_VARIANTS
+
 TINY_VOCAB = 160
 
 # family -> (transformers config class name, model class name, config overrides)
@@ -71,7 +73,7 @@ QWEN3_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
 def build_hf_model(variant: str, seed: int = 0):
     import transformers
 
-    config_name, model_name, overrides = {**VARIANTS, **GEMMA3_VARIANTS, **QWEN3_VARIANTS}[variant]
+    config_name, model_name, overrides = {**VARIANTS, **GEMMA3_VARIANTS, **QWEN3_VARIANTS, **DENSE_VARIANTS}[variant]
     kwargs = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         max_position_embeddings=256, rms_norm_eps=1e-6,

@@ -10,8 +10,14 @@ from kvserve.model.registry import ARCHITECTURES, GGUF, HF, find_architecture, m
 
 def test_lookups():
     assert supported_architectures(HF) == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                           "Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
-    assert supported_architectures(GGUF) == ["llama", "qwen2", "gemma3", "qwen3", "qwen3moe"]
+                                           "Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                           "SmolLM3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
+                                           "GraniteForCausalLM", "Ministral3ForCausalLM"]
+    assert supported_architectures(GGUF) == ["llama", "qwen2", "gemma3", "qwen3", "qwen3moe", "smollm3", "phi3",
+                                             "olmo2", "granite", "mistral3"]
+    # llama.cpp's converter permutes Q/K for the architectures it converts as a Llama (ggml's interleaved RoPE)
+    assert [name for name in supported_architectures(GGUF) if find_architecture(name, GGUF).gguf_permuted_qk] == [
+        "llama", "smollm3", "granite", "mistral3"]
     assert find_architecture("llama", GGUF).gguf_permuted_qk
     assert not find_architecture("qwen2", GGUF).gguf_permuted_qk
     assert not find_architecture("gemma3", GGUF).gguf_permuted_qk
