@@ -11,9 +11,11 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.sample.sampling import SamplingParams
+from kvserve.errors import ConfigError
 from kvserve.kv.attention.contiguous import ContiguousContext
 from kvserve.kv.cache.kv_spec import kv_spec
 from kvserve.structured.params import StructuredOutputsParams as Spec
+from tests.engine.spec_decode.test_drafting import OracleProposer
 from tests.helpers import TINY_VOCAB, run_to_finals
 from tests.server.inprocess import with_tiny_tokenizer
 
@@ -22,11 +24,22 @@ FAMILY_VARIANTS = ["llama-gqa", "gemma3", "smollm3", "phi4-mini-longrope", "olmo
 BLOCK = 4
 
 
-def make_engine(loaded, blocks: int = 128, disk=None, **config) -> Engine:
+def make_engine(loaded, blocks: int = 128, disk=None, proposer=None, **config) -> Engine:
     per_token = kv_spec(loaded.config).bytes_per_token
     config = {"block_size": BLOCK, "kv_cache_memory": blocks * BLOCK * per_token, "weights_dtype": "float32",
               "speculative": "off", **config}
-    return Engine(EngineConfig(kv_disk_path=str(disk) if disk else None, **config), loaded=loaded)
+    return Engine(EngineConfig(kv_disk_path=str(disk) if disk else None, **config), loaded=loaded,
+                  proposer=proposer, num_speculative_tokens=4 if proposer else None)
+
+
+def smallest_engine(loaded, prompts: list[list[int]], max_tokens: int = 20) -> Engine:
+    """An engine whose pool holds the largest of these requests and little more: the others preempt it."""
+    for blocks in range(8, 64):
+        engine = make_engine(loaded, blocks=blocks)
+        chunk = engine.config.max_num_batched_tokens
+        if all(engine.kv_manager.can_fit(len(prompt) + max_tokens, chunk) for prompt in prompts):
+            return engine
+    raise AssertionError("no pool of under 64 blocks fits the workload")
 
 
 def workload(seed: int = 0) -> list[list[int]]:
@@ -66,12 +79,15 @@ def test_cache_hits_chunks_drafts_and_preemption_keep_the_greedy_tokens(tiny_mod
     assert run(cached, workload(), one_at_a_time=True) == cold[variant]
     assert cached.stats().prefix_cache_hits > 0
     assert run(make_engine(loaded, max_num_batched_tokens=16), workload()) == cold[variant]
-    drafting = make_engine(loaded, speculative="ngram")
+    # drafts from an oracle (the true continuation, one in three spoiled): whole, partial and no acceptance
+    oracle = OracleProposer({tuple(prompt): output for prompt, output in zip(workload(), cold[variant])})
+    drafting = make_engine(loaded, speculative="ngram", proposer=oracle)
     assert run(drafting, workload()) == cold[variant]
-    assert drafting.stats().spec_decode.num_draft_tokens > 0
-    preempting = make_engine(loaded, blocks=18)  # room for one request at a time
+    assert 0 < drafting.stats().spec_decode.num_accepted_tokens < drafting.stats().spec_decode.num_draft_tokens
+    preempting = smallest_engine(loaded, workload())
     assert run(preempting, workload()) == cold[variant]
-    assert preempting.scheduler.num_preemptions > 0
+    # (a windowed model's requests free their blocks behind the window and fit this pool side by side)
+    assert preempting.scheduler.num_preemptions > 0 or any(loaded.model.layer_windows)
 
 
 @pytest.mark.parametrize("variant", FAMILY_VARIANTS)
@@ -111,7 +127,12 @@ def test_context_shift(tiny_models, variant):
     for layer in range(len(model.layers)):
         torch.testing.assert_close(model.shift_key_positions(layer, early.keys[layer], delta), late.keys[layer],
                                    atol=1e-4, rtol=1e-4)
-    # and the engine generates past its context, shifting, with its blocks accounted for at every step
+    # and the engine generates past its context, shifting, with its blocks accounted for at every step (a model
+    # with windowed layers is refused: its windows bound what those layers hold already)
+    if any(model.layer_windows):
+        with pytest.raises(ConfigError, match="sliding-window"):
+            make_engine(loaded, max_model_len=24, context_overflow="shift")
+        return
     engine = make_engine(loaded, max_model_len=24, context_overflow="shift", keep_tokens=4)
     request_id = engine.add_request(workload()[0][:10], greedy(40))
     assert len(run_to_finals(engine)[request_id].outputs[0].token_ids) == 40
@@ -121,6 +142,10 @@ def test_context_shift(tiny_models, variant):
 @pytest.mark.parametrize("variant", FAMILY_VARIANTS)
 def test_disk_tier_gives_the_tokens_of_a_recompute(tiny_models, tmp_path, variant):
     loaded = tiny_models(variant)
+    if any(loaded.model.layer_windows):  # the tier holds full-attention prefixes only: refused, by name
+        with pytest.raises(ConfigError, match="sliding-window"):
+            make_engine(loaded, disk=tmp_path)
+        return
     rng = np.random.default_rng(7)
     documents = [rng.integers(1, TINY_VOCAB, 24).tolist() for _ in range(3)]
     first, second = [doc + [7, 8] for doc in documents], [doc + [9] for doc in documents]
