@@ -32,6 +32,13 @@ KNOWN_MODELS: dict[str, ModelConfig] = {
     "Qwen2.5-7B": _shape(28, 28, 4, 128, 3584, 18944, 152064, 131072),
     "Qwen2.5-0.5B": _shape(24, 14, 2, 64, 896, 4864, 151936, 32768, tied=True),
     "SmolLM2-135M": _shape(30, 9, 3, 64, 576, 1536, 49152, 8192, tied=True),
+    # Issue 37's dense families (KV depends on layers, KV heads and head_dim alone: none of them has a window
+    # that binds; Phi-4-mini's partial RoPE and 262144-token window change nothing here).
+    "SmolLM3-3B": replace(_shape(36, 16, 4, 128, 2048, 11008, 128256, 65536, tied=True), architecture="smollm3"),
+    "Phi-4-mini": replace(_shape(32, 24, 8, 128, 3072, 8192, 200064, 131072, tied=True), architecture="phi3",
+                          rotary_dim=96),
+    "OLMo-2-7B": replace(_shape(32, 32, 32, 128, 4096, 11008, 100352, 4096), architecture="olmo2"),
+    "Granite-3.3-8B": replace(_shape(40, 32, 8, 128, 4096, 12800, 49159, 131072, tied=True), architecture="granite"),
     # From the packaged GGUF (kvserve.model.loader.gemma3_270m_path): a 512-token window on the layers
     # llama.cpp gives one (five of every six), and its local RoPE base.
     "Gemma-3-270M": replace(

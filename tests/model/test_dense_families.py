@@ -89,3 +89,32 @@ def test_multimodal_ministral3_is_refused_by_name(tmp_path):
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="Ministral3ForCausalLM"):
         load_model(directory)
+
+
+@pytest.mark.parametrize("variant", sorted(DENSE_VARIANTS))
+def test_memory_plan_counts_the_kv_the_engine_allocates(variant, tmp_path):
+    from kvserve.config import EngineConfig as Config
+    from kvserve.planner import plan, resolve_model
+
+    hf_model = build_hf_model(variant)
+    write_family_gguf(hf_model, tmp_path / "tiny.gguf")
+    for source in (save_hf_model(hf_model, tmp_path / "hf"), tmp_path / "tiny.gguf"):
+        name, config, params = resolve_model(str(source))
+        result = plan(name, config, params, context=37, batch=3, kv_dtype="float32", block_size=16)
+        cfg = hf_model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        assert result.bytes_per_token == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
+        engine = Engine(Config(model=str(source), kv_cache_memory=result.kv_bytes_total, kv_cache_dtype="float32",
+                               block_size=16, max_num_seqs=3, weights_dtype="float32"))
+        assert engine.kv_cache.bytes_allocated == result.kv_bytes_total
+        if config.sliding_window is None:  # (Phi-3's window of 8 holds fewer)
+            assert engine.kv_manager.num_blocks == 3 * 3  # ceil(37 / 16) for each of three requests
+
+
+def test_catalog_sizes():
+    from kvserve.model.catalog import KNOWN_MODELS, num_parameters
+
+    billions = {name: num_parameters(KNOWN_MODELS[name]) / 1e9
+                for name in ("SmolLM3-3B", "Phi-4-mini", "OLMo-2-7B", "Granite-3.3-8B")}
+    assert billions == pytest.approx({"SmolLM3-3B": 3.08, "Phi-4-mini": 3.84, "OLMo-2-7B": 7.30,
+                                      "Granite-3.3-8B": 8.17}, abs=0.01)
