@@ -14,13 +14,14 @@ and LongRoPE.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
 import torch
 
 from kvserve.config import ModelConfig, RopeScaling
+from kvserve.errors import ModelLoadError
 from kvserve.model import llama
 from kvserve.model.family import GGUF, HF, Architecture, ModelFamily, gguf_config
 
@@ -29,6 +30,13 @@ class Phi3ForCausalLM(llama.LlamaForCausalLM):
     """Llama's layers; the checkpoint's fused projections load whole (no per-shard names)."""
 
     stacked_params = ()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(weights)
+        scaling = self.rotary_emb.scaling
+        if scaling.rope_type == "longrope" and not (scaling.short_factor and scaling.long_factor):
+            raise ModelLoadError("the checkpoint declares LongRoPE but holds no rope_factors_short / "
+                                 "rope_factors_long tensors")
 
     def extra_checkpoint_tensors(self) -> dict[str, Callable[[torch.Tensor], None]]:
         rotary = self.rotary_emb

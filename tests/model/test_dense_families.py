@@ -118,3 +118,27 @@ def test_catalog_sizes():
                 for name in ("SmolLM3-3B", "Phi-4-mini", "OLMo-2-7B", "Granite-3.3-8B")}
     assert billions == pytest.approx({"SmolLM3-3B": 3.08, "Phi-4-mini": 3.84, "OLMo-2-7B": 7.30,
                                       "Granite-3.3-8B": 8.17}, abs=0.01)
+
+
+def test_longrope_gguf_without_its_factors_is_refused(tmp_path):
+    import gguf
+    import numpy as np
+
+    from kvserve.errors import ModelLoadError
+
+    write_family_gguf(build_hf_model("phi4-mini-longrope"), tmp_path / "full.gguf")
+    reader = gguf.GGUFReader(str(tmp_path / "full.gguf"))
+    writer = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), "phi3")
+    for field in reader.fields.values():
+        if field.name.startswith("phi3.") and field.types:
+            value = field.contents()
+            writer.add_key_value(field.name, value, field.types[0])
+    for tensor in reader.tensors:
+        if not tensor.name.startswith("rope_factors"):
+            writer.add_tensor(tensor.name, np.array(tensor.data).reshape(tuple(reversed(tensor.shape.tolist()))))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="rope_factors"):
+        load_model(tmp_path / "cut.gguf")
