@@ -36,6 +36,12 @@ DENSE_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.09, logits_scaling=8.0)),
+    # Granite 4 dense (granite-4.0-micro's layout): attention-only, no experts, the shared MLP
+    "granite4-dense": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.09, logits_scaling=8.0,
+        num_local_experts=0, shared_intermediate_size=96, position_embedding_type="rope",
+        layer_types=["attention"] * 3, attn_implementation="eager")),
     # YaRN over an original context of 16 (with its attention factor: mscale_all_dim 0, as llama.cpp reads it
     # back), so positions past 16 also get the query temperature
     "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(
@@ -45,7 +51,8 @@ DENSE_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "llama_4_scaling_beta": 0.1})),
 }
 
-_GGUF_ARCH = {"smollm3": "smollm3", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "ministral3": "mistral3"}
+_GGUF_ARCH = {"smollm3": "smollm3", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "ministral3": "mistral3",
+              "granitemoehybrid": "granite"}  # an attention-only Granite 4 is converted as a Granite
 _LLAMA_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -60,7 +67,7 @@ _LAYER_NAMES = {
               "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
               "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"},
 }
-_PERMUTED = {"smollm3", "granite", "ministral3"}  # converted by llama.cpp's LlamaModel: Q/K rows permuted
+_PERMUTED = {"smollm3", "granite", "granitemoehybrid", "ministral3"}  # converted by llama.cpp's LlamaModel: Q/K rows permuted
 
 
 def _permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -76,7 +83,7 @@ def _write_metadata(writer, cfg, family: str) -> None:
     for add, value in ((writer.add_block_count, cfg.num_hidden_layers),
                        (writer.add_context_length, cfg.max_position_embeddings),
                        (writer.add_embedding_length, cfg.hidden_size),
-                       (writer.add_feed_forward_length, cfg.intermediate_size),
+                       (writer.add_feed_forward_length, getattr(cfg, "shared_intermediate_size", cfg.intermediate_size)),
                        (writer.add_head_count, cfg.num_attention_heads),
                        (writer.add_head_count_kv, cfg.num_key_value_heads),
                        (writer.add_layer_norm_rms_eps, cfg.rms_norm_eps), (writer.add_vocab_size, cfg.vocab_size),
@@ -92,7 +99,7 @@ def _write_metadata(writer, cfg, family: str) -> None:
                                              if scale > 1 else 1.0)
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    if family == "granite":  # GraniteModel.set_gguf_parameters
+    if family in ("granite", "granitemoehybrid"):  # GraniteModel.set_gguf_parameters
         writer.add_attention_scale(cfg.attention_multiplier)
         writer.add_embedding_scale(cfg.embedding_multiplier)
         writer.add_residual_scale(cfg.residual_multiplier)
@@ -126,6 +133,12 @@ def write_family_gguf(model, path: Path) -> None:
             name = globals_[hf_name]
         else:
             _, _, index, rest = hf_name.split(".", 3)
+            if rest == "shared_mlp.input_linear.weight":  # GraniteHybridModel.modify_tensors: gate, then up
+                gate, up = np.split(data, 2)
+                writer.add_tensor(f"blk.{index}.ffn_gate.weight", np.ascontiguousarray(gate))
+                writer.add_tensor(f"blk.{index}.ffn_up.weight", np.ascontiguousarray(up))
+                continue
+            rest = {"shared_mlp.output_linear.weight": "mlp.down_proj.weight"}.get(rest, rest)
             name = f"blk.{index}.{layer_names[rest]}"
             if family in _PERMUTED and rest == "self_attn.q_proj.weight":
                 data = _permute(data, cfg.num_attention_heads)

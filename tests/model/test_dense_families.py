@@ -82,6 +82,19 @@ def test_what_each_family_reads(tmp_path):
     assert configs["ministral3"].rope_scaling.rope_type == "yarn"
 
 
+@pytest.mark.parametrize("changes, message", [
+    ({"layer_types": ["mamba", "attention", "attention"]}, "hybrid layers"),
+    ({"num_local_experts": 4}, "experts"),
+    ({"position_embedding_type": None}, "position_embedding_type None"),
+])
+def test_granite4_hybrid_moe_and_nope_are_refused_by_name(tmp_path, changes, message):
+    directory = save_hf_model(build_hf_model("granite4-dense"), tmp_path)
+    config = {**json.loads((directory / "config.json").read_text()), **changes}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=message):
+        load_model(directory)
+
+
 def test_multimodal_ministral3_is_refused_by_name(tmp_path):
     directory = save_hf_model(build_hf_model("ministral3"), tmp_path)
     config = json.loads((directory / "config.json").read_text())

@@ -12,7 +12,8 @@ def test_lookups():
     assert supported_architectures(HF) == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                            "Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                                            "SmolLM3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
-                                           "GraniteForCausalLM", "Ministral3ForCausalLM"]
+                                           "GraniteForCausalLM", "GraniteMoeHybridForCausalLM",
+                                           "Ministral3ForCausalLM"]
     assert supported_architectures(GGUF) == ["llama", "qwen2", "gemma3", "qwen3", "qwen3moe", "smollm3", "phi3",
                                              "olmo2", "granite", "mistral3"]
     # llama.cpp's converter permutes Q/K for the architectures it converts as a Llama (ggml's interleaved RoPE)
