@@ -20,7 +20,7 @@ from tests.helpers import TINY_VOCAB, run_to_finals
 from tests.server.inprocess import with_tiny_tokenizer
 
 # One tiny variant per family (tests/helpers.py, tests/dense_variants.py).
-FAMILY_VARIANTS = ["llama-gqa", "gemma3", "smollm3", "phi4-mini-longrope", "olmo2", "granite", "granite4-dense",
+FAMILY_VARIANTS = ["llama-gqa", "gemma3", "qwen3", "qwen3-moe", "smollm3", "phi4-mini-longrope", "olmo2", "granite", "granite4-dense",
                    "ministral3"]
 BLOCK = 4
 
