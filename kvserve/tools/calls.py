@@ -60,7 +60,7 @@ class ToolCall:
 
     def text(self, layout: CallLayout = HERMES) -> str:
         """The call as the model writes it in `layout` (and as the next prompt shows it)."""
-        return layout.call_text(json.dumps(self.name, ensure_ascii=False), self.arguments)
+        return layout.call_text(self.name, self.arguments)
 
     def arguments_object(self) -> Any:
         """The arguments parsed (chat templates and Anthropic's `input` take an object)."""

@@ -62,8 +62,8 @@ def call_grammar(tools: list[FunctionTool], layout: CallLayout = HERMES) -> list
     """Lark rules `call` (one call in `layout`, without the list's opening) and one `args_i` per tool."""
     alternatives, rules = [], []
     for i, tool in enumerate(tools):
-        head = layout.next_head + json.dumps(tool.name, ensure_ascii=False) + layout.arguments_prefix
-        alternatives.append(f"{_literal(head)} args_{i} {_literal(layout.suffix)}")
+        head = layout.next_head + _name_head(tool, layout)
+        alternatives.append(_sequence(_literal(head), f"args_{i}", _literal(layout.suffix)))
         rules.append(f"args_{i}: %json {json.dumps(_arguments_schema(tool), ensure_ascii=False)}")
     return ["call: " + " | ".join(alternatives), *rules]
 
@@ -106,4 +106,4 @@ def tool_call_constraint(tools: list[FunctionTool], choice: ToolChoice, parallel
 
 
 def _name_head(tool: FunctionTool, layout: CallLayout) -> str:
-    return json.dumps(tool.name, ensure_ascii=False) + layout.arguments_prefix
+    return layout.name_text(tool.name) + layout.arguments_prefix

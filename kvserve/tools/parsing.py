@@ -29,6 +29,9 @@ from kvserve.tools.layouts import HERMES, CallLayout
 _NAME = re.compile(r'("(?:[^"\\\n]|\\.)*")(.*)\Z', re.DOTALL)
 # The start of one, not closed yet.
 _OPEN_NAME = re.compile(r'(?:"(?:[^"\\\n]|\\.)*\\?)?\Z')
+# A bare name (layouts with `quoted_name` False), and what follows it; its start may be empty.
+_BARE_NAME = re.compile(r'([A-Za-z0-9_.\-]+)(.*)\Z', re.DOTALL)
+_OPEN_BARE_NAME = re.compile(r'\Z')
 _SCALAR = set("0123456789+-.eEtruefalsn")
 
 
@@ -141,9 +144,10 @@ class ToolCallParser:
         if self._state == "text" and rest and not self.calls_only:
             events.append(ContentDelta(rest))  # a trigger's first characters, and no more
         elif self._state == "head":  # cut in a call's head: a call once its name is whole
-            match = _NAME.match(rest[len(self._head):])
-            if match is not None:
-                self._start_call(json.loads(match.group(1)), events)
+            match = self._name_pattern()[0].match(rest[len(self._head):])
+            # (a bare name is whole once what follows it has begun)
+            if match is not None and (self.layout.quoted_name or match.group(2)):
+                self._start_call(self._name(match.group(1)), events)
         elif self._state in ("args", "suffix"):
             self._close_call()
         elif self._state == "between":
@@ -193,9 +197,10 @@ class ToolCallParser:
         if not pending.startswith(head):
             self._not_a_call(events)
             return
-        match = _NAME.match(pending[len(head):])
+        name_pattern, open_name = self._name_pattern()
+        match = name_pattern.match(pending[len(head):])
         if match is None:  # the name is not closed yet, or is no JSON string
-            if not _OPEN_NAME.match(pending[len(head):]):
+            if not open_name.match(pending[len(head):]):
                 self._not_a_call(events)
             return
         name, after = match.group(1), match.group(2)
@@ -204,7 +209,7 @@ class ToolCallParser:
             if not prefix.startswith(after):
                 self._not_a_call(events)
             return
-        self._start_call(json.loads(name), events)
+        self._start_call(self._name(name), events)
         self._pending, self._state = after[len(prefix):], "args"
 
     def _in_args(self, events: list) -> None:
@@ -229,6 +234,13 @@ class ToolCallParser:
             self._state = "between"
 
     # --- helpers ------------------------------------------------------------------
+
+    def _name_pattern(self) -> tuple[re.Pattern, re.Pattern]:
+        """(a whole name and what follows it, the start of one) in this layout."""
+        return (_NAME, _OPEN_NAME) if self.layout.quoted_name else (_BARE_NAME, _OPEN_BARE_NAME)
+
+    def _name(self, text: str) -> str:
+        return json.loads(text) if self.layout.quoted_name else text
 
     def _open_head(self, marker: str, head: str, end: int) -> None:
         self._marker, self._head = marker, head

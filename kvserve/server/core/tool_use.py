@@ -30,7 +30,7 @@ class ToolUse:
 
     def with_template(self, template: str | None) -> "ToolUse":
         """This request's tools with the call layout `template` writes history calls in."""
-        self.layout = layout_for_template(template)
+        self.layout = layout_for_template(template) if self.tools else HERMES  # (unknown layouts refuse tools only)
         return self
 
     @property
