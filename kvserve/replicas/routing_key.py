@@ -75,7 +75,8 @@ class RoutingKeys:
             return self.prompts.encode_text(prompt) if isinstance(prompt, str) else []
         if path == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate(request)
-            conversation = chat.to_conversation(chat.tool_use(), tenant)
+            template = self.prompts.tokenizer.chat_template
+            conversation = chat.to_conversation(chat.tool_use(), tenant, chat.reasoning_use(template).variables())
         elif path == "/v1/messages":
             messages = MessagesPrompt.model_validate(request)
             conversation = messages_conversation(messages, messages.tool_use(), tenant)

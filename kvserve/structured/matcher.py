@@ -2,7 +2,9 @@
 
 In trigger mode the output is free text (no mask) until its bytes contain the trigger; bytes a token
 carries past the trigger are the constrained part's first bytes and go through the grammar (a token that
-ends the trigger and starts something the grammar refuses fails the request: GrammarStateError).
+ends the trigger and starts something the grammar refuses fails the request: GrammarStateError). With
+`after` (a reasoning model's end of thinking) the output is free until it contains that text first, so nothing in
+the thinking is constrained, nor starts the grammar.
 """
 
 from __future__ import annotations
@@ -31,19 +33,21 @@ class GrammarMatcher:
     """A request's matcher. `force` False turns forced tokens off (benchmarks compare both)."""
 
     def __init__(self, compiled: CompiledGrammar, vocabulary: llguidance.LLTokenizer, trigger: str | None = None,
-                 force: bool = True) -> None:
+                 force: bool = True, after: str | None = None) -> None:
         self._state = compiled.new_state()
         self._first_mask = compiled.first_mask  # the initial state's, computed once per grammar
         self._vocabulary = vocabulary
-        self._trigger = trigger.encode() if trigger is not None else None
-        self._tail = b""  # the free text's last bytes, where a trigger may be starting
+        # What free text must contain before the grammar starts, in order: `after` (a reasoning model's end of
+        # thinking), then the trigger.
+        self._awaited = [marker.encode() for marker in (after, trigger) if marker is not None]
+        self._tail = b""  # the free text's last bytes, where an awaited text may be starting
         self.force = force
         self.num_consumed = 0  # tokens consumed by the grammar (after any trigger)
 
     @property
     def constrained(self) -> bool:
         """Whether the grammar constrains the next token (False while a trigger is awaited)."""
-        return self._trigger is None
+        return not self._awaited
 
     @property
     def is_stopped(self) -> bool:
@@ -92,14 +96,20 @@ class GrammarMatcher:
         self.num_consumed -= num_tokens
 
     def _watch_trigger(self, token: int) -> None:
-        text = self._tail + self._vocabulary.decode_bytes([token])
-        found = text.find(self._trigger)
+        self._watch(self._vocabulary.decode_bytes([token]))
+
+    def _watch(self, data: bytes) -> None:
+        text, marker = self._tail + data, self._awaited[0]
+        found = text.find(marker)
         if found < 0:
-            self._tail = text[-(len(self._trigger) - 1):] if len(self._trigger) > 1 else b""
+            self._tail = text[-(len(marker) - 1):] if len(marker) > 1 else b""
             return
-        rest = text[found + len(self._trigger):]
-        self._trigger, self._tail = None, b""
-        if rest:
+        rest = text[found + len(marker):]
+        self._awaited.pop(0)
+        self._tail = b""
+        if rest and self._awaited:
+            self._watch(rest)
+        elif rest:
             self.consume(self._vocabulary.tokenize_bytes(rest))
 
     def _check(self) -> None:

@@ -23,6 +23,8 @@ class StructuredOutputsParams:
     json_object: bool | None = None  # any JSON object
     trigger: str | None = None  # kvserve: output is free text until it ends with this string; from then on the
     # rest of the output is constrained (tool_choice "auto": trigger "<tool_call>")
+    after: str | None = None  # kvserve: output is free text until it contains this string (the end of a reasoning
+    # model's thinking, as vLLM's reasoning parsers); the constraint, or the wait for its trigger, starts there
     excluded_text: str | None = None  # kvserve: free text that never contains this string (tool_choice "none":
     # the call opener; structured/excluded.py)
 
@@ -60,6 +62,8 @@ class StructuredOutputsParams:
             fail("structured_outputs.json_object must be a boolean")
         if self.trigger is not None and (not isinstance(self.trigger, str) or not self.trigger):
             fail("structured_outputs.trigger must be a non-empty string")
+        if self.after is not None and (not isinstance(self.after, str) or not self.after):
+            fail("structured_outputs.after must be a non-empty string")
         if self.excluded_text is not None and (not isinstance(self.excluded_text, str) or not self.excluded_text):
             fail("structured_outputs.excluded_text must be a non-empty string")
 
@@ -69,7 +73,7 @@ class StructuredOutputsParams:
         return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
 
     def cache_key(self) -> str:
-        """A canonical text of the spec (the trigger aside: it does not change the grammar), so equal specs
+        """A canonical text of the spec (the trigger and `after` aside: it does not change the grammar), so equal specs
         share one compiled grammar, given as a dict or as JSON text alike. Key order is kept: a schema's
         property order is the order the output writes its keys in, so two schemas that differ only there
         are two grammars."""

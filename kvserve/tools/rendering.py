@@ -47,6 +47,7 @@ class Turn:
     # Places in `content` the caller wants found again in tokens (offset, tag): Anthropic's cache_control
     # breakpoints (server/prompt/builder.py).
     marks: list[tuple[int, Any]] = field(default_factory=list)
+    reasoning: str = ""  # assistant: its thinking, as the client sent it back (templates that keep it render it)
 
 
 def template_supports_tools(template: str | None) -> bool:
@@ -92,7 +93,8 @@ def render_conversation(turns: list[Turn], tools: list[FunctionTool], template: 
             else:
                 messages.append({"role": "user", "content": response, "tool_results": True})
         elif turn.role == "assistant":
-            messages.append({"role": "assistant", "content": turn.content + calls_text(turn.tool_calls)})
+            messages.append(_with_reasoning({"role": "assistant", "content": turn.content + calls_text(turn.tool_calls)},
+                                            turn))
         else:
             messages.append({"role": turn.role, "content": turn.content})
     for message in messages:
@@ -100,8 +102,16 @@ def render_conversation(turns: list[Turn], tools: list[FunctionTool], template: 
     return messages, {}
 
 
+def _with_reasoning(message: dict[str, Any], turn: Turn) -> dict[str, Any]:
+    """An assistant message's thinking under the names templates read it by: `reasoning_content` (Qwen3, vLLM's
+    name) and `thinking` (gpt-oss). Templates that drop it (most, for turns before the last user message) do."""
+    if turn.reasoning:
+        message["reasoning_content"] = message["thinking"] = turn.reasoning
+    return message
+
+
 def _template_message(turn: Turn) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": turn.role, "content": turn.content}
+    message: dict[str, Any] = _with_reasoning({"role": turn.role, "content": turn.content}, turn)
     if turn.tool_calls:
         message["tool_calls"] = [{"id": call.id, "type": "function",
                                   "function": {"name": call.name, "arguments": _template_arguments(call)}}

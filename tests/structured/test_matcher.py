@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from kvserve.structured.mask import allowed_tokens, apply_bitmask
@@ -10,7 +11,7 @@ TOKENIZER = tiny_tokenizer()
 
 
 def matcher(compiler, spec, force=True):
-    return GrammarMatcher(compiler.compile(spec), compiler.vocabulary, spec.trigger, force=force)
+    return GrammarMatcher(compiler.compile(spec), compiler.vocabulary, spec.trigger, force=force, after=spec.after)
 
 
 def allowed(m) -> set[int]:
@@ -65,6 +66,18 @@ def test_trigger_mode_is_free_until_the_trigger_then_constrained(compiler):
     m.consume(TOKENIZER.encode("any text <ca", add_special_tokens=False))
     assert not m.constrained and m.take_forced(10) == []
     m.consume(TOKENIZER.encode("ll>", add_special_tokens=False))
+    assert m.constrained
+    assert {TOKENIZER.decode([t]) for t in allowed(m)} == {"y", "n"}
+
+
+@pytest.mark.parametrize("trigger", [None, "<call>"])
+def test_after_the_end_of_thinking_the_constraint_starts(compiler, trigger):
+    """A reasoning model's thinking is free: the trigger inside it starts nothing, the grammar starts (or waits
+    for its trigger) once the thinking is closed, in the same token or later."""
+    m = matcher(compiler, Spec(choice=["yes", "no"], trigger=trigger, after="</t>"))
+    m.consume(TOKENIZER.encode("<t>maybe <call> no</", add_special_tokens=False))
+    assert not m.constrained
+    m.consume(TOKENIZER.encode("t>" + ("\n<call>" if trigger else ""), add_special_tokens=False))
     assert m.constrained
     assert {TOKENIZER.decode([t]) for t in allowed(m)} == {"y", "n"}
 

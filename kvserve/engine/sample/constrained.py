@@ -68,7 +68,7 @@ class ConstrainedRequests:
         if isinstance(compiled, ExcludedText):
             return ExcludedTextMatcher(compiled)
         spec = params.structured_outputs
-        return GrammarMatcher(compiled, self.compiler.vocabulary, spec.trigger, force=self.force)
+        return GrammarMatcher(compiled, self.compiler.vocabulary, spec.trigger, force=self.force, after=spec.after)
 
     def add(self, request_id: str, matcher: GrammarMatcher | None) -> None:
         if matcher is not None:

@@ -163,7 +163,11 @@ class Serving:
     def tool_use(self, body: Any) -> ToolUse:
         """A request's tools (its API's `tool_use()`), calls in the layout the model's chat template writes them
         in history, so the grammar forces the text the next turn renders back (tools/layouts.py)."""
-        return body.tool_use().with_template(self.tokenizer.chat_template if self.tokenizer else None)
+        return body.tool_use().with_template(self.chat_template)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.tokenizer.chat_template if self.tokenizer else None
 
     @property
     def prompts(self) -> PromptBuilder:

@@ -46,7 +46,7 @@ class OpenAIFormat(OutputFormat):
                 if self.prompt_logprobs:
                     choice["prompt_logprobs"] = self._prompt_logprobs(job, finals[job.index])
                 choices.append(choice)
-        return self.envelope(choices, usage=Usage.count(jobs, finals).openai())
+        return self.envelope(choices, usage=self.usage(jobs, finals))
 
     def opening_events(self, jobs: list[Job]) -> Iterable[str]:
         return [sse_event(chunk) for chunk in self.opening_chunks(jobs)]
@@ -61,11 +61,14 @@ class OpenAIFormat(OutputFormat):
         elif error is not None:
             yield sse_event(internal(str(error)).body())
         elif self.include_usage:
-            yield sse_event(self.envelope([], usage=Usage.count(jobs, finals).openai(), stream=True))
+            yield sse_event(self.envelope([], usage=self.usage(jobs, finals), stream=True))
         yield sse_event("[DONE]")
 
     def opening_chunks(self, jobs: list[Job]) -> list[dict]:
         return []
+
+    def usage(self, jobs: list[Job], finals: dict[int, RequestOutput]) -> dict:
+        return Usage.count(jobs, finals).openai()
 
     @abc.abstractmethod
     def final_choice(self, job: Job, output: RequestOutput) -> dict:

@@ -22,6 +22,7 @@ from kvserve.engine.sample.sampling import (
 from kvserve.errors import InvalidRequestError
 from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded, needs_tools,
                                      non_empty_list, required_in_schema, required_when, sampling_params)
+from kvserve.server.core.reasoning_use import ReasoningUse
 from kvserve.server.core.structured_output import (ResponseFormat, StructuredOutputsField, one_constraint,
                                                    response_format_constraint, vllm_structured_outputs)
 from kvserve.server.core.tool_use import ToolUse, link_tool_results
@@ -209,6 +210,8 @@ class ChatMessage(BaseModel):
     name: Text | None = None
     tool_calls: list[ChatToolCall] | None = None  # assistant
     tool_call_id: Text | None = None  # tool: the call this message answers
+    reasoning_content: Text | None = None  # assistant: its thinking, as the response gave it (vLLM's name)
+    reasoning: Text | None = None  # (vLLM's newer name for the same)
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> "ChatMessage":
@@ -237,6 +240,10 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: ChatToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    # Reasoning: vLLM's template variables (`{"enable_thinking": false}`) and OpenAI's effort (gpt-oss's depth;
+    # "none" turns thinking off where the template can).
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     def check(self) -> None:
         super().check()
@@ -254,25 +261,36 @@ class ChatCompletionRequest(_SamplingRequest):
         return chat_tool_use(self.tools, self.tool_choice, self.parallel_tool_calls, self.response_format,
                              self.structured_outputs)
 
-    def sampling_params(self, max_tokens: int, tool_use: ToolUse | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, tool_use: ToolUse | None = None,
+                        reasoning: ReasoningUse | None = None) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         # The errors name the field the request used: top_logprobs is what becomes `logprobs`.
         renamed = {"logprobs": "top_logprobs"}
         if self.max_completion_tokens is not None:
             renamed["max_tokens"] = "max_completion_tokens"
         constraint = (tool_use or self.tool_use()).constraint()
+        if reasoning is not None:
+            constraint = reasoning.gate(constraint)
         return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, renamed, constraint)
 
-    def to_conversation(self, tool_use: ToolUse, tenant: str | None) -> Conversation:
-        """The request as the prompt builder takes it (`tenant`: whose generated answers are spliced back)."""
+    def reasoning_use(self, template: str | None) -> ReasoningUse:
+        effort = self.reasoning_effort
+        return ReasoningUse.of(template, None, effort if effort != "minimal" else "low", self.chat_template_kwargs,
+                               param="reasoning_effort")
+
+    def to_conversation(self, tool_use: ToolUse, tenant: str | None, variables: dict[str, Any] | None = None
+                        ) -> Conversation:
+        """The request as the prompt builder takes it (`tenant`: whose generated answers are spliced back;
+        `variables`: more template variables, the reasoning switch)."""
         return Conversation(self.turns(), tool_use.tools, add_generation_prompt=self.add_generation_prompt,
-                            tenant=tenant)
+                            variables=dict(variables or {}), tenant=tenant)
 
     def turns(self) -> list[Turn]:
         """The conversation, API-neutral; a tool message must answer an earlier call (400 otherwise)."""
         # "developer" is OpenAI's newer name for the system role; templates know "system".
         turns = [Turn("system" if m.role == "developer" else m.role, m.text(),
-                      [c.call() for c in m.tool_calls or []] if m.role == "assistant" else [], m.tool_call_id)
+                      [c.call() for c in m.tool_calls or []] if m.role == "assistant" else [], m.tool_call_id,
+                      reasoning=(m.reasoning_content or m.reasoning or "") if m.role == "assistant" else "")
                  for m in self.messages]
         link_tool_results(turns)
         return turns

@@ -1,0 +1,91 @@
+"""A request's reasoning, API-neutral: the model's format (its chat template's: tools/reasoning.py), the request's
+switch as template variables, the parser that keeps thinking apart from the answer, and where a constraint on
+the answer starts. Each API maps its own switch: chat completions' `chat_template_kwargs` (vLLM's) and
+`reasoning_effort`, Responses' `reasoning.effort`, Anthropic's `thinking.type`, Ollama's `think`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvserve.errors import InvalidRequestError
+from kvserve.model.tokenizer import Tokenizer
+from kvserve.structured.params import StructuredOutputsParams
+from kvserve.tools.reasoning import ReasoningFormat, ReasoningParser, reasoning_for_template
+
+EFFORTS = ("minimal", "low", "medium", "high")
+
+
+@dataclass
+class ReasoningUse:
+    """`enabled` None: the template's default; `effort`: harmony's depth (the others read it as on / off)."""
+
+    format: ReasoningFormat | None = None
+    enabled: bool | None = None
+    effort: str | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs, as the client gave them
+    opened: bool = False  # the prompt opened the thinking (its template wrote the opening tag)
+    closed: bool = False  # the prompt closed it (thinking switched off in the template)
+
+    @classmethod
+    def of(cls, template: str | None, enabled: bool | None = None, effort: str | None = None,
+           template_kwargs: dict[str, Any] | None = None, param: str = "reasoning") -> "ReasoningUse":
+        """The request's reasoning on the model whose chat template is `template`. Asking a model that does not
+        reason to think is a 400 naming `param`; asking it not to is nothing to do."""
+        reasoning = reasoning_for_template(template)
+        if effort is not None and effort not in EFFORTS and effort != "none":
+            raise InvalidRequestError(f"{param}: the effort must be one of {', '.join(EFFORTS)} or none, got "
+                                      f"{effort!r}", param=param)
+        if effort == "none":
+            enabled, effort = False, None
+        elif effort is not None and enabled is None:
+            enabled = True
+        if reasoning is None and enabled:
+            raise InvalidRequestError("this model does not reason (its chat template knows no thinking), so "
+                                      f"{param} cannot turn thinking on", param=param)
+        kwargs = dict(template_kwargs or {})
+        if enabled is None and isinstance(kwargs.get("enable_thinking"), bool):
+            enabled = kwargs["enable_thinking"]
+        return cls(reasoning, enabled, effort if reasoning is not None and reasoning.switch == "reasoning_effort"
+                   else None, kwargs)
+
+    @property
+    def active(self) -> bool:
+        """Whether the output is parsed for thinking (the model's template knows a format)."""
+        return self.format is not None
+
+    def variables(self) -> dict[str, Any]:
+        """Template variables: the client's own (chat_template_kwargs), then the switch."""
+        switch = self.format.variables(self.enabled, self.effort) if self.format is not None else {}
+        return {**self.template_kwargs, **switch}
+
+    def after_prompt(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> "ReasoningUse":
+        """This reasoning once the prompt is known: whether its template opened or closed the thinking."""
+        if self.format is None:
+            return self
+        tail = tokenizer.decode(prompt_ids[-12:], skip_special_tokens=False).rstrip()
+        return replace(self, opened=self.format.opened_by(tail),
+                       closed=tail.endswith(self.format.closer) and self.format.closer != "<|end|>")
+
+    def parser(self) -> ReasoningParser | None:
+        return self.format.parser(self.opened) if self.format is not None else None
+
+    def gate(self, constraint: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+        """The constraint applied after the thinking (vLLM's way): nothing in the thinking is constrained, nor is a
+        call written there a call. Unchanged where the prompt closed the thinking, or the model does not reason."""
+        if constraint is None or self.format is None or self.closed:
+            return constraint
+        if constraint.excluded_text is not None:
+            return constraint  # (a ban holds in the thinking too)
+        return replace(constraint, after=self.format.answer_start)
+
+    def markers(self) -> tuple[str, ...]:
+        return (self.format.opener, self.format.closer) if self.format is not None else ()
+
+
+def reasoning_tokens(tokenizer: Tokenizer | None, thinking: str) -> int:
+    """The output tokens the thinking took, as usage reports them (`reasoning_tokens`): its text tokenized."""
+    if not thinking or tokenizer is None:
+        return 0
+    return len(tokenizer.encode(thinking, add_special_tokens=False))
