@@ -6,6 +6,8 @@ the answer starts. Each API maps its own switch: chat completions' `chat_templat
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -78,10 +80,29 @@ class ReasoningUse:
             return constraint
         if constraint.excluded_text is not None:
             return constraint  # (a ban holds in the thinking too)
-        return replace(constraint, after=self.format.answer_start)
+        return replace(_after_spacing(constraint), after=self.format.answer_start)
 
     def markers(self) -> tuple[str, ...]:
         return (self.format.opener, self.format.closer) if self.format is not None else ()
+
+
+def _after_spacing(constraint: StructuredOutputsParams) -> StructuredOutputsParams:
+    """The constraint with the spacing a model writes after its thinking (`</think>\n\n`) allowed first, where the
+    constraint starts at once (a trigger's wait skips spacing anyway): a grammar's or a schema's."""
+    if constraint.trigger is not None:
+        return constraint
+    if constraint.grammar is not None:
+        body = re.sub(r"^start:", "gated_start:", constraint.grammar, count=1, flags=re.MULTILINE)
+        return replace(constraint, grammar=f"start: gated_start | GATED_SPACE gated_start\n{body}\n{_SPACE}")
+    if constraint.json is not None or constraint.json_object:
+        schema = constraint.json if constraint.json is not None else {"type": "object"}
+        schema_text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
+        grammar = f"start: answer | GATED_SPACE answer\nanswer: %json {schema_text}\n{_SPACE}"
+        return StructuredOutputsParams(grammar=grammar, trigger=constraint.trigger)
+    return constraint
+
+
+_SPACE = "GATED_SPACE: /[ \t\r\n]+/"
 
 
 def reasoning_tokens(tokenizer: Tokenizer | None, thinking: str) -> int:
