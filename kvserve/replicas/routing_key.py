@@ -79,7 +79,8 @@ class RoutingKeys:
             conversation = chat.to_conversation(chat.tool_use(), tenant, chat.reasoning_use(template).variables())
         elif path == "/v1/messages":
             messages = MessagesPrompt.model_validate(request)
-            conversation = messages_conversation(messages, messages.tool_use(), tenant)
+            reasoning = messages.reasoning_use(self.prompts.tokenizer.chat_template)
+            conversation = messages_conversation(messages, messages.tool_use(), tenant, reasoning.variables())
         elif path == "/v1/responses":
             responses = ResponsesRequest.model_validate(request)
             if responses.previous_response_id is not None or responses.conversation is not None or \

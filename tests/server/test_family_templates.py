@@ -96,3 +96,31 @@ def test_turn_two_of_a_tool_loop_begins_with_turn_one(family):
     turn_two = app.post("/tokenize", json={**body, "messages": history, "tool_choice": "auto"}).json()["tokens"]
     holds = turn_two[:len(turn_one) + len(generated)] == turn_one + generated
     assert holds is renders_back, name
+
+
+def _anthropic(app) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url="http://testserver", api_key="unused", http_client=app, max_retries=0)
+
+
+ANTHROPIC_TOOL = {"name": "get_weather", "description": "The weather in a city",
+                  "input_schema": WEATHER["function"]["parameters"]}
+
+
+def test_anthropic_thinking_blocks_then_the_tool_use_whole_and_streamed(family):
+    name, app, model, script, thinking, _ = family
+    kwargs = dict(model="tiny", max_tokens=80, system="You help.", tools=[ANTHROPIC_TOOL],
+                  messages=[{"role": "user", "content": "Weather in Oslo?"}], tool_choice={"type": "any"},
+                  **({"thinking": {"type": "enabled", "budget_tokens": 1024}} if thinking else {}))
+    model.say(script)
+    whole = _anthropic(app).messages.create(**kwargs)
+    model.say(script)
+    with _anthropic(app).messages.stream(**kwargs) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    for message in (whole, streamed):
+        assert message.stop_reason == "tool_use"
+        assert [block.type for block in message.content] == (["thinking"] if thinking else []) + ["tool_use"]
+        assert message.content[-1].input == {"city": "Oslo"}
+        if thinking:
+            assert message.content[0].thinking == thinking
+    assert ("thinking" in kinds) is bool(thinking)  # the SDK's event for each thinking_delta

@@ -25,9 +25,11 @@ def after_compaction(messages: list[Message]) -> tuple[str | None, list[Message]
     return None, list(messages)
 
 
-def messages_conversation(body: MessagesPrompt, tool_use: ToolUse, tenant: str | None) -> Conversation:
-    """The conversation; each mark's tag is its breakpoint's TTL in seconds. A compacted history is the
-    system prompt, then the summary (server/compaction/summary.py), then the messages after the compaction."""
+def messages_conversation(body: MessagesPrompt, tool_use: ToolUse, tenant: str | None,
+                          variables: dict | None = None) -> Conversation:
+    """The conversation; each mark's tag is its breakpoint's TTL in seconds (`variables`: more template variables,
+    the thinking switch). A compacted history is the system prompt, then the summary
+    (server/compaction/summary.py), then the messages after the compaction."""
 
     def add_text(turn: Turn, text: str, cache_control) -> None:
         turn.content += text
@@ -54,9 +56,14 @@ def messages_conversation(body: MessagesPrompt, tool_use: ToolUse, tenant: str |
                 turns.append(Turn(message.role))
             if block.type == "text":
                 add_text(turns[-1], block.text, block.cache_control)
+            elif block.type == "thinking":  # an earlier answer's thinking (templates that keep it render it)
+                turns[-1].reasoning += block.thinking
+            elif block.type == "redacted_thinking":
+                continue
             else:  # a tool_use: its input written as the call grammar writes arguments
                 turns[-1].tool_calls.append(ToolCall(block.id, block.name, dumps(block.input)))
     link_tool_results(turns)
     tool_ttls = [tool.cache_control.ttl_s for tool in body.tools or [] if tool.cache_control is not None]
     # one breakpoint after the definitions, the longest TTL
-    return Conversation(turns, tool_use.tools, tenant=tenant, tools_mark=max(tool_ttls) if tool_ttls else None)
+    return Conversation(turns, tool_use.tools, tenant=tenant, tools_mark=max(tool_ttls) if tool_ttls else None,
+                        variables=dict(variables or {}))

@@ -26,8 +26,9 @@ from kvserve.kv.prefix.pins import PinRequest, cache_write_tokens
 from kvserve.server.anthropic.protocol import MessagesPrompt, MessagesRequest
 from kvserve.server.anthropic.context_edits import ContextEdits, check_betas
 from kvserve.server.anthropic.conversation import messages_conversation
-from kvserve.server.anthropic.tool_blocks import BlockStream, output_blocks
+from kvserve.server.anthropic.tool_blocks import BlockStream, output_blocks, thinking_block
 from kvserve.server.compaction.summarizer import Summarizer, SummaryPass
+from kvserve.server.core.reasoning_use import ReasoningUse
 from kvserve.server.core.serving import Serving
 from kvserve.server.core.streaming import Job, OutputFormat, sse_event
 from kvserve.server.core.tenancy import tenant_id
@@ -44,6 +45,7 @@ class MessagesServing:
         serving.check_model(body.model)
         body.check()
         tool_use = serving.tool_use(body)
+        reasoning = body.reasoning_use(serving.chat_template)
         tenant = tenant_id(api_key)
         applied, done = None, None
         if body.context_management is not None:
@@ -59,8 +61,8 @@ class MessagesServing:
                 if edit.pause_after_compaction:
                     return paused_after_compaction(body, done, applied, serving.settings.model_name)
                 body = edits.compacted(body, done.summary)
-        job = await serving.off_loop(self._job, body, tool_use, tenant)
-        fmt = MessagesFormat(serving, body, job, tool_use, tenant, done, applied)
+        job, reasoning = await serving.off_loop(self._job, body, tool_use, tenant, reasoning)
+        fmt = MessagesFormat(serving, body, job, tool_use, tenant, done, applied, reasoning)
         return await serving.respond(fmt, [job], http, api_key, None, body.stream)
 
     async def count_tokens(self, body: MessagesPrompt, api_key: str) -> dict:
@@ -68,20 +70,24 @@ class MessagesServing:
         self.serving.check_model(body.model)
         body.check()
         tool_use = self.serving.tool_use(body)
-        token_ids, _ = await self.serving.off_loop(self._render, body, tool_use, tenant_id(api_key))
+        reasoning = body.reasoning_use(self.serving.chat_template)
+        token_ids, _ = await self.serving.off_loop(self._render, body, tool_use, tenant_id(api_key), reasoning)
         return {"input_tokens": len(token_ids)}
 
-    def _job(self, body: MessagesRequest, tool_use: ToolUse, tenant: str) -> Job:
+    def _job(self, body: MessagesRequest, tool_use: ToolUse, tenant: str, reasoning: ReasoningUse
+             ) -> tuple[Job, ReasoningUse]:
         """(worker) Render, tokenize, place the breakpoints, validate."""
-        token_ids, pins = self._render(body, tool_use, tenant)
-        job = self.serving.jobs(0, token_ids, body.sampling_params(body.max_tokens, tool_use.constraint()), 1, 0,
-                                constraint_param="tools")[0]
+        token_ids, pins = self._render(body, tool_use, tenant, reasoning)
+        reasoning = reasoning.after_prompt(self.serving.tokenizer, token_ids)
+        params = body.sampling_params(body.max_tokens, reasoning.gate(tool_use.constraint()))
+        job = self.serving.jobs(0, token_ids, params, 1, 0, constraint_param="tools")[0]
         job.pins = tuple(pins)
-        return job
+        return job, reasoning
 
-    def _render(self, body: MessagesPrompt, tool_use: ToolUse, tenant: str) -> tuple[list[int], list[PinRequest]]:
+    def _render(self, body: MessagesPrompt, tool_use: ToolUse, tenant: str, reasoning: ReasoningUse
+                ) -> tuple[list[int], list[PinRequest]]:
         """(worker) The prompt's ids and its breakpoints (each mark's tag is its TTL)."""
-        prompt = self.serving.prompts.build(messages_conversation(body, tool_use, tenant))
+        prompt = self.serving.prompts.build(messages_conversation(body, tool_use, tenant, reasoning.variables()))
         return prompt.token_ids, [PinRequest(num_tokens, ttl) for num_tokens, ttl in prompt.marks if num_tokens]
 
 
@@ -89,16 +95,21 @@ class MessagesFormat(OutputFormat):
     """Anthropic's Message object, and its stream (message_start ... message_stop)."""
 
     def __init__(self, serving: Serving, body: MessagesRequest, job: Job, tool_use: ToolUse, tenant: str,
-                 compaction: SummaryPass | None = None, applied_edits: list[dict] | None = None) -> None:
+                 compaction: SummaryPass | None = None, applied_edits: list[dict] | None = None,
+                 reasoning: ReasoningUse | None = None) -> None:
         self.serving = serving
         self.compaction = compaction  # a pass that ran first: its block leads the content
         self.applied_edits = applied_edits  # None: no context_management asked for
         self.tenant = tenant
         self.body = body
         self.job = job
-        parser = tool_use.parser()  # None: plain text, one text block opened at once
+        self.reasoning = reasoning or ReasoningUse()
+        self.thinker = self.reasoning.parser()  # None: the model does not reason
+        parser = tool_use.parser()
         self.first_index = 1 if compaction is not None else 0  # of the answer's blocks
-        self.blocks = BlockStream(self._event, parser, self.first_index) if parser is not None else None
+        # None: plain text, one text block opened at once; else blocks open as the output shows what they are
+        self.blocks = BlockStream(self._event, parser, self.first_index) \
+            if parser is not None or self.thinker is not None else None
         self.request_id = f"msg_{uuid.uuid4().hex}"
         self._started = False
         self._num_output_tokens = 0
@@ -131,7 +142,7 @@ class MessagesFormat(OutputFormat):
         completion = output.outputs[0]
         if completion.finish_reason == "length":
             return "max_tokens", None
-        if self.blocks is not None and self.blocks.parser.calls:
+        if self.blocks is not None and self.blocks.calls:
             return "tool_use", None
         tokenizer = self.serving.tokenizer
         if completion.finish_reason == "stop" and completion.token_ids and tokenizer is not None and \
@@ -152,23 +163,39 @@ class MessagesFormat(OutputFormat):
     def _remember(self, final: RequestOutput) -> None:
         """Keep an answer's generated ids for the turn that sends its tool_use blocks back (token-exact loops)."""
         completion = final.outputs[0]
-        if self.blocks is not None and self.blocks.parser.calls and completion.finish_reason == "stop":
-            self.serving.answers.remember(self.tenant, self.blocks.parser.calls[0].id, completion.text,
-                                          completion.token_ids)
+        if self.blocks is not None and self.blocks.calls and completion.finish_reason == "stop":
+            self.serving.answers.remember(self.tenant, self.blocks.calls[0].id, completion.text, completion.token_ids)
 
     def response(self, jobs: list[Job], finals: dict[int, RequestOutput]) -> dict:
         final = finals.get(0)
         if final is None:  # the client left; nobody reads this
             return self._message([], (None, None), self._usage(0, 0))
         completion = final.outputs[0]
-        content = [{"type": "text", "text": completion.text}] if self.blocks is None else \
-            output_blocks(completion.text, self.blocks.parser)
+        thinking, answer = self._split(completion.text, True)
+        if self.blocks is None:
+            content = [{"type": "text", "text": answer}]
+        elif self.blocks.parser is None:
+            content = [{"type": "text", "text": answer}] if answer else []
+        else:
+            content = output_blocks(answer, self.blocks.parser)
+        if thinking:
+            content.insert(0, thinking_block(thinking))
         if self.compaction is not None:
             content = [compaction_block(self.compaction), *content]
         self._remember(final)
         self.serving.count_tool_calls(sum(block["type"] == "tool_use" for block in content))
         return self._message(content, self._stop(final),
                              self._usage(final.num_cached_tokens, len(completion.token_ids)))
+
+    def _split(self, text: str, finished: bool) -> tuple[str, str]:
+        """(thinking, answer) of new output text."""
+        if self.thinker is None:
+            return "", text
+        thinking, answer = self.thinker.feed(text)
+        if finished:
+            more_thinking, more_answer = self.thinker.finish()
+            thinking, answer = thinking + more_thinking, answer + more_answer
+        return thinking, answer
 
     # --- streaming -------------------------------------------------------------
 
@@ -195,7 +222,8 @@ class MessagesFormat(OutputFormat):
     def output_events(self, job: Job, delta: RequestDelta) -> Iterable[str]:
         events = [] if self._started else self._start(delta.num_cached_tokens)
         if self.blocks is not None:
-            return events + self.blocks.feed(delta.new_text, delta.finished)
+            thinking, answer = self._split(delta.new_text, delta.finished)
+            return events + self.blocks.feed(answer, delta.finished, thinking)
         if delta.new_text:
             events.append(self._event("content_block_delta", index=self.first_index,
                                       delta={"type": "text_delta", "text": delta.new_text}))
@@ -215,7 +243,7 @@ class MessagesFormat(OutputFormat):
         usage = self._usage(final.num_cached_tokens, len(final.outputs[0].token_ids))
         stop_reason, stop_sequence = self._stop(final)
         if self.blocks is not None:
-            self.serving.count_tool_calls(len(self.blocks.parser.calls))
+            self.serving.count_tool_calls(len(self.blocks.calls))
         if self.blocks is None:  # (the blocks' own events closed them)
             yield self._event("content_block_stop", index=self.first_index)
         yield self._event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},

@@ -1,8 +1,9 @@
 """Anthropic Messages API request bodies (`POST /v1/messages`) and their SamplingParams.
 
-Text, `tool_use` and `tool_result` blocks; `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}`
+Text, `tool_use`, `tool_result` and `thinking` blocks; `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}`
 on system and message blocks and on tool definitions marks breakpoints (at most 4, as Anthropic).
-Images, documents, server tools and extended thinking are refused by name.
+`thinking` turns a reasoning model's thinking on or off (server/core/reasoning_use.py). Images, documents and
+server tools are refused by name.
 `MessagesPrompt` is what `POST /v1/messages/count_tokens` takes: the prompt without the sampling.
 """
 
@@ -19,6 +20,7 @@ from kvserve.kv.prefix.pins import TTL_SECONDS
 from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
                                      check_typed_fields, needs_tools,
                                      required_in_schema, required_when, sampling_params)
+from kvserve.server.core.reasoning_use import ReasoningUse
 from kvserve.server.core.tool_use import ToolUse
 from kvserve.tools.calls import FunctionTool
 from kvserve.tools.grammar import ToolChoice
@@ -57,7 +59,7 @@ class TextBlock(BaseModel):
 
 
 _BLOCK_FIELDS = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",),
-                 "compaction": ()}
+                 "compaction": (), "thinking": ("thinking",), "redacted_thinking": ("data",)}
 
 
 class ContentBlock(BaseModel):
@@ -66,8 +68,11 @@ class ContentBlock(BaseModel):
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"allOf": required_when("type", _BLOCK_FIELDS)})
 
-    type: Text = Field(json_schema_extra={"enum": ["text", "tool_use", "tool_result", "compaction"]})
+    type: Text = Field(json_schema_extra={"enum": list(_BLOCK_FIELDS)})
     text: Text | None = None
+    thinking: Text | None = None  # thinking: an earlier answer's thinking, sent back
+    signature: Text | None = None  # thinking (kvserve signs nothing: "")
+    data: Text | None = None  # redacted_thinking (kvserve writes none; ignored)
     cache_control: CacheControl | None = None
     id: Text | None = None  # tool_use
     name: Text | None = None  # tool_use
@@ -127,7 +132,8 @@ class MessagesPrompt(NullMeansDefault):
     system: Text | list[TextBlock] | None = None
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
-    # Refused: the model cannot serve it.
+    # Extended thinking: {"type": "enabled", "budget_tokens": N} (the budget is not enforced: max_tokens bounds the
+    # whole answer) or {"type": "disabled"}, on a model whose template knows thinking.
     thinking: dict[str, Any] | None = None
 
     def tool_use(self) -> ToolUse:
@@ -143,9 +149,14 @@ class MessagesPrompt(NullMeansDefault):
         use.check()
         return use
 
+    def reasoning_use(self, template: str | None) -> ReasoningUse:
+        """The request's `thinking` switch on the model whose chat template is `template`."""
+        kind = (self.thinking or {}).get("type")
+        if kind not in (None, "enabled", "disabled"):
+            raise InvalidRequestError(f"thinking.type must be enabled or disabled, got {kind!r}", param="thinking")
+        return ReasoningUse.of(template, None if kind is None else kind == "enabled", param="thinking")
+
     def check(self) -> None:
-        if self.thinking is not None and self.thinking.get("type") != "disabled":
-            raise InvalidRequestError("extended thinking is not supported by this model", param="thinking")
         if self.messages[-1].role == "assistant":
             raise InvalidRequestError("a last assistant message (prefilling the answer) is not supported; end with "
                                       "a user message", param="messages")

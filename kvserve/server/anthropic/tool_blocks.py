@@ -1,5 +1,6 @@
-"""Anthropic's blocks out of kvserve's tool layer: an output into `text` / `tool_use` blocks, whole or streamed
-(content_block_start / text_delta / input_json_delta / content_block_stop). The request's blocks become a
+"""Anthropic's blocks out of kvserve's tool layer: an output into `thinking` / `text` / `tool_use` blocks, whole or
+streamed (content_block_start / thinking_delta + signature_delta / text_delta / input_json_delta /
+content_block_stop). The request's blocks become a
 conversation in conversation.py."""
 
 from __future__ import annotations
@@ -30,18 +31,37 @@ def tool_use_block(call_id: str, name: str, arguments: str | None) -> dict:
     return {"type": "tool_use", "id": call_id, "name": name, "input": value if isinstance(value, dict) else {}}
 
 
-class BlockStream:
-    """Content blocks opened as the output shows what they are, with their indexes."""
+def thinking_block(thinking: str) -> dict:
+    """A `thinking` block (kvserve signs nothing: its signature is empty, and a thinking block sent back is
+    taken as it is)."""
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
 
-    def __init__(self, event: Callable[..., str], parser: ToolCallParser, first_index: int = 0) -> None:
+
+class BlockStream:
+    """Content blocks opened as the output shows what they are, with their indexes. `parser` None: no tools,
+    the answer is text."""
+
+    def __init__(self, event: Callable[..., str], parser: ToolCallParser | None, first_index: int = 0) -> None:
         self._event = event
         self.parser = parser
         self._index = first_index - 1  # (a compaction block may come first)
-        self._open: str | None = None  # "text" | "tool_use"
+        self._open: str | None = None  # "thinking" | "text" | "tool_use"
 
-    def feed(self, text: str, finished: bool) -> list[str]:
-        events = self.parser.feed(text) + (self.parser.finish() if finished else [])
+    @property
+    def calls(self) -> list:
+        return self.parser.calls if self.parser is not None else []
+
+    def feed(self, text: str, finished: bool, thinking: str = "") -> list[str]:
         out: list[str] = []
+        if thinking:
+            if self._open != "thinking":
+                out += self._start(thinking_block(""), "thinking")
+            out.append(self._event("content_block_delta", index=self._index,
+                                   delta={"type": "thinking_delta", "thinking": thinking}))
+        if self.parser is None:
+            events = [ContentDelta(text)] if text else []
+        else:
+            events = self.parser.feed(text) + (self.parser.finish() if finished else [])
         for event in events:
             if isinstance(event, ContentDelta):
                 if self._open != "text":
@@ -66,5 +86,7 @@ class BlockStream:
     def _stop(self) -> list[str]:
         if self._open is None:
             return []
+        signature = [self._event("content_block_delta", index=self._index,
+                                 delta={"type": "signature_delta", "signature": ""})] if self._open == "thinking" else []
         self._open = None
-        return [self._event("content_block_stop", index=self._index)]
+        return signature + [self._event("content_block_stop", index=self._index)]
