@@ -86,7 +86,9 @@ class RoutingKeys:
             if responses.previous_response_id is not None or responses.conversation is not None or \
                     last_compaction(responses.input)[0] is not None:
                 return []  # a stored or sealed history the ingress cannot render: the replicas hold it
-            conversation = responses.to_conversation(responses.tool_use(), tenant)
+            reasoning = responses.reasoning_use(self.prompts.tokenizer.chat_template)
+            conversation = responses.to_conversation(responses.tool_use(), tenant, None, None, None,
+                                                     reasoning.variables())
         else:
             return []
         return self.prompts.build(conversation).token_ids

@@ -124,3 +124,24 @@ def test_anthropic_thinking_blocks_then_the_tool_use_whole_and_streamed(family):
         if thinking:
             assert message.content[0].thinking == thinking
     assert ("thinking" in kinds) is bool(thinking)  # the SDK's event for each thinking_delta
+
+
+def test_responses_reasoning_item_then_the_function_call_whole_and_streamed(family):
+    name, app, model, script, thinking, _ = family
+    kwargs = dict(model="tiny", input="Weather in Oslo?", instructions="You help.", max_output_tokens=80,
+                  tools=[{"type": "function", **WEATHER["function"]}], tool_choice="required",
+                  **({"reasoning": {"effort": "high"}} if thinking else {}))
+    model.say(script)
+    whole = _client(app).responses.create(**kwargs)
+    model.say(script)
+    with _client(app).responses.stream(**kwargs) as stream:
+        events = list(stream)
+        streamed = stream.get_final_response()
+    for response in (whole, streamed):
+        assert [item.type for item in response.output] == (["reasoning"] if thinking else []) + ["function_call"]
+        assert (response.output[-1].name, response.output[-1].arguments) == ("get_weather", OSLO)
+        if thinking:
+            assert response.output[0].content[0].text == thinking
+        assert (response.usage.output_tokens_details.reasoning_tokens > 0) is bool(thinking)
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == (thinking or "")

@@ -159,8 +159,11 @@ class PromptBuilder:
         cuts = self._answer_cuts(conversation, turns, messages, text, rendered)
         split = conversation.split_instructions and bool(self.instruction_messages(conversation))
         if split:
-            head = rendered(1, False)
-            if text.startswith(head):  # a template that renders a system message alone differently: no split
+            try:
+                head = rendered(1, False)
+            except InvalidRequestError:  # a template that refuses a system message alone (Llama 3.1's with tools)
+                head = None
+            if head is not None and text.startswith(head):  # one that renders it alone differently: no split
                 cuts.insert(0, _Cut(len(head), len(head)))
         token_ids, pieces = self._tokenize(text, cuts)
         marks = [(self._tokens_before(text, offset, pieces), tags[n]) for offset, n in mark_offsets]

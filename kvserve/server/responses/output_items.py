@@ -1,7 +1,8 @@
-"""The output items of a response whose output may hold function calls: a `message` item for text, a
-`function_call` item per call, in output order, with their stream events (output_item.added,
-output_text.delta, function_call_arguments.delta / .done, output_item.done ...). One parser feeds both
-the stream and the final body, so the ids a client saw streamed are the ids in the Response."""
+"""The output items of a response whose output may hold thinking or function calls: a `reasoning` item for a
+reasoning model's thinking, a `message` item for text, a `function_call` item per call, in output order, with
+their stream events (output_item.added, reasoning_text.delta / .done, output_text.delta,
+function_call_arguments.delta / .done, output_item.done ...). One parser feeds both the stream and the final
+body, so the ids a client saw streamed are the ids in the Response."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from kvserve.tools.parsing import ArgumentsDelta, CallStarted, ContentDelta, Too
 
 
 class OutputItems:
-    def __init__(self, event: Callable[..., str], parser: ToolCallParser, first_index: int = 0) -> None:
+    def __init__(self, event: Callable[..., str], parser: ToolCallParser | None, first_index: int = 0) -> None:
         self._event = event  # (type, **fields) -> an SSE event with its sequence number
         self.first_index = first_index  # of the first item in the Response's output (after a compaction item)
         self.parser = parser
@@ -20,14 +21,16 @@ class OutputItems:
         self._open: dict | None = None
         self.finished = False
 
-    def feed(self, text: str, finished: bool, status: str = "completed") -> list[str]:
-        """Events for `text` (and the end of the output when `finished`, the last item closing with `status`:
-        "incomplete" where max_output_tokens cut it, a function call's arguments included)."""
-        events = self.parser.feed(text)
-        if finished:
-            events += self.parser.finish()
-            self.finished = True
-        out: list[str] = []
+    def feed(self, text: str, finished: bool, status: str = "completed", thinking: str = "") -> list[str]:
+        """Events for `thinking` and the answer's `text` (and the end of the output when `finished`, the last item
+        closing with `status`: "incomplete" where max_output_tokens cut it, a function call's arguments
+        included). `parser` None: no tools, the answer is text."""
+        if self.parser is None:
+            events: list = [ContentDelta(text)] if text else []
+        else:
+            events = self.parser.feed(text) + (self.parser.finish() if finished else [])
+        self.finished = self.finished or finished
+        out: list[str] = self._think(thinking) if thinking else []
         for event in events:
             if isinstance(event, ContentDelta):
                 if self._open is None or self._open["item"]["type"] != "message":
@@ -56,8 +59,24 @@ class OutputItems:
                 for n, entry in enumerate(self.items)]
 
     @property
-    def has_calls(self) -> bool:
-        return bool(self.parser.calls)
+    def calls(self) -> list:
+        return self.parser.calls if self.parser is not None else []
+
+    def _think(self, thinking: str) -> list[str]:
+        out: list[str] = []
+        if self._open is None or self._open["item"]["type"] != "reasoning":
+            out += self._close()
+            self._open = {"item": {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                                   "content": [], "status": "in_progress"}, "text": []}
+            self.items.append(self._open)
+            out += [self._event("response.output_item.added", output_index=self._index(), item=self._open["item"]),
+                    self._event("response.content_part.added", item_id=self._open["item"]["id"],
+                                output_index=self._index(), content_index=0,
+                                part={"type": "reasoning_text", "text": ""})]
+        self._open["text"].append(thinking)
+        out.append(self._event("response.reasoning_text.delta", item_id=self._open["item"]["id"],
+                               output_index=self._index(), content_index=0, delta=thinking))
+        return out
 
     def _index(self) -> int:
         return self.first_index + len(self.items) - 1
@@ -77,6 +96,13 @@ class OutputItems:
             return []
         index = self.first_index + self.items.index(entry)
         item = self._finished_item(entry, status)
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                content_index=0, text=text),
+                    self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                content_index=0, part=item["content"][0]),
+                    self._event("response.output_item.done", output_index=index, item=item)]
         if item["type"] == "message":
             text = item["content"][0]["text"]
             return [self._event("response.output_text.done", item_id=item["id"], output_index=index,
@@ -90,7 +116,9 @@ class OutputItems:
 
     def _finished_item(self, entry: dict, status: str) -> dict:
         item = dict(entry["item"], status=status)
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            item["content"] = [{"type": "reasoning_text", "text": "".join(entry["text"])}]
+        elif item["type"] == "message":
             item["content"] = [{"type": "output_text", "text": "".join(entry["text"]), "annotations": [],
                                 "logprobs": []}]
         else:

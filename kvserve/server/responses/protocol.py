@@ -3,10 +3,11 @@
 Type errors are pydantic's (-> 400); ranges are SamplingParams' own. Function
 tools, `function_call` / `function_call_output` items and `text.format` json
 output are served (server/core/tool_use.py); what the model cannot serve —
-other tool types, reasoning, images, files, other item types, background mode —
+other tool types, images, files, other item types, background mode —
 is refused by name, never ignored. `compaction` items (server/compaction/) stand for every item before
 them; `context_management` compaction and `conversation` are served (responses/compacting.py,
-responses/conversations.py).
+responses/conversations.py). `reasoning.effort` and reasoning items are served on a model whose template
+knows thinking (server/core/reasoning_use.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault,
                                      check_typed_fields, needs_tools,
                                      non_empty_list, required_in_schema, required_when, sampling_params)
 from kvserve.server.compaction.summary import compacted_instructions
+from kvserve.server.core.reasoning_use import ReasoningUse
 from kvserve.server.core.structured_output import text_format_constraint
 from kvserve.server.core.tool_use import ToolUse, link_tool_results
 from kvserve.server.prompt.builder import Conversation
@@ -30,7 +32,7 @@ from kvserve.tools.calls import FunctionTool, ToolCall
 from kvserve.tools.grammar import ToolChoice
 from kvserve.tools.rendering import Turn
 
-_TEXT_PART_TYPES = ("input_text", "output_text", "text")
+_TEXT_PART_TYPES = ("input_text", "output_text", "text", "reasoning_text")
 MAX_METADATA_KEYS = 16  # as OpenAI
 
 
@@ -54,12 +56,13 @@ class InputContent(BaseModel):
 
 
 _ITEM_FIELDS = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
-                "function_call_output": ("call_id", "output"), "compaction": ("encrypted_content",)}
+                "function_call_output": ("call_id", "output"), "compaction": ("encrypted_content",), "reasoning": ()}
 
 
 class InputMessage(BaseModel):
-    """An input item: a message, a function call the model made, or a function's output (no reasoning
-    items, references, other tools' calls)."""
+    """An input item: a message, a function call the model made, a function's output, or a reasoning item (an
+    earlier answer's thinking, sent back: it goes with the assistant turn after it); no references, other tools'
+    calls."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"allOf": required_when("type", _ITEM_FIELDS, "message")})
 
@@ -71,6 +74,7 @@ class InputMessage(BaseModel):
     arguments: Text | None = None
     output: Text | None = None
     encrypted_content: Text | None = None
+    summary: list[Any] | None = None  # reasoning
 
     @model_validator(mode="after")
     def _known_item(self) -> "InputMessage":
@@ -85,10 +89,14 @@ class InputMessage(BaseModel):
             return {"type": "function_call_output", "call_id": self.call_id, "output": self.output}
         if self.type == "compaction":
             return {"type": "compaction", "encrypted_content": self.encrypted_content}
+        if self.type == "reasoning":
+            return {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": self.text()}]}
         part = "output_text" if self.role == "assistant" else "input_text"
         return {"type": "message", "role": self.role, "content": [{"type": part, "text": self.text()}]}
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -179,7 +187,6 @@ class ResponsesRequest(NullMeansDefault):
     def check(self) -> None:
         """Checks that need no prompt (call before rendering)."""
         refused = [name for name, on in (
-            ("reasoning", self.reasoning is not None and self.reasoning.get("effort") not in (None, "none")),
             ("include", bool(self.include)),
             ("background", bool(self.background)),
             ("top_logprobs", bool(self.top_logprobs)),
@@ -207,6 +214,11 @@ class ResponsesRequest(NullMeansDefault):
                       if entry.compact_threshold is not None]
         return min(thresholds) if thresholds else None
 
+    def reasoning_use(self, template: str | None) -> ReasoningUse:
+        """`reasoning.effort` on the model whose chat template is `template` (none: its default)."""
+        effort = (self.reasoning or {}).get("effort")
+        return ReasoningUse.of(template, None, "low" if effort == "minimal" else effort, param="reasoning")
+
     def tool_use(self) -> ToolUse:
         tools = [FunctionTool(t.name, t.description, t.parameters if t.parameters is not None else
                               {"type": "object", "properties": {}}, t.strict) for t in self.tools or []]
@@ -221,14 +233,16 @@ class ResponsesRequest(NullMeansDefault):
         return use
 
     def to_conversation(self, tool_use: ToolUse, tenant: str | None, earlier_calls: dict[str, str] | None = None,
-                        summary: str | None = None, turns: list[Turn] | None = None) -> Conversation:
+                        summary: str | None = None, turns: list[Turn] | None = None,
+                        variables: dict[str, Any] | None = None) -> Conversation:
         """The request as the prompt builder takes it, the instructions (and the `summary` of a compacted
         history, server/compaction/summary.py) a segment of their own, as a conversation continued by
-        previous_response_id tokenizes them (`earlier_calls`: see `turns`; `turns`: in place of the input's)."""
+        previous_response_id tokenizes them (`earlier_calls`: see `turns`; `turns`: in place of the input's;
+        `variables`: more template variables, the reasoning switch)."""
         turns = self.turns(earlier_calls or {}) if turns is None else turns
         instructions = compacted_instructions(self.instructions, summary) or ""
         return Conversation(turns, tool_use.tools, instructions=instructions, tenant=tenant, split_instructions=True,
-                            param="input")
+                            param="input", variables=dict(variables or {}))
 
     def turns(self, earlier_calls: dict[str, str]) -> list[Turn]:
         """The input, API-neutral ("developer" is the system role to a template); a function_call_output must
@@ -236,17 +250,23 @@ class ResponsesRequest(NullMeansDefault):
         if isinstance(self.input, str):
             return [Turn("user", self.input)]
         turns: list[Turn] = []
+        thinking = ""  # a reasoning item's, for the assistant turn after it
         for m in last_compaction(self.input)[1]:
-            if m.type == "function_call":
+            if m.type == "reasoning":
+                thinking += m.text()
+            elif m.type == "function_call":
                 call = ToolCall(m.call_id, m.name, m.arguments)
-                if turns and turns[-1].role == "assistant":
+                if turns and turns[-1].role == "assistant" and not thinking:
                     turns[-1].tool_calls.append(call)
                 else:
-                    turns.append(Turn("assistant", "", [call]))
+                    turns.append(Turn("assistant", "", [call], reasoning=thinking))
+                    thinking = ""
             elif m.type == "function_call_output":
                 turns.append(Turn("tool", m.output, tool_call_id=m.call_id, name=earlier_calls.get(m.call_id)))
             else:
-                turns.append(Turn("system" if m.role == "developer" else m.role, m.text()))
+                turns.append(Turn("system" if m.role == "developer" else m.role, m.text(),
+                                  reasoning=thinking if m.role == "assistant" else ""))
+                thinking = "" if m.role == "assistant" else thinking
         link_tool_results(turns, "input", earlier_calls)
         return turns
 
@@ -261,9 +281,13 @@ class ResponsesRequest(NullMeansDefault):
         """A prompt_cache_key with a prompt_cache_retention pins the prompt (kv/prefix/pins.py) for this long."""
         return TTL_SECONDS[self.prompt_cache_retention] if self.prompt_cache_retention else None
 
-    def sampling_params(self, max_tokens: int, tool_use: ToolUse) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, tool_use: ToolUse, reasoning: ReasoningUse | None = None
+                        ) -> SamplingParams:
         values: dict[str, Any] = dict(max_tokens=max_tokens, ignore_eos=self.ignore_eos, seed=self.seed)
-        if (constraint := tool_use.constraint()) is not None:
+        constraint = tool_use.constraint()
+        if reasoning is not None:
+            constraint = reasoning.gate(constraint)
+        if constraint is not None:
             values["structured_outputs"] = constraint
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:

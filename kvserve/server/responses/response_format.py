@@ -10,12 +10,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.engine.output.types import RequestDelta, RequestOutput
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.server.compaction.summarizer import SummaryPass
 from kvserve.server.core.errors import bad_request, internal
+from kvserve.server.core.reasoning_use import ReasoningUse, reasoning_tokens
 from kvserve.server.core.serving import Serving
 from kvserve.server.core.streaming import Job, OutputFormat, sse_event
 from kvserve.server.core.tool_use import ToolUse
@@ -35,6 +36,7 @@ class PreparedTurn:
     job: Job
     num_dropped_turns: int = 0
     summary: str | None = None  # of the compacted history the instructions segment carries
+    reasoning: ReasoningUse = field(default_factory=ReasoningUse)  # as the prompt left it (opened, closed)
 
     @property
     def num_tokens(self) -> int:
@@ -59,9 +61,24 @@ class ResponsesFormat(OutputFormat):
         self.created_at = int(time.time())
         self._sequence = 0
         self._text: list[str] = []
-        parser = tool_use.parser()  # None: plain text, one message item opened at once
+        self.thinker = prepared.reasoning.parser()  # None: the model does not reason
+        self._thinking: list[str] = []
+        parser = tool_use.parser()
         self.first_index = 1 if compaction is not None else 0  # of the answer's items in `output`
-        self.items = OutputItems(self._event, parser, self.first_index) if parser is not None else None
+        # None: plain text, one message item opened at once; else items open as the output shows what they are
+        self.items = OutputItems(self._event, parser, self.first_index) \
+            if parser is not None or self.thinker is not None else None
+
+    def _split(self, text: str, finished: bool) -> tuple[str, str]:
+        """(thinking, answer) of new output text."""
+        if self.thinker is None:
+            return "", text
+        thinking, answer = self.thinker.feed(text)
+        if finished:
+            more_thinking, more_answer = self.thinker.finish()
+            thinking, answer = thinking + more_thinking, answer + more_answer
+        self._thinking.append(thinking)
+        return thinking, answer
 
     # --- the Response object -------------------------------------------------
 
@@ -79,7 +96,8 @@ class ResponsesFormat(OutputFormat):
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "model": self.serving.settings.model_name, "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
             "store": body.store, "temperature": body.temperature if body.temperature is not None else 1.0,
             "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
             "tool_choice": body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else
@@ -94,10 +112,23 @@ class ResponsesFormat(OutputFormat):
         completion = final.outputs[0]
         status, incomplete = {"stop": ("completed", None), "length": ("incomplete", "max_output_tokens")}.get(
             completion.finish_reason or "", ("cancelled", None))
+        item_status = "completed" if status == "completed" else "incomplete"
+        if self.items is None:
+            output = [self._message(completion.text, item_status)]
+        else:
+            if not self.items.finished:  # not streamed: the whole text at once
+                thinking, answer = self._split(completion.text, True)
+                self.items.feed(answer, True, thinking=thinking)
+            output = self.items.final(item_status)
+            calls = self.items.calls
+            self.serving.count_tool_calls(len(calls))
+            if calls and completion.finish_reason == "stop":  # for the turn that resends its calls as items
+                self.serving.answers.remember(self.tenant, calls[0].id, completion.text, completion.token_ids)
+        reasoning = reasoning_tokens(self.serving.tokenizer, "".join(self._thinking))
         usage = {
             "input_tokens": len(final.prompt_token_ids),
             "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
-            "output_tokens": len(completion.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": len(completion.token_ids), "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": len(final.prompt_token_ids) + len(completion.token_ids),
         }
         if self.compaction is not None:  # the pass counts: its prompt and its summary
@@ -106,19 +137,8 @@ class ResponsesFormat(OutputFormat):
                      "input_tokens_details": {
                          "cached_tokens": final.num_cached_tokens + self.compaction.num_cached_tokens},
                      "output_tokens": usage["output_tokens"] + spent["output_tokens"],
-                     "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens_details": {"reasoning_tokens": reasoning},
                      "total_tokens": usage["total_tokens"] + spent["total_tokens"]}
-        item_status = "completed" if status == "completed" else "incomplete"
-        if self.items is None:
-            output = [self._message(completion.text, item_status)]
-        else:
-            if not self.items.finished:  # not streamed: the whole text at once
-                self.items.feed(completion.text, True)
-            output = self.items.final(item_status)
-            calls = self.items.parser.calls
-            self.serving.count_tool_calls(len(calls))
-            if calls and completion.finish_reason == "stop":  # for the turn that resends its calls as items
-                self.serving.answers.remember(self.tenant, calls[0].id, completion.text, completion.token_ids)
         if self.compaction is not None:
             output = [self.compaction.item, *output]
         body = self._object(status, output, usage, incomplete)
@@ -172,8 +192,9 @@ class ResponsesFormat(OutputFormat):
 
     def output_events(self, job: Job, delta: RequestDelta) -> Iterable[str]:
         if self.items is not None:
-            return self.items.feed(delta.new_text, delta.finished,
-                                   "completed" if delta.finish_reason == "stop" else "incomplete")
+            thinking, answer = self._split(delta.new_text, delta.finished)
+            return self.items.feed(answer, delta.finished,
+                                   "completed" if delta.finish_reason == "stop" else "incomplete", thinking)
         if not delta.new_text:
             return ()
         self._text.append(delta.new_text)

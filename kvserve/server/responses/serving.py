@@ -20,6 +20,7 @@ from fastapi import Request as HTTPRequest
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.prefix.pins import PinRequest
 from kvserve.server.core.errors import APIError, bad_request
+from kvserve.server.core.reasoning_use import ReasoningUse
 from kvserve.server.core.serving import Serving
 from kvserve.server.core.tenancy import tenant_id
 from kvserve.server.core.tool_use import ToolUse
@@ -73,14 +74,17 @@ class ResponsesServing:
         if last_compaction(body.input)[0] is not None:
             previous = None  # the compaction item stands for everything before it, the stored turns included
         tool_use = serving.tool_use(body)
-        prepared = await serving.off_loop(self._prepare, body, previous, tool_use, tenant, summary)
+        reasoning = body.reasoning_use(serving.chat_template)
+        prepared = await serving.off_loop(self._prepare, body, previous, tool_use, tenant, summary, None,
+                                          reasoning)
         done = None
         if body.compact_threshold is not None and prepared.num_tokens > body.compact_threshold:
             found = await serving.off_loop(self.compaction.pass_prompt, body, previous, tool_use, tenant, summary,
                                            True, self.segments)
             if found is not None:  # else nothing but the new turn: nothing to fold
                 done = await self.compaction.summarizer.run(found[0], tenant, serving.tenancy.cache_salt(api_key, None))
-                prepared = await serving.off_loop(self._prepare, body, None, tool_use, tenant, done.summary, found[1])
+                prepared = await serving.off_loop(self._prepare, body, None, tool_use, tenant, done.summary,
+                                                  found[1], reasoning)
         fmt = ResponsesFormat(serving, self.store, body, prepared, tenant, tool_use, done, on_finished)
         return await serving.respond(fmt, [prepared.job], http, api_key, None, body.stream)
 
@@ -104,7 +108,8 @@ class ResponsesServing:
         return self.compaction.compacted(messages, done)
 
     def _prepare(self, body: ResponsesRequest, previous: StoredResponse | None, tool_use: ToolUse,
-                 tenant: str, summary: str | None = None, turns: list[Turn] | None = None) -> PreparedTurn:
+                 tenant: str, summary: str | None = None, turns: list[Turn] | None = None,
+                 reasoning: ReasoningUse | None = None) -> PreparedTurn:
         """(worker) Render the new turn, continue the stored token ids, truncate, validate. Tools go into the
         instructions (kvserve's default block) or the template's `tools`, the same bytes every turn; a
         compacted history's `summary` follows the instructions there. `turns`: in place of the input's (what
@@ -112,7 +117,8 @@ class ResponsesServing:
         serving, builder = self.serving, self.serving.prompts
         earlier = {item["call_id"]: item["name"] for item in (previous.body["output"] if previous else [])
                    if item["type"] == "function_call"}
-        conversation = body.to_conversation(tool_use, tenant, earlier, summary, turns)
+        reasoning = reasoning or ReasoningUse()
+        conversation = body.to_conversation(tool_use, tenant, earlier, summary, turns, reasoning.variables())
         if previous is None:
             prompt = builder.build(conversation)
             split = prompt.num_instruction_tokens
@@ -148,11 +154,12 @@ class ResponsesServing:
         prompt = [t for segment in (instruction_ids, *turns, new_turn) for t in segment]
         max_tokens = body.max_output_tokens if body.max_output_tokens is not None else \
             serving.default_max_tokens(len(prompt))
-        job = serving.jobs(0, prompt, body.sampling_params(max_tokens, tool_use), 1, 0,
+        reasoning = reasoning.after_prompt(serving.tokenizer, prompt)
+        job = serving.jobs(0, prompt, body.sampling_params(max_tokens, tool_use, reasoning), 1, 0,
                            constraint_param=tool_use.constraint_param)[0]
         if body.pin_ttl_s is not None:
             job.pins = (PinRequest(len(prompt), body.pin_ttl_s),)
-        return PreparedTurn(tuple(instruction_ids), tuple(turns), tuple(new_turn), job, num_dropped, summary)
+        return PreparedTurn(tuple(instruction_ids), tuple(turns), tuple(new_turn), job, num_dropped, summary, reasoning)
 
     def get(self, response_id: str, api_key: str) -> dict:
         entry = self.store.get(response_id, tenant_id(api_key))
