@@ -8,6 +8,7 @@ are text the 135M model never writes. The grammar's mask still applies to the sc
 from pathlib import Path
 
 import anthropic
+import ollama
 import openai
 import pytest
 
@@ -145,3 +146,16 @@ def test_responses_reasoning_item_then_the_function_call_whole_and_streamed(fami
         assert (response.usage.output_tokens_details.reasoning_tokens > 0) is bool(thinking)
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert deltas == (thinking or "")
+
+
+def test_ollama_think_puts_the_thinking_apart_and_the_call_whole(family):
+    """No tool_choice in Ollama's API: "auto", the call opened by the model after its thinking."""
+    name, app, model, script, thinking, _ = family
+    client = ollama.Client(host="http://testserver")
+    client._client = app
+    model.say(script)
+    reply = client.chat(model="tiny", messages=QUESTION, tools=[WEATHER], options={"num_predict": 80},
+                        **({"think": True} if thinking else {}))
+    assert reply.message.thinking == thinking and not reply.message.content
+    assert [(c.function.name, dict(c.function.arguments)) for c in reply.message.tool_calls] == \
+        [("get_weather", {"city": "Oslo"})]

@@ -23,11 +23,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.server.core.fields import sampling_params
+from kvserve.server.core.reasoning_use import ReasoningUse
 from kvserve.server.core.tool_use import ToolUse
 from kvserve.server.prompt.builder import Conversation
 from kvserve.structured.params import StructuredOutputsParams
 from kvserve.tools.calls import FunctionTool, ToolCall, dumps
 from kvserve.tools.grammar import ToolChoice
+from kvserve.tools.reasoning import reasoning_for_template
 from kvserve.tools.rendering import Turn
 
 log = logging.getLogger(__name__)
@@ -204,16 +206,18 @@ class ShowRequest(BaseModel):
         return name
 
 
-def thinking_variables(think: Any, supports_thinking: bool, model: str) -> dict[str, Any]:
-    """Template variables for `think` (Qwen3's `enable_thinking`); a model without thinking refuses it, as
-    Ollama does."""
+def thinking_use(think: Any, template: str | None, model: str) -> ReasoningUse:
+    """`think` (a switch, or gpt-oss's depth "low" / "medium" / "high") on the model whose chat template is
+    `template`; a model without thinking refuses it, as Ollama does. The thinking is kept apart only where `think`
+    turned it on (`ReasoningUse.enabled`), as Ollama does."""
     if think is None:
-        return {}
-    if not supports_thinking:
+        return ReasoningUse()
+    if reasoning_for_template(template) is None:
         if think is False:
-            return {}
+            return ReasoningUse()
         raise InvalidRequestError(f"\"{model}\" does not support thinking", param="think")
-    return {"enable_thinking": think is not False}
+    effort = think if isinstance(think, str) else None
+    return ReasoningUse.of(template, think is not False, effort, param="think")
 
 
 def as_json_arguments(text: str) -> dict[str, Any] | None:

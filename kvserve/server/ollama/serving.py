@@ -22,11 +22,11 @@ from kvserve.server.core.serving import Serving
 from kvserve.server.core.streaming import Job, OutputFormat
 from kvserve.server.core.tenancy import tenant_id
 from kvserve.server.core.tool_use import ToolUse
-from kvserve.server.ollama.protocol import (ChatRequest, GenerateRequest, GenerationRequest, as_json_arguments,
-                                            thinking_variables)
+from kvserve.server.core.reasoning_use import ReasoningUse
+from kvserve.server.ollama.protocol import ChatRequest, GenerateRequest, GenerationRequest, as_json_arguments, thinking_use
 from kvserve.server.prompt.builder import Conversation
 from kvserve.tools.parsing import ContentDelta, ToolCallParser
-from kvserve.tools.reasoning import THINK_OPEN, ThinkingSplitter, template_supports_thinking
+from kvserve.tools.reasoning import ReasoningParser
 from kvserve.tools.rendering import Turn
 
 
@@ -38,46 +38,41 @@ class OllamaServing:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
 
-    @property
-    def supports_thinking(self) -> bool:
-        tokenizer = self.serving.tokenizer
-        return tokenizer is not None and template_supports_thinking(tokenizer.chat_template)
-
     async def chat(self, body: ChatRequest, http: HTTPRequest, api_key: str):
         serving = self.serving
         serving.check_model(body.model)
         body.check()
         tool_use = serving.tool_use(body)
-        variables = thinking_variables(body.think, self.supports_thinking, body.model)
+        reasoning = thinking_use(body.think, serving.chat_template, body.model)
         tenant = tenant_id(api_key)
-        conversation = body.to_conversation(tool_use, tenant, variables)
-        job = await serving.off_loop(self._job, body, conversation, tool_use)
-        fmt = OllamaFormat(serving, body, tool_use, tenant, chat=True, thinking=self._splitter(variables, job))
+        conversation = body.to_conversation(tool_use, tenant, reasoning.variables())
+        job, reasoning = await serving.off_loop(self._job, body, conversation, tool_use, reasoning)
+        fmt = OllamaFormat(serving, body, tool_use, tenant, chat=True, thinking=self._splitter(reasoning))
         return await serving.respond(fmt, [job], http, api_key, None, body.stream is not False)
 
     async def generate(self, body: GenerateRequest, http: HTTPRequest, api_key: str):
         serving = self.serving
         serving.check_model(body.model)
         body.check()
-        variables = thinking_variables(body.think, self.supports_thinking, body.model)
+        reasoning = thinking_use(body.think, serving.chat_template, body.model)
         if body.raw:  # the prompt as given, no template
             conversation = None
         else:
             system = [Turn("system", body.system)] if body.system else []
-            conversation = Conversation(system + [Turn("user", body.prompt or "")], variables=variables, param="prompt")
-        job = await serving.off_loop(self._job, body, conversation, ToolUse())
+            conversation = Conversation(system + [Turn("user", body.prompt or "")], variables=reasoning.variables(),
+                                        param="prompt")
+        job, reasoning = await serving.off_loop(self._job, body, conversation, ToolUse(), reasoning)
         fmt = OllamaFormat(serving, body, ToolUse(), tenant_id(api_key), chat=False,
-                           thinking=self._splitter(variables, job))
+                           thinking=self._splitter(reasoning))
         return await serving.respond(fmt, [job], http, api_key, None, body.stream is not False)
 
-    def _splitter(self, variables: dict, job: Job) -> ThinkingSplitter | None:
+    @staticmethod
+    def _splitter(reasoning: ReasoningUse) -> ReasoningParser | None:
         """With thinking on, what splits it from the answer (the prompt may have opened it already)."""
-        if not variables.get("enable_thinking"):
-            return None
-        tail = self.serving.tokenizer.decode(job.token_ids[-8:], skip_special_tokens=False)
-        return ThinkingSplitter(opened=tail.rstrip().endswith(THINK_OPEN))
+        return reasoning.parser() if reasoning.enabled else None
 
-    def _job(self, body: GenerationRequest, conversation: Conversation | None, tool_use: ToolUse) -> Job:
+    def _job(self, body: GenerationRequest, conversation: Conversation | None, tool_use: ToolUse,
+             reasoning: ReasoningUse) -> tuple[Job, ReasoningUse]:
         """(worker) Build the prompt, validate."""
         serving = self.serving
         if conversation is None:
@@ -89,16 +84,18 @@ class OllamaServing:
         max_tokens = body.requested_max_tokens(room)
         if max_tokens is None:
             max_tokens = serving.default_max_tokens(len(token_ids))
-        params = body.sampling(max_tokens, tool_use.constraint())
+        reasoning = reasoning.after_prompt(serving.tokenizer, token_ids)
+        constraint = reasoning.gate(tool_use.constraint()) if reasoning.enabled else tool_use.constraint()
+        params = body.sampling(max_tokens, constraint)
         constraint_param = "tools" if tool_use.parses_calls else "format"
-        return serving.jobs(0, token_ids, params, 1, 0, constraint_param=constraint_param)[0]
+        return serving.jobs(0, token_ids, params, 1, 0, constraint_param=constraint_param)[0], reasoning
 
 
 class OllamaFormat(OutputFormat):
     media_type = "application/x-ndjson"
 
     def __init__(self, serving: Serving, body: GenerationRequest, tool_use: ToolUse, tenant: str, chat: bool,
-                 thinking: ThinkingSplitter | None) -> None:
+                 thinking: ReasoningParser | None) -> None:
         self.serving = serving
         self.body = body
         self.tenant = tenant
