@@ -5,6 +5,7 @@ beginning with turn one's prompt and generated tokens where the template renders
 The embedded model's tokenizer and config, its output scripted (tests/server/scripted.py): the tags and layouts
 are text the 135M model never writes. The grammar's mask still applies to the script."""
 
+import contextlib
 from pathlib import Path
 
 import anthropic
@@ -40,13 +41,26 @@ FAMILIES = {
 }
 
 
+@pytest.fixture(scope="module")
+def served(embedded):
+    """name -> (app, scripted model) of each family's template, started once when first asked for."""
+    apps: dict = {}
+    with contextlib.ExitStack() as stack:
+        def serve(name: str):
+            if name not in apps:
+                loaded, model = scripted(embedded, (TEMPLATES / FAMILIES[name][0]).read_text())
+                apps[name] = stack.enter_context(serve_in_process(loaded, kv_cache_memory="64MiB")), model
+            return apps[name]
+
+        yield serve
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, embedded):
+def family(request, served):
     name = request.param
     template, script, thinking, renders_back = FAMILIES[name]
-    loaded, model = scripted(embedded, (TEMPLATES / template).read_text())
-    with serve_in_process(loaded, kv_cache_memory="64MiB") as app:
-        yield name, app, model, script, thinking, renders_back
+    app, model = served(name)
+    return name, app, model, script, thinking, renders_back
 
 
 def _client(app) -> openai.OpenAI:
@@ -159,3 +173,88 @@ def test_ollama_think_puts_the_thinking_apart_and_the_call_whole(family):
     assert reply.message.thinking == thinking and not reply.message.content
     assert [(c.function.name, dict(c.function.arguments)) for c in reply.message.tool_calls] == \
         [("get_weather", {"city": "Oslo"})]
+
+
+def _prompt(app, embedded, **body) -> str:
+    """The text of the prompt a chat request would be computed on (/tokenize)."""
+    tokens = app.post("/tokenize", json={"model": "tiny", "messages": QUESTION, **body}).json()["tokens"]
+    return embedded.tokenizer.decode(tokens, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("switch", [
+    {"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}])
+def test_qwen3_thinking_switched_off_closes_it_in_the_prompt_and_the_answer_is_all_content(served, embedded,
+                                                                                            switch):
+    app, model = served("qwen3")
+    model.say("Snow, probably.")
+    reply = _client(app).chat.completions.create(model="tiny", messages=QUESTION, max_tokens=20, extra_body=switch)
+    message = reply.choices[0].message
+    assert message.content == "Snow, probably." and message.reasoning_content is None
+    assert _prompt(app, embedded, **switch).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert _prompt(app, embedded).endswith("<|im_start|>assistant\n")  # on by default: the model opens it
+
+
+def test_smollm3_no_think_in_the_system_message_or_the_switch(served, embedded):
+    app, model = served("smollm3")
+    for messages, switch in [([{"role": "system", "content": "You help. /no_think"}, QUESTION[1]], {}),
+                             (QUESTION, {"chat_template_kwargs": {"enable_thinking": False}})]:
+        model.say("Snow.")
+        reply = _client(app).chat.completions.create(model="tiny", messages=messages, max_tokens=8, extra_body=switch)
+        prompt = _prompt(app, embedded, **{**switch, "messages": messages})
+        assert reply.choices[0].message.content == "Snow." and "Reasoning Mode: /no_think" in prompt
+        assert prompt.endswith("<think>\n\n</think>\n") and reply.choices[0].message.reasoning_content is None
+
+
+@pytest.mark.parametrize("effort", ["low", "high"])
+def test_gpt_oss_reasoning_effort_reaches_its_system_message(served, embedded, effort):
+    app, model = served("gpt-oss")
+    assert f"Reasoning: {effort}" in _prompt(app, embedded, reasoning_effort=effort)
+    model.say("<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>final<|message|>Snow.")
+    reply = _client(app).responses.create(model="tiny", input="Weather?", max_output_tokens=40,
+                                          reasoning={"effort": effort})
+    assert reply.output_text == "Snow." and reply.reasoning.effort == effort
+    assert [item.type for item in reply.output] == ["reasoning", "message"]
+
+
+def test_a_call_written_inside_the_thinking_is_not_a_call(served):
+    """tool_choice auto: the call opener inside the thinking neither starts the grammar nor is parsed as a call."""
+    app, model = served("qwen3")
+    inner = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    model.say(f"<think>\nI could write {inner} here.\n</think>\n\nIt snows in Oslo.")
+    reply = _client(app).chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER], max_tokens=80)
+    message = reply.choices[0].message
+    assert message.tool_calls is None and message.content == "It snows in Oslo."
+    assert message.reasoning_content == f"I could write {inner} here."
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_thinking_on_a_model_that_does_not_reason_is_refused_by_name(served):
+    app, _ = served("llama3.1")
+    refused = app.post("/v1/messages", json={"model": "tiny", "max_tokens": 4, "messages": [{"role": "user",
+                       "content": "hi"}], "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert refused.status_code == 400 and "thinking" in refused.text
+    refused = app.post("/v1/responses", json={"model": "tiny", "input": "hi", "reasoning": {"effort": "high"}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning"
+
+
+def test_anthropic_turn_two_holds_turn_one_with_its_thinking_block_sent_back(served):
+    """Qwen3 keeps the thinking of the turns after the last user message: a tool loop sends it back as the
+    thinking block, and turn two begins with turn one's prompt and every generated token."""
+    app, model = served("qwen3")
+    client = _anthropic(app)
+    kwargs = dict(model="tiny", system="You help.", tools=[ANTHROPIC_TOOL], thinking={"type": "enabled",
+                  "budget_tokens": 1024})
+    question = [{"role": "user", "content": "Weather in Oslo?"}]
+    model.say(FAMILIES["qwen3"][1])
+    first = client.messages.create(**kwargs, max_tokens=80, messages=question, tool_choice={"type": "any"})
+    assert [block.type for block in first.content] == ["thinking", "tool_use"]
+    use = first.content[-1]
+    model.say("Snow.")
+    second = client.messages.create(**kwargs, max_tokens=8, messages=[
+        *question, {"role": "assistant", "content": [block.model_dump() for block in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Snow"}]}])
+    usage = first.usage
+    turn_one = usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens + \
+        usage.output_tokens
+    # every block of turn one (its last token, the end of its turn, was never computed)
+    assert second.usage.cache_read_input_tokens >= (turn_one - 1) // 16 * 16
