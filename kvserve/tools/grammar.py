@@ -13,6 +13,8 @@ grammar is complete).
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,8 +44,16 @@ class ToolChoice:
                                       f"({', '.join(tool.name for tool in tools)})", param=param)
 
 
-def _literal(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
+def _literal(text: str, special: Mapping[str, int] | None = None) -> str:
+    """`text` as Lark items: a string, with each of the vocabulary's special tokens in it (`special`: text -> id,
+    Mistral's `[TOOL_CALLS]`, harmony's `<|call|>`) as that token, which a quoted string never matches."""
+    found = [name for name in special or {} if name in text]
+    if not found:
+        return json.dumps(text, ensure_ascii=False)
+    pattern = "(" + "|".join(re.escape(name) for name in sorted(found, key=len, reverse=True)) + ")"
+    items = [f"<[{special[part]}]>" if part in special else json.dumps(part, ensure_ascii=False)
+             for part in re.split(pattern, text) if part]
+    return " ".join(items)
 
 
 def _arguments_schema(tool: FunctionTool) -> dict[str, Any]:
@@ -58,12 +68,13 @@ def _arguments_schema(tool: FunctionTool) -> dict[str, Any]:
     return schema
 
 
-def call_grammar(tools: list[FunctionTool], layout: CallLayout = HERMES) -> list[str]:
+def call_grammar(tools: list[FunctionTool], layout: CallLayout = HERMES, special: Mapping[str, int] | None = None
+                 ) -> list[str]:
     """Lark rules `call` (one call in `layout`, without the list's opening) and one `args_i` per tool."""
     alternatives, rules = [], []
     for i, tool in enumerate(tools):
         head = layout.next_head + _name_head(tool, layout)
-        alternatives.append(_sequence(_literal(head), f"args_{i}", _literal(layout.suffix)))
+        alternatives.append(_sequence(_literal(head, special), f"args_{i}", _literal(layout.suffix, special)))
         rules.append(f"args_{i}: %json {json.dumps(_arguments_schema(tool), ensure_ascii=False)}")
     return ["call: " + " | ".join(alternatives), *rules]
 
@@ -74,12 +85,12 @@ def _sequence(*parts: str) -> str:
 
 
 def tool_call_constraint(tools: list[FunctionTool], choice: ToolChoice, parallel: bool = True,
-                         answer_schema: dict[str, Any] | None = None, layout: CallLayout = HERMES
-                         ) -> StructuredOutputsParams | None:
+                         answer_schema: dict[str, Any] | None = None, layout: CallLayout = HERMES,
+                         special: Mapping[str, int] | None = None) -> StructuredOutputsParams | None:
     """The constraint for `choice` over `tools` in `layout` (None: no tools, the output is free). With
     `answer_schema` (structured output asked for as well), "auto" is that JSON or calls, no free text. "none" is
     free text that never opens a call (the tools stay in the prompt, so the model knows the layout and would
-    write it)."""
+    write it). `special`: the vocabulary's special tokens in the layout's text (text -> id), written as tokens."""
     if not tools:
         return None
     if choice.mode == "none":  # (without its last character: a model kept from `<tool_call>` wrote `<tool_call]`)
@@ -89,16 +100,17 @@ def tool_call_constraint(tools: list[FunctionTool], choice: ToolChoice, parallel
         tools = [tool for tool in tools if tool.name == choice.name]
         parallel = False
     parallel = parallel and layout.parallel
-    more = f"({_sequence(_literal(layout.separator), 'call')})*" if parallel else ""
-    close = _literal(layout.list_close) if layout.list_close else ""
-    rules = call_grammar(tools, layout)
-    calls = _sequence(_literal(layout.list_open), "call", more, close)
+    more = f"({_sequence(_literal(layout.separator, special), 'call')})*" if parallel else ""
+    close = _literal(layout.list_close, special) if layout.list_close else ""
+    rules = call_grammar(tools, layout, special)
+    calls = _sequence(_literal(layout.list_open, special), "call", more, close)
     if choice.mode == "auto" and answer_schema is not None:
         answer = f"answer: %json {json.dumps(answer_schema, ensure_ascii=False)}"
         return StructuredOutputsParams(grammar="\n".join([f"start: answer | {calls}", answer, *rules]))
     if choice.mode == "auto":  # the trigger is already written when the grammar starts: the rest of the first call
         rest = (layout.list_open + layout.next_head)[len(layout.trigger):]
-        firsts = [_sequence(_literal(rest + _name_head(tool, layout)), f"args_{i}", _literal(layout.suffix))
+        firsts = [_sequence(_literal(rest + _name_head(tool, layout), special), f"args_{i}",
+                            _literal(layout.suffix, special))
                   for i, tool in enumerate(tools)]
         grammar = [f"start: {_sequence('first', more, close)}", "first: " + " | ".join(firsts), *rules]
         return StructuredOutputsParams(grammar="\n".join(grammar), trigger=layout.trigger)

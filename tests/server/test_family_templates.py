@@ -6,6 +6,7 @@ The embedded model's tokenizer and config, its output scripted (tests/server/scr
 are text the 135M model never writes. The grammar's mask still applies to the script."""
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import anthropic
@@ -258,3 +259,25 @@ def test_anthropic_turn_two_holds_turn_one_with_its_thinking_block_sent_back(ser
         usage.output_tokens
     # every block of turn one (its last token, the end of its turn, was never computed)
     assert second.usage.cache_read_input_tokens >= (turn_one - 1) // 16 * 16
+
+
+def test_markers_that_are_special_tokens_stay_in_the_text_and_the_grammar_writes_them_as_tokens(tiny_models):
+    """Ministral's `[THINK]`, `[TOOL_CALLS]`, `[ARGS]` are control tokens of its vocabulary (as harmony's are of
+    gpt-oss's): the output text keeps them for the parsers, and the call grammar writes them as those tokens."""
+    from tests.server.inprocess import tiny_tokenizer, with_tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.backend.add_special_tokens(["[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]"])
+    loaded = dataclasses.replace(with_tiny_tokenizer(tiny_models("llama-gqa")), tokenizer=tokenizer)
+    loaded, model = scripted(loaded, (TEMPLATES / FAMILIES["ministral3"][0]).read_text())
+    with serve_in_process(loaded) as app:
+        model.say(f"[THINK]Hm.[/THINK][TOOL_CALLS]get_weather[ARGS]{OSLO}")
+        assert tokenizer.encode("[THINK]", add_special_tokens=False) == [tokenizer.backend.token_to_id("[THINK]")]
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {  # (a 256-token context)
+            "type": "object", "properties": {"city": {}}}}}
+        reply = _client(app).chat.completions.create(
+            model="tiny", messages=[{"role": "system", "content": "S"}, {"role": "user", "content": "Oslo?"}],
+            tools=[tool], tool_choice="required", max_tokens=34)
+    message = reply.choices[0].message
+    assert message.reasoning_content == "Hm."
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("get_weather", OSLO)]

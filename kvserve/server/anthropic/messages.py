@@ -80,6 +80,7 @@ class MessagesServing:
         token_ids, pins = self._render(body, tool_use, tenant, reasoning)
         reasoning = reasoning.after_prompt(self.serving.tokenizer, token_ids)
         params = body.sampling_params(body.max_tokens, reasoning.gate(tool_use.constraint()))
+        params = self.serving.keep_markers(params, tool_use, reasoning)
         job = self.serving.jobs(0, token_ids, params, 1, 0, constraint_param="tools")[0]
         job.pins = tuple(pins)
         return job, reasoning

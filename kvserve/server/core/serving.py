@@ -31,6 +31,7 @@ from kvserve.server.core.errors import bad_request, model_not_found, overloaded
 from kvserve.server.core.pin_owners import PinOwners
 from kvserve.server.core.streaming import Job, OutputFormat, run_jobs
 from kvserve.server.core.tenancy import Tenancy, tenant_id
+from kvserve.server.core.reasoning_use import ReasoningUse
 from kvserve.server.core.tool_use import ToolUse
 from kvserve.server.prompt.answers import GeneratedAnswers
 from kvserve.server.prompt.builder import PromptBuilder
@@ -127,6 +128,8 @@ class Serving:
         self.count_tool_calls: Callable[[int], None] = lambda num_calls: None
         self.tokenizer: Tokenizer | None = self.engine.tokenizer
         self._prompts: PromptBuilder | None = None
+        self._special_markers: dict[str, bool] = {}
+        self._special_tokens: dict[str, int] | None = None
         self._token_text = lru_cache(maxsize=65536)(self._decode_token)
         self._pool = ThreadPoolExecutor(max_workers=_PREPROCESS_WORKERS, thread_name_prefix="kvserve-preprocess")
 
@@ -163,7 +166,32 @@ class Serving:
     def tool_use(self, body: Any) -> ToolUse:
         """A request's tools (its API's `tool_use()`), calls in the layout the model's chat template writes them
         in history, so the grammar forces the text the next turn renders back (tools/layouts.py)."""
-        return body.tool_use().with_template(self.chat_template)
+        return body.tool_use().with_template(self.chat_template, self.special_tokens)
+
+    def keep_markers(self, params: SamplingParams, tool_use: ToolUse, reasoning: ReasoningUse) -> SamplingParams:
+        """(worker) `params` whose output text keeps the call layout's and the reasoning format's markers where the
+        tokenizer counts them special (Mistral's `[TOOL_CALLS]`, gpt-oss's `<|channel|>`): the parsers read them."""
+        markers = (*(tool_use.markers() if tool_use.parses_calls else ()), *reasoning.markers())
+        if not params.skip_special_tokens or self.tokenizer is None or not markers:
+            return params
+        if any(self._is_special(marker) for marker in markers):
+            return replace(params, skip_special_tokens=False)
+        return params
+
+    def _is_special(self, text: str) -> bool:
+        """Whether decoding `text`'s tokens without special tokens loses some of it."""
+        if text not in self._special_markers:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            self._special_markers[text] = self.tokenizer.decode(ids, skip_special_tokens=True) != text
+        return self._special_markers[text]
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """The tokenizer's special tokens, text -> id (a grammar writes them as tokens)."""
+        if self._special_tokens is None:
+            decoder = self.tokenizer.backend.get_added_tokens_decoder() if self.tokenizer else {}
+            self._special_tokens = {token.content: i for i, token in decoder.items() if token.special}
+        return self._special_tokens
 
     @property
     def chat_template(self) -> str | None:

@@ -27,11 +27,23 @@ class ToolUse:
     # How the model writes calls: its chat template's layout (layout_for_template), which the grammar forces
     # and the parser reads, so a call renders back into the next prompt as generated. HERMES: kvserve's block.
     layout: CallLayout = HERMES
+    # The vocabulary's special tokens in the layout's fixed text (text -> id: Mistral's `[TOOL_CALLS]`, harmony's
+    # `<|call|>`), which the grammar writes as those tokens.
+    special_tokens: dict[str, int] = field(default_factory=dict)
 
-    def with_template(self, template: str | None) -> "ToolUse":
-        """This request's tools with the call layout `template` writes history calls in."""
+    def with_template(self, template: str | None, special_tokens: dict[str, int] | None = None) -> "ToolUse":
+        """This request's tools with the call layout `template` writes history calls in (`special_tokens`: the
+        vocabulary's, text -> id; those in the layout's text are kept)."""
         self.layout = layout_for_template(template) if self.tools else HERMES  # (unknown layouts refuse tools only)
+        fixed = "".join(self.markers())
+        self.special_tokens = {text: i for text, i in (special_tokens or {}).items() if text and text in fixed}
         return self
+
+    def markers(self) -> tuple[str, ...]:
+        """The fixed text of the layout's calls (what the parser must see in the output)."""
+        layout = self.layout
+        return tuple(text for text in (layout.list_open, layout.opener, layout.arguments_prefix, layout.suffix,
+                                       layout.list_close) if text.strip())
 
     @property
     def constraint_param(self) -> str:
@@ -58,7 +70,7 @@ class ToolUse:
         """What the engine constrains the output to: the calls the choice demands, or the structured output;
         under tool_choice "none" (without one) text that never opens a call."""
         if self.choice.mode == "none" and self.output is None:
-            return tool_call_constraint(self.tools, self.choice, layout=self.layout)
+            return tool_call_constraint(self.tools, self.choice, layout=self.layout, special=self.special_tokens)
         if not self.parses_calls:
             return self.output
         answer = None
@@ -68,7 +80,7 @@ class ToolUse:
                                           param="response_format")
             # a dict: the server's mapping (structured_output.py) parses schemas given as text
             answer = self.output.json if self.output.json is not None else {"type": "object"}
-        return tool_call_constraint(self.tools, self.choice, self.parallel, answer, self.layout)
+        return tool_call_constraint(self.tools, self.choice, self.parallel, answer, self.layout, self.special_tokens)
 
     def parser(self) -> ToolCallParser | None:
         """The output's parser (None: no calls to look for). Under "required" or a named function the output

@@ -86,7 +86,7 @@ class OllamaServing:
             max_tokens = serving.default_max_tokens(len(token_ids))
         reasoning = reasoning.after_prompt(serving.tokenizer, token_ids)
         constraint = reasoning.gate(tool_use.constraint()) if reasoning.enabled else tool_use.constraint()
-        params = body.sampling(max_tokens, constraint)
+        params = serving.keep_markers(body.sampling(max_tokens, constraint), tool_use, reasoning)
         constraint_param = "tools" if tool_use.parses_calls else "format"
         return serving.jobs(0, token_ids, params, 1, 0, constraint_param=constraint_param)[0], reasoning
 

@@ -57,7 +57,7 @@ class ChatServing:
         max_tokens = body.requested_max_tokens
         if max_tokens is None:
             max_tokens = serving.default_max_tokens(len(token_ids))
-        params = body.sampling_params(max_tokens, tool_use, reasoning)
+        params = serving.keep_markers(body.sampling_params(max_tokens, tool_use, reasoning), tool_use, reasoning)
         return serving.jobs(0, token_ids, params, body.n, 0, constraint_param=tool_use.constraint_param), reasoning
 
 

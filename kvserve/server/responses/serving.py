@@ -155,8 +155,8 @@ class ResponsesServing:
         max_tokens = body.max_output_tokens if body.max_output_tokens is not None else \
             serving.default_max_tokens(len(prompt))
         reasoning = reasoning.after_prompt(serving.tokenizer, prompt)
-        job = serving.jobs(0, prompt, body.sampling_params(max_tokens, tool_use, reasoning), 1, 0,
-                           constraint_param=tool_use.constraint_param)[0]
+        params = serving.keep_markers(body.sampling_params(max_tokens, tool_use, reasoning), tool_use, reasoning)
+        job = serving.jobs(0, prompt, params, 1, 0, constraint_param=tool_use.constraint_param)[0]
         if body.pin_ttl_s is not None:
             job.pins = (PinRequest(len(prompt), body.pin_ttl_s),)
         return PreparedTurn(tuple(instruction_ids), tuple(turns), tuple(new_turn), job, num_dropped, summary, reasoning)
