@@ -17,6 +17,8 @@ from kvserve.structured.params import StructuredOutputsParams
 from kvserve.tools.reasoning import ReasoningFormat, ReasoningParser, reasoning_for_template
 
 EFFORTS = ("minimal", "low", "medium", "high")
+# Template variables the prompt builder sets itself (a client's chat_template_kwargs cannot replace them).
+_SERVER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 @dataclass
@@ -47,6 +49,10 @@ class ReasoningUse:
             raise InvalidRequestError("this model does not reason (its chat template knows no thinking), so "
                                       f"{param} cannot turn thinking on", param=param)
         kwargs = dict(template_kwargs or {})
+        reserved = sorted(set(kwargs) & _SERVER_VARIABLES)
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(reserved)}: the server sets "
+                                      "them from the request", param="chat_template_kwargs")
         if enabled is None and isinstance(kwargs.get("enable_thinking"), bool):
             enabled = kwargs["enable_thinking"]
         return cls(reasoning, enabled, effort if reasoning is not None and reasoning.switch == "reasoning_effort"
