@@ -4,7 +4,8 @@ In trigger mode the output is free text (no mask) until its bytes contain the tr
 carries past the trigger are the constrained part's first bytes and go through the grammar (a token that
 ends the trigger and starts something the grammar refuses fails the request: GrammarStateError). With
 `after` (a reasoning model's end of thinking) the output is free until it contains that text first, so nothing in
-the thinking is constrained, nor starts the grammar.
+the thinking is constrained, nor starts the grammar; with `after_open` too, only an output that opens its thinking
+is awaited to close it (decided at its first token: the opening's first token, or the grammar's).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from kvserve.structured.probe import short_error
 
 log = logging.getLogger(__name__)
 
+
+def _bit(position: int) -> int:
+    """Bit `position` of an int32 bitmask word, as a signed int32 value."""
+    return (1 << position) - (1 << 32) if position == 31 else 1 << position
+
 if TYPE_CHECKING:  # (the compiler builds excluded texts, whose matcher shares this module's names)
     from kvserve.structured.compiler import CompiledGrammar
 
@@ -33,7 +39,7 @@ class GrammarMatcher:
     """A request's matcher. `force` False turns forced tokens off (benchmarks compare both)."""
 
     def __init__(self, compiled: CompiledGrammar, vocabulary: llguidance.LLTokenizer, trigger: str | None = None,
-                 force: bool = True, after: str | None = None) -> None:
+                 force: bool = True, after: str | None = None, after_open: str | None = None) -> None:
         self._state = compiled.new_state()
         self._first_mask = compiled.first_mask  # the initial state's, computed once per grammar
         self._vocabulary = vocabulary
@@ -41,13 +47,20 @@ class GrammarMatcher:
         # thinking), then the trigger.
         self._awaited = [marker.encode() for marker in (after, trigger) if marker is not None]
         self._tail = b""  # the free text's last bytes, where an awaited text may be starting
+        # With `after_open`: its first token, which the output's first token is or is not (then `after` is not
+        # awaited, and the token goes on to what comes next); decided at the first token.
+        self._opening: int | None = None
+        if after is not None and after_open is not None:
+            self._opening = vocabulary.tokenize_bytes(after_open.encode())[0]
+        self._free_first = trigger is not None  # (in trigger mode the first token is free either way)
         self.force = force
         self.num_consumed = 0  # tokens consumed by the grammar (after any trigger)
 
     @property
     def constrained(self) -> bool:
-        """Whether the grammar constrains the next token (False while a trigger is awaited)."""
-        return not self._awaited
+        """Whether the grammar constrains the next token (False while a trigger is awaited; the first token of
+        an output that may open its thinking is the grammar's or that opening)."""
+        return not self._awaited or (self._opening is not None and not self._free_first)
 
     @property
     def is_stopped(self) -> bool:
@@ -65,13 +78,18 @@ class GrammarMatcher:
             raise ValueError("the bitmask row must be a contiguous int32 CPU tensor")
         if self._first_mask is not None and self.num_consumed == 0 and row.shape == self._first_mask.shape:
             row.copy_(self._first_mask)
-            return
-        self._state.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-        self._check()
+        else:
+            self._state.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            self._check()
+        if self._opening is not None:  # the first token may open the thinking instead
+            row[self._opening // 32] |= _bit(self._opening % 32)
 
     def consume(self, token_ids: list[int]) -> None:
         """Advance over accepted tokens (free text first, in trigger mode)."""
         for index, token in enumerate(token_ids):
+            if self._opening is not None:
+                self._first(token)
+                continue
             if not self.constrained:
                 self._watch_trigger(token)
                 continue
@@ -83,7 +101,8 @@ class GrammarMatcher:
     def take_forced(self, limit: int) -> list[int]:
         """The tokens the grammar allows alone next (llguidance's fast-forward tokens), at most `limit`,
         consumed: the caller must append them to the output."""
-        if not self.force or limit <= 0 or not self.constrained or self._state.is_stopped():
+        if not self.force or limit <= 0 or not self.constrained or self._opening is not None or \
+                self._state.is_stopped():
             return []
         forced = self._state.compute_ff_tokens()[:limit]
         self.consume(forced)
@@ -97,6 +116,16 @@ class GrammarMatcher:
 
     def _watch_trigger(self, token: int) -> None:
         self._watch(self._vocabulary.decode_bytes([token]))
+
+    def _first(self, token: int) -> None:
+        """The output's first token: it opens the thinking (whose end is awaited), or it does not (the end of
+        thinking is not awaited, and the token is the trigger's watch's or the grammar's)."""
+        # (a token that may also start the answer counts as the opening: where a vocabulary splits `<think>` as
+        # it splits `<tool_call>`, an answer left free is still parsed, a thinking constrained would be cut)
+        opened, self._opening = token == self._opening, None
+        if not opened:
+            self._awaited.pop(0)
+        self.consume([token])
 
     def _watch(self, data: bytes) -> None:
         text, marker = self._tail + data, self._awaited[0]

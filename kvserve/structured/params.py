@@ -25,6 +25,8 @@ class StructuredOutputsParams:
     # rest of the output is constrained (tool_choice "auto": trigger "<tool_call>")
     after: str | None = None  # kvserve: output is free text until it contains this string (the end of a reasoning
     # model's thinking, as vLLM's reasoning parsers); the constraint, or the wait for its trigger, starts there
+    after_open: str | None = None  # kvserve, with `after`: the text that opens what `after` closes (`<think>`); an
+    # output that does not open with it is not awaited to close it (a model that skips its thinking)
     excluded_text: str | None = None  # kvserve: free text that never contains this string (tool_choice "none":
     # the call opener; structured/excluded.py)
 

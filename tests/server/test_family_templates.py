@@ -281,3 +281,51 @@ def test_markers_that_are_special_tokens_stay_in_the_text_and_the_grammar_writes
     message = reply.choices[0].message
     assert message.reasoning_content == "Hm."
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("get_weather", OSLO)]
+
+
+def test_responses_turn_two_holds_turn_one_with_its_reasoning_item_resent(served):
+    """A stateless Responses tool loop resends the reasoning item before the function_call: Qwen3's template
+    renders it back, and turn two hits every block of turn one."""
+    app, model = served("qwen3")
+    client = _client(app)
+    kwargs = dict(model="tiny", instructions="You help.", tools=[{"type": "function", **WEATHER["function"]}],
+                  reasoning={"effort": "medium"}, store=False)
+    model.say(FAMILIES["qwen3"][1])
+    first = client.responses.create(**kwargs, input="Weather in Oslo?", tool_choice="required", max_output_tokens=80)
+    reasoning, call = first.output
+    items = [{"role": "user", "content": "Weather in Oslo?"},
+             {"type": "reasoning", "id": reasoning.id, "summary": [],
+              "content": [{"type": "reasoning_text", "text": reasoning.content[0].text}]},
+             {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+             {"type": "function_call_output", "call_id": call.call_id, "output": "Snow"}]
+    model.say("Snow.")
+    second = client.responses.create(**kwargs, input=items, max_output_tokens=8)
+    turn_one = first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= (turn_one - 1) // 16 * 16
+    assert second.output_text == "Snow."
+
+
+def test_qwen3_with_thinking_off_drops_the_empty_thinking_from_history(served):
+    """Qwen3's template closes the thinking in the generation prompt (`<think>\n\n</think>\n\n`) but renders an
+    earlier tool-calling answer without it: turn two holds turn one's prompt, not its answer's place."""
+    app, model = served("qwen3")
+    body = {"model": "tiny", "messages": QUESTION, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 80,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    turn_one = app.post("/tokenize", json=body).json()["tokens"]
+    model.say(f'<tool_call>\n{{"name": "get_weather", "arguments": {OSLO}}}\n</tool_call>')
+    switch = {"chat_template_kwargs": body.pop("chat_template_kwargs")}
+    call = _client(app).chat.completions.create(**body, extra_body=switch).choices[0].message.tool_calls[0]
+    body.update(switch)
+    history = QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                          {"role": "tool", "tool_call_id": call.id, "content": "Snow"}]
+    turn_two = app.post("/tokenize", json={**body, "messages": history}).json()["tokens"]
+    generated = model.generated_ids
+    assert turn_two[:len(turn_one) + len(generated)] != turn_one + generated
+    assert _common(turn_one, turn_two) < len(turn_one)  # it parts at the generation prompt's closed thinking
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

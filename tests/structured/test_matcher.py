@@ -11,7 +11,8 @@ TOKENIZER = tiny_tokenizer()
 
 
 def matcher(compiler, spec, force=True):
-    return GrammarMatcher(compiler.compile(spec), compiler.vocabulary, spec.trigger, force=force, after=spec.after)
+    return GrammarMatcher(compiler.compile(spec), compiler.vocabulary, spec.trigger, force=force, after=spec.after,
+                         after_open=spec.after_open)
 
 
 def allowed(m) -> set[int]:
@@ -80,6 +81,22 @@ def test_after_the_end_of_thinking_the_constraint_starts(compiler, trigger):
     m.consume(TOKENIZER.encode("t>" + ("\n<call>" if trigger else ""), add_special_tokens=False))
     assert m.constrained
     assert {TOKENIZER.decode([t]) for t in allowed(m)} == {"y", "n"}
+
+
+@pytest.mark.parametrize("trigger", [None, "@call"])
+def test_an_output_that_does_not_open_its_thinking_is_constrained_from_its_start(compiler, trigger):
+    """Decided at the first token: the opening's first token (then the thinking's end is awaited), or the
+    grammar's (then the constraint, or the wait for its trigger, starts at once)."""
+    spec = Spec(choice=["yes", "no"], trigger=trigger, after="</t>", after_open="<t>")
+    opened = matcher(compiler, spec)
+    if trigger is None:  # the first token: the grammar's, or the opening
+        assert {TOKENIZER.decode([t]) for t in allowed(opened)} == {"y", "n", "<"}
+    opened.consume(TOKENIZER.encode("<t>maybe @call", add_special_tokens=False))
+    assert not opened.constrained  # it opened its thinking: its end is awaited, a trigger inside starts nothing
+    skipped = matcher(compiler, spec)
+    skipped.consume(TOKENIZER.encode(trigger or "y", add_special_tokens=False))
+    assert skipped.constrained
+    assert {TOKENIZER.decode([t]) for t in allowed(skipped)} == ({"y", "n"} if trigger else {"e"})
 
 
 def test_bytes_after_the_trigger_in_the_same_token_go_to_the_grammar(compiler):

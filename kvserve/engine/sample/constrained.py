@@ -68,7 +68,8 @@ class ConstrainedRequests:
         if isinstance(compiled, ExcludedText):
             return ExcludedTextMatcher(compiled)
         spec = params.structured_outputs
-        return GrammarMatcher(compiled, self.compiler.vocabulary, spec.trigger, force=self.force, after=spec.after)
+        return GrammarMatcher(compiled, self.compiler.vocabulary, spec.trigger, force=self.force, after=spec.after,
+                              after_open=spec.after_open)
 
     def add(self, request_id: str, matcher: GrammarMatcher | None) -> None:
         if matcher is not None:

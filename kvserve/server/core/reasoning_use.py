@@ -86,7 +86,9 @@ class ReasoningUse:
             return constraint
         if constraint.excluded_text is not None:
             return constraint  # (a ban holds in the thinking too)
-        return replace(_after_spacing(constraint), after=self.format.answer_start)
+        # (where the prompt did not open the thinking, an output that does not open it is constrained from its start)
+        return replace(_after_spacing(constraint), after=self.format.answer_start,
+                       after_open=None if self.opened else self.format.opener)
 
     def markers(self) -> tuple[str, ...]:
         return (self.format.opener, self.format.closer) if self.format is not None else ()

@@ -1,4 +1,4 @@
-"""Templates that render tools and calls themselves (Qwen3's, Llama 3.1's, as published): the grammar forces the
+"""Templates that render tools and calls themselves (Llama 3.1's, as published): the grammar forces the
 layout the template writes history calls in, and a tool loop's turn two holds the whole of turn one, prompt and
 answer, on the embedded model (whose tokenizer splits a generated call otherwise than the model wrote it)."""
 
@@ -17,7 +17,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}
 
 
-@pytest.mark.parametrize("template", ["qwen3.jinja", "llama3_1.jinja"])
+# (Qwen3's template, a thinking model's: tests/server/test_family_templates.py, with the output scripted; the
+# embedded model does not think, and the grammar waits for the end of a thinking its first token `<` may open.)
+@pytest.mark.parametrize("template", ["llama3_1.jinja"])
 def test_turn_two_of_a_tool_loop_holds_turn_one(embedded, template):
     tokenizer = copy.copy(embedded.tokenizer)
     tokenizer.chat_template = (TEMPLATES / template).read_text()
