@@ -38,7 +38,10 @@ STATE_LIMITS = ("context", "KV pool", "the server queues at most", "vocabulary",
                 "not among the tools", "no earlier call", "more than once", "does not compile",
                 # tools under tool_choice auto beside a choice/regex/grammar output: the rule written as an if/then
                 # over structured_outputs' $ref is a schema schemathesis cannot generate from
-                "only a JSON structured output can be asked for")
+                "only a JSON structured output can be asked for",
+                # a reasoning switch on a model whose template knows no thinking; a template variable the server
+                # sets itself (the schema takes any chat_template_kwargs)
+                "does not reason", "chat_template_kwargs cannot set")
 
 
 def _past_seed_range(body) -> bool:
