@@ -6,7 +6,10 @@ fused per-layer ops. Built with -march=native and OpenMP (torch's
 kernel had run on one thread) and kept in the environment (the venv), one
 build per CPU feature set and torch version, so an environment shared by
 machines with other CPUs never loads a binary built for another. Any failure
-(no compiler, no ninja) logs once and leaves the torch paths.
+(no compiler, no ninja, another build holding the directory past KVSERVE_KERNELS_WAIT_S) logs once and
+leaves the torch paths. A start never waits silently: a compile says so (and why) before it begins, a
+wait on another build says what it waits for, and a build lock left by a killed build is taken over
+(build_lock.py).
 `make install` builds it ahead of time; KVSERVE_NO_CPP_KERNELS=1 turns it off; KVSERVE_KERNELS_DIR=DIR
 builds (and looks for a build) under DIR instead of the environment's kvserve-kernels/.
 """
@@ -25,6 +28,7 @@ from types import ModuleType
 from typing import Any
 
 from kvserve.cpu_features import cpu_flags
+from kvserve.kernels.build_lock import BuildLock
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,8 @@ _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("bindings.cpp", "paged_decode.cpp", "paged_decode_quant.cpp", "quant_matmul.cpp",
                          "fused_ops.cpp")]
 _lock = threading.Lock()
+# How long a start waits for another process's build of the same directory before running without it.
+DEFAULT_WAIT_LIMIT_S = 600.0
 _state: dict[str, Any] = {}  # "module" (None: torch paths), and "directory" or "error" once tried
 
 # What running without the kernels costs, in the words a user acts on (measured: W2 on the embedded model,
@@ -89,20 +95,22 @@ def _build() -> ModuleType | None:
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         import torch
 
-        # One build per CPU feature set, torch version and source checkout: a shared cache never loads a
-        # foreign binary, and two checkouts (git worktrees) sharing one venv do not rebuild each other's
-        # binary in turn (ninja sees another source path).
-        key = " ".join([torch.__version__, str(_SOURCES[0].parent.resolve()), *sorted(cpu_flags())])
-        name = f"kvserve_cpu_kernels_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
-        # Built inside the environment (the venv), not in a per-user cache shared by every environment.
-        build_directory = Path(os.environ.get("KVSERVE_KERNELS_DIR") or Path(sys.prefix) / "kvserve-kernels") / name
+        build_directory = kernels_build_directory(torch.__version__)
+        name = build_directory.name
         build_directory.mkdir(parents=True, exist_ok=True)
-        started = time.perf_counter()
-        module = load(name=name, sources=[str(s) for s in _SOURCES], build_directory=str(build_directory),
-                      extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                      extra_ldflags=["-lmvec", "-fopenmp"], verbose=False)
-        log.info("C++ CPU kernels ready in %.1fs (compiled once per CPU, then loaded from the cache); "
-                 "quantized matmuls on %s", time.perf_counter() - started, module.quant_matmul_isa())
+        wait_limit_s = float(os.environ.get("KVSERVE_KERNELS_WAIT_S") or DEFAULT_WAIT_LIMIT_S)
+        with BuildLock(build_directory, say, wait_limit_s):
+            started = time.perf_counter()
+            reason = rebuild_reason(build_directory, name)
+            if reason is not None:
+                say(f"compiling kvserve's CPU kernels for this CPU, once: about a minute ({reason}; "
+                    f"in {build_directory})")
+            module = load(name=name, sources=[str(s) for s in _SOURCES], build_directory=str(build_directory),
+                          extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                          extra_ldflags=["-lmvec", "-fopenmp"], verbose=False)
+        log.info("C++ CPU kernels %s in %.1fs (compiled once per CPU, then loaded from the cache); "
+                 "quantized matmuls on %s", "compiled" if reason else "loaded", time.perf_counter() - started,
+                 module.quant_matmul_isa())
         _state["directory"] = str(build_directory)
         return module
     except Exception as exc:  # any build or load failure: the torch paths still work, at a cost said loudly
@@ -110,6 +118,34 @@ def _build() -> ModuleType | None:
         log.warning("C++ CPU KERNELS UNAVAILABLE: %s. Running on the torch paths instead: %s. `kvserve doctor` "
                     "shows the kernels' state", _state["error"], TORCH_PATHS_COST)
         return None
+
+
+def kernels_build_directory(torch_version: str) -> Path:
+    """Where this checkout's kernels are built for this CPU and torch version."""
+    # One build per CPU feature set, torch version and source checkout: a shared cache never loads a
+    # foreign binary, and two checkouts (git worktrees) sharing one venv do not rebuild each other's
+    # binary in turn (ninja sees another source path).
+    key = " ".join([torch_version, str(_SOURCES[0].parent.resolve()), *sorted(cpu_flags())])
+    name = f"kvserve_cpu_kernels_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    # Built inside the environment (the venv), not in a per-user cache shared by every environment.
+    return Path(os.environ.get("KVSERVE_KERNELS_DIR") or Path(sys.prefix) / "kvserve-kernels") / name
+
+
+def say(line: str) -> None:
+    """A line about the build on stderr, whatever logging is set up (`make install` and scripts set none):
+    a start must never be silent while it compiles or waits."""
+    print(f"kvserve: {line}", file=sys.stderr, flush=True)
+
+
+def rebuild_reason(build_directory: Path, name: str) -> str | None:
+    """Why `load` will compile here (None: it loads the finished build): no library yet, or a source newer
+    than it (headers included)."""
+    library = build_directory / f"{name}.so"
+    if not library.exists():
+        return "no finished build here yet: a first start on this CPU, or an earlier build was stopped"
+    built = library.stat().st_mtime
+    changed = sorted(source.name for source in _SOURCES[0].parent.iterdir() if source.stat().st_mtime > built)
+    return f"sources changed since the last build: {', '.join(changed)}" if changed else None
 
 
 def _first_error_line(message: str) -> str:
