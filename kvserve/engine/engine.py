@@ -88,7 +88,8 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    arrival_time: float | None = None, pins: Sequence[PinRequest] = ()) -> str:
+                    arrival_time: float | None = None, pins: Sequence[PinRequest] = (),
+                    tenant: str | None = None, priority: int = 0) -> str:
         """Queue a request (text or token ids); invalid ones raise InvalidRequestError and change nothing.
 
         Requests with different `cache_salt` never share cached blocks (the
@@ -110,7 +111,8 @@ class Engine:
         matcher = self.constrained.new_matcher(params)  # compiles (or finds it cached): may refuse
         self.outputs.add(request_id, params)  # the last check that can refuse: nothing to undo before it
         request = Request(request_id, token_ids, params, prompt=text, cache_salt=cache_salt,
-                          block_size=self.config.block_size if self.prefix_caching else None)
+                          block_size=self.config.block_size if self.prefix_caching else None, tenant=tenant,
+                          priority=priority)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
         self.runner.add_request(request_id, params, token_ids, matcher)
@@ -120,6 +122,11 @@ class Engine:
             self.breakpoints.add(request_id, pins)
         self.snapshots.added(request)
         return request_id
+
+    def set_tenant_weights(self, weights: dict[str | None, float]) -> None:
+        """Each tenant's weight (default 1) in the fair share of a step's tokens and of the KV pool."""
+        self.scheduler.fair.set_weights(weights)
+        self.kv_manager.pool.quota.set_weights(weights)
 
     def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if `add_request` would refuse these; safe from any thread. A structured

@@ -37,8 +37,14 @@ class Request:
         prompt: str | None = None,
         cache_salt: str | None = None,
         block_size: int | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # Who sent it (the server's id of its API key; None: anonymous), for the scheduler's fair share, and
+        # its `priority` among that tenant's requests (lower first).
+        self.tenant = tenant
+        self.priority = priority
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)

@@ -5,11 +5,13 @@ One rule (DESIGN §3): each step gives requests tokens so that
 decode and recompute after preemption are all that rule.
 
 Order within a step's token budget (`max_num_batched_tokens`) and sequence cap
-(`max_num_seqs`): running requests that are decoding, then running requests
-still prefilling (their next chunk), then waiting requests first come first
-served while the pool keeps a watermark of free blocks. When a running request
-needs a block and none is free, the most recently admitted running request is
-preempted (blocks freed, requeued at the front, its tokens kept and recomputed
+(`max_num_seqs`): running requests that are decoding, then what is left shared
+fairly between tenants (engine/fair_share.py): each tenant's running requests
+still prefilling (their next chunk), then its waiting requests by priority, first
+come first served, while the pool keeps a watermark of free blocks. One tenant
+alone (as without API keys) gets the whole budget in that order. When a running
+request needs a block and none is free, the most recently admitted running request
+of the tenant holding the most blocks is preempted (blocks freed, requeued at the front, its tokens kept and recomputed
 later) and nobody new is admitted that step.
 
 With `context_overflow="shift"`, a running request whose next token would lie
@@ -33,6 +35,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from kvserve.config import EngineConfig
+from kvserve.engine.fair_share import FairShare, tenant_queues
 from kvserve.engine.sample.constrained import with_forced
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput, scheduled_request
@@ -57,6 +60,7 @@ class Scheduler:
         self.num_preemptions = 0  # monotonic counters
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # prompt tokens served from the cache
+        self.fair = FairShare()  # tenants' weights and tokens served
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -66,128 +70,132 @@ class Scheduler:
         return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
-        """This step's batch: running requests first (decodes, then prefill chunks), then admissions."""
+        """This step's batch: decodes first, then prefill chunks and admissions shared fairly by tenant."""
         out = SchedulerOutput()
         counts: dict[str, int] = {}  # request id -> tokens this step, in scheduling order
-        budget = self._schedule_running(out, counts, self.config.max_num_batched_tokens)
-        if not out.preempted:  # a step that had to preempt admits nobody
-            self._admit_waiting(out, counts, budget)
+        budget = self.config.max_num_batched_tokens
+        for request in [r for r in self.running if r.is_decoding]:
+            if budget == 0:
+                break
+            count = self._give_running(request, budget, out, counts)
+            self.fair.charge(request.tenant, count)
+            budget -= count
+        prefilling = [r for r in self.running if not r.is_decoding]
+        self.fair.begin_step({r.tenant for r in [*self.running, *self.waiting]})
+        queues = tenant_queues(prefilling, self.waiting, lambda r: r.tenant, lambda r: r.priority)
+        in_flight: list[set[BlockHash]] = []  # computed at the step's first admission
+
+        def serve(request: Request, cap: int) -> int | None:
+            if request.status is RequestStatus.RUNNING:
+                return self._give_running(request, cap, out, counts)
+            if request.status is not RequestStatus.WAITING:
+                return 0
+            if out.preempted:  # a step that had to preempt admits nobody
+                return None
+            if not in_flight:
+                loading = [loaded for loaded, _ in self.loading.values()]
+                in_flight.append(blocks_in_flight(self.kv, [*self.running, *loading]))
+            return self._admit(request, cap, out, counts, in_flight[0])
+
+        self.fair.share(queues, budget, serve, lambda r: r.num_tokens - r.num_computed_tokens)
         for request_id, count in counts.items():
             out.scheduled.append(scheduled_request(self.requests[request_id], count,
                                                    self.kv.take_block_updates(request_id)))
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, counts: dict[str, int], budget: int) -> int:
-        """Give running requests their tokens, decodes before prefill chunks, preempting the most
-        recently admitted when the pool runs dry. Returns the token budget left."""
-        decoding = [r for r in self.running if r.is_decoding]
-        prefilling = [r for r in self.running if not r.is_decoding]
-        for request in decoding + prefilling:
-            if budget == 0:
-                break
-            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            if self.shift_at is not None and request.num_tokens > self.shift_at:
-                budget += self._shift_running(request, out, counts)
-                if request.status is not RequestStatus.RUNNING:
-                    continue
-            remaining = request.num_tokens - request.num_computed_tokens
-            if request.draft_token_ids and (remaining != 1 or len(request.draft_token_ids) >= budget):
-                request.draft_token_ids = []  # drafts ride on a decode, and only whole
-            count = with_forced(request, min(remaining, budget), remaining, budget)
-            if count == 0:
-                continue  # its last token waits for room for its forced tokens
-            count += len(request.draft_token_ids)
-            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + count):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                budget += counts.pop(victim.request_id, 0)
-                if victim is request:
-                    break
-            else:
-                counts[request.request_id] = count
-                budget -= count
-        return budget
-
-    def _shift_running(self, request: Request, out: SchedulerOutput, counts: dict[str, int]) -> int:
-        """Shift a running request's context, preempting the most recently admitted requests while the
-        blocks it must copy do not fit. Returns the token budget the preemptions gave back."""
-        keep, drop = shift_amount(self.config.keep_tokens, request.num_tokens)
-        returned = 0
-        while (plan := self.kv.shift(request.request_id, keep, drop, request.num_computed_tokens)) is None:
-            victim = self.running[-1]
+    def _give_running(self, request: Request, budget: int, out: SchedulerOutput, counts: dict[str, int]) -> int:
+        """Give a running request its tokens (at most `budget`), preempting while the pool runs dry
+        (`FairShare.victim`). Returns the tokens it got (0: none, or it was preempted)."""
+        if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+            return 0
+        if self.shift_at is not None and request.num_tokens > self.shift_at:
+            self._shift_running(request, out, counts)
+            if request.status is not RequestStatus.RUNNING:
+                return 0
+        remaining = request.num_tokens - request.num_computed_tokens
+        if request.draft_token_ids and (remaining != 1 or len(request.draft_token_ids) >= budget):
+            request.draft_token_ids = []  # drafts ride on a decode, and only whole
+        count = with_forced(request, min(remaining, budget), remaining, budget)
+        if count == 0:
+            return 0  # its last token waits for room for its forced tokens
+        count += len(request.draft_token_ids)
+        while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + count,
+                                         tenant=request.tenant):
+            victim = self.fair.victim(self.running, lambda r: r.tenant, self.kv.num_blocks_held)
             self._preempt(victim, out)
-            returned += counts.pop(victim.request_id, 0)
+            counts.pop(victim.request_id, 0)
+            if victim is request:
+                return 0
+        counts[request.request_id] = count
+        return count
+
+    def _shift_running(self, request: Request, out: SchedulerOutput, counts: dict[str, int]) -> None:
+        """Shift a running request's context, preempting (`_victim`) while the blocks it must copy do not fit."""
+        keep, drop = shift_amount(self.config.keep_tokens, request.num_tokens)
+        while (plan := self.kv.shift(request.request_id, keep, drop, request.num_computed_tokens)) is None:
+            victim = self.fair.victim(self.running, lambda r: r.tenant, self.kv.num_blocks_held)
+            self._preempt(victim, out)
+            counts.pop(victim.request_id, 0)
             if victim is request:
                 request.shift_context(keep, drop)  # nothing held: its shorter context is recomputed
-                return returned
+                return
         request.shift_context(keep, drop)
         out.shifts.append((request.request_id, plan))
         self.num_context_shifts += 1
-        return returned
 
-    def _blocks_in_flight(self) -> set[BlockHash]:
-        """Blocks that requests still prefilling are about to compute: a waiting request that
-        would compute the same block waits a step and then hits."""
-        in_flight: set[BlockHash] = set()
-        for request in [*self.running, *(request for request, _ in self.loading.values())]:
-            if not request.is_decoding:
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput, counts: dict[str, int],
+               in_flight: set[BlockHash]) -> int | None:
+        """Admit a waiting request with at most `budget` tokens if the sequence cap and the pool (its watermark,
+        its tenant's share) allow; a prefix hit starts its progress above zero. Returns its tokens (0: it
+        went to load a tier's blocks), or None: it waits, and its tenant's later requests with it (FCFS)."""
+        if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
+            return None
+        if self.shift_at is not None and request.num_tokens > self.shift_at:
+            request.shift_context(*shift_amount(self.config.keep_tokens, request.num_tokens))  # preempted at the limit: no K/V to move
+        # Preempted requests look up the cache too: their recompute is mostly hits.
+        match = None
+        if not request.sampling_params.skip_reading_prefix_cache:
+            match = self.kv.match_prefix(request.all_token_ids, request.block_hashes)
+            # The first block the pool lacks is being computed (or loaded) by another request.
+            if self.kv.next_block_key(request.all_token_ids, request.block_hashes, match) in in_flight:
+                return None  # it is admitted once the block is cached
+            if match.num_tier_tokens:
+                if not self._start_load(request, match, out):
+                    return None
                 in_flight |= self.kv.pending_block_keys(request.request_id, request.block_hashes,
                                                         request.num_prompt_tokens)
-        return in_flight
-
-    def _admit_waiting(self, out: SchedulerOutput, counts: dict[str, int], budget: int) -> None:
-        """Admit waiting requests first come first served while the budget, the sequence cap and
-        the pool (above its watermark) allow; a prefix hit starts a request's progress above zero."""
-        if not self.waiting:
-            return
-        in_flight = self._blocks_in_flight()
-        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            if self.shift_at is not None and request.num_tokens > self.shift_at:
-                request.shift_context(*shift_amount(self.config.keep_tokens, request.num_tokens))  # preempted at the limit: no K/V to move
-            # Preempted requests look up the cache too: their recompute is mostly hits.
-            match = None
-            if not request.sampling_params.skip_reading_prefix_cache:
-                match = self.kv.match_prefix(request.all_token_ids, request.block_hashes)
-                # The first block the pool lacks is being computed (or loaded) by another request.
-                if self.kv.next_block_key(request.all_token_ids, request.block_hashes, match) in in_flight:
-                    break  # FCFS: nobody overtakes it; it is admitted once the block is cached
-                if match.num_tier_tokens:
-                    if not self._start_load(request, match, out):
-                        break
-                    in_flight |= self.kv.pending_block_keys(request.request_id, request.block_hashes,
-                                                            request.num_prompt_tokens)
-                    continue  # it computes nothing this step
-            num_hit = match.num_tokens if match is not None else 0
-            count = with_forced(request, min(request.num_tokens - num_hit, budget), request.num_tokens - num_hit,
-                                budget)
-            if count == 0:
-                break  # FCFS: it waits for a step with room for its forced tokens
-            # The watermark keeps room for running requests to grow; with none
-            # running, a request that needs the whole pool must still get in.
-            keep_watermark = bool(self.running)
-            if not self.kv.allocate_slots(request.request_id, num_hit + count, keep_watermark, prefix=match):
-                break
-            request.num_computed_tokens = num_hit
-            if match is not None:
-                in_flight |= self.kv.pending_block_keys(request.request_id, request.block_hashes,
-                                                        request.num_prompt_tokens)
-            if request.num_cached_tokens is None:
-                self._account_prompt(request, match)
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            counts[request.request_id] = count
-            budget -= count
+                return 0  # it computes nothing this step
+        num_hit = match.num_tokens if match is not None else 0
+        count = with_forced(request, min(request.num_tokens - num_hit, budget), request.num_tokens - num_hit,
+                            budget)
+        if count == 0:
+            return None  # it waits for a step with room for its forced tokens
+        # The watermark keeps room for running requests to grow; with none
+        # running, a request that needs the whole pool must still get in.
+        keep_watermark = bool(self.running)
+        if not self.kv.allocate_slots(request.request_id, num_hit + count, keep_watermark, prefix=match,
+                                      tenant=request.tenant):
+            return None
+        request.num_computed_tokens = num_hit
+        if match is not None:
+            in_flight |= self.kv.pending_block_keys(request.request_id, request.block_hashes,
+                                                    request.num_prompt_tokens)
+        if request.num_cached_tokens is None:
+            self._account_prompt(request, match)
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        counts[request.request_id] = count
+        return count
 
     def _start_load(self, request: Request, match: PrefixMatch, out: SchedulerOutput) -> bool:
         """Give a request blocks for its whole match and set it aside until its tier blocks arrive;
         False (nothing changes) if the pool cannot hold them now."""
-        if not self.kv.allocate_slots(request.request_id, match.num_tokens, bool(self.running), prefix=match):
+        if not self.kv.allocate_slots(request.request_id, match.num_tokens, bool(self.running), prefix=match,
+                                      tenant=request.tenant):
             return False
         request.num_computed_tokens = match.num_pool_tokens
-        self.waiting.popleft()
+        self.waiting.remove(request)
         request.status = RequestStatus.LOADING
         self.loading[request.request_id] = (request, match)
         out.loads.append(self.kv.tier_load(request.request_id, match))
@@ -277,3 +285,13 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+
+
+def blocks_in_flight(kv: KVCacheManager, requests: list[Request]) -> set[BlockHash]:
+    """Blocks that requests still prefilling are about to compute: a waiting request that would compute
+    the same block waits a step and then hits."""
+    in_flight: set[BlockHash] = set()
+    for request in requests:
+        if not request.is_decoding:
+            in_flight |= kv.pending_block_keys(request.request_id, request.block_hashes, request.num_prompt_tokens)
+    return in_flight

@@ -122,11 +122,14 @@ class KVCacheManager:
         self.prefix.cache_full_blocks(request_id, token_ids, block_hashes, num_computed_tokens)
 
     def allocate_slots(
-        self, request_id: str, num_tokens: int, keep_watermark: bool = False, prefix: PrefixMatch | None = None
+        self, request_id: str, num_tokens: int, keep_watermark: bool = False, prefix: PrefixMatch | None = None,
+        tenant: str | None = None,
     ) -> bool:
         """Make the request's tables cover `num_tokens` tokens; False (and nothing changes) if blocks run out.
         `prefix` (only for a request that holds no blocks) shares the matched pool blocks instead; the
-        blocks of its tier part are fresh ones, the request's own while they are loaded."""
+        blocks of its tier part are fresh ones, the request's own while they are loaded. New blocks count
+        against `tenant`'s share of the pool, which decides whose cached blocks they may evict
+        (kv/pool/tenant_quota.py)."""
         length = self._length(request_id)
         hit = prefix if prefix is not None and not length and prefix.num_tokens else None
         if hit is not None:
@@ -136,7 +139,7 @@ class KVCacheManager:
         # Shared blocks nobody holds are still in the free queue: taking them uses free blocks too.
         claimed = sum(1 for block in shared if block.ref_cnt == 0)
         reserve = self.watermark_blocks if keep_watermark else 0
-        if needed * self.num_groups + claimed > self.num_free_blocks - reserve:
+        if needed * self.num_groups + claimed > self.pool.num_free_for(tenant) - reserve:
             return False
         if hit is not None:
             self.pins.refresh_hit(shared)  # a hit on a pinned prefix renews its TTL
@@ -149,7 +152,7 @@ class KVCacheManager:
             for group in self.groups:
                 group.start(request_id, ())
         if needed:
-            fresh = self.pool.allocate(needed * self.num_groups)
+            fresh = self.pool.allocate(needed * self.num_groups, tenant)
             for index, group in enumerate(self.groups):
                 group.extend(request_id, fresh[index * needed : (index + 1) * needed])
         return True

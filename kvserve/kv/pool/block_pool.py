@@ -21,6 +21,8 @@ from typing import Callable, Iterable, Sequence
 from kvserve.errors import KVIntegrityError
 from kvserve.kv.events.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventCallback, KVEventSubscribers
 from kvserve.kv.pool.free_queue import FreeBlockQueue, KVBlock
+from kvserve.kv.pool.pool_integrity import check_pool_integrity
+from kvserve.kv.pool.tenant_quota import TenantQuota
 from kvserve.kv.prefix.hashing import BlockHash
 
 
@@ -49,6 +51,7 @@ class BlockPool:
         # Called with a pinned block that `allocate` is about to evict; it must drop every pin on it.
         self.on_pinned_evict: Callable[[KVBlock], None] | None = None
         self._subscribers = KVEventSubscribers()
+        self.quota = TenantQuota(num_blocks)  # whose cached blocks an allocation may evict
 
     def subscribe(self, callback: KVEventCallback) -> None:
         """Call `callback` with every BlockStored / BlockRemoved / AllBlocksCleared from now on (kv/events/events.py)."""
@@ -65,21 +68,34 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self.free_queue) + len(self.pinned_free_queue)
 
-    def allocate(self, count: int) -> list[KVBlock]:
-        """Take `count` blocks from the head of the free queue (ref_cnt 1 each), evicting their cached content."""
+    def num_free_for(self, tenant: object) -> int:
+        """Free blocks `tenant` may take (others' cached blocks within their shares are not: tenant_quota.py)."""
+        return self.num_free_blocks - self.quota.protected(tenant)
+
+    def allocate(self, count: int, tenant: object = None) -> list[KVBlock]:
+        """Take `count` free blocks for `tenant` (ref_cnt 1 each), evicting their cached content: the free
+        queue's head (least recently used), or with several tenants the block tenant_quota.py chooses."""
         if count > self.num_free_blocks:
             raise ValueError(f"asked for {count} blocks, {self.num_free_blocks} are free")
-        taken = [self._pop_free() for _ in range(count)]
-        for block in taken:
+        taken = []
+        for _ in range(count):
+            block = self._pop_free(tenant)
             if block.block_hash is not None:
                 self.num_cached_free_blocks -= 1
+                self.quota.cached_free[block.tenant] -= 1
                 self._evict(block)
             block.ref_cnt = 1
+            self.quota.moved(block, tenant)
+            taken.append(block)
         return taken
 
-    def _pop_free(self) -> KVBlock:
+    def _pop_free(self, tenant: object) -> KVBlock:
         if len(self.free_queue):
-            return self.free_queue.popleft()
+            chosen = self.quota.choose(self.free_queue, tenant)
+            if chosen is None:
+                return self.free_queue.popleft()
+            self.free_queue.remove(chosen)
+            return chosen
         # Only pinned blocks are left: a request that needs a block wins over a pin. The pin lapses
         # (its owner unpins every block of it) before the block's content is evicted.
         block = self.pinned_free_queue.popleft()
@@ -134,6 +150,7 @@ class BlockPool:
                 self._queue_of(block).remove(block)
                 if block.block_hash is not None:
                     self.num_cached_free_blocks -= 1
+                    self.quota.cached_free[block.tenant] -= 1
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -150,6 +167,7 @@ class BlockPool:
                 self._queue_of(block).append(block)
                 if block.block_hash is not None:
                     self.num_cached_free_blocks += 1
+                    self.quota.cached_free[block.tenant] += 1
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash | None,
                     token_ids: tuple[int, ...], group: int = 0, first: bool = False) -> bool:
@@ -163,6 +181,7 @@ class BlockPool:
         self.children.setdefault((group, parent_hash), {})[block_hash] = block
         if block.ref_cnt == 0:
             self.num_cached_free_blocks += 1
+            self.quota.cached_free[block.tenant] += 1
         if self._subscribers:
             self._subscribers.emit(BlockStored(block.block_id, block_hash, parent_hash, token_ids, group, first))
         return True
@@ -208,6 +227,7 @@ class BlockPool:
         finally:
             self._subscribers = subscribers
         self.num_cached_free_blocks = 0
+        self.quota.cached_free.clear()
         if self._subscribers:
             self._subscribers.emit(AllBlocksCleared())
         return True
@@ -225,44 +245,4 @@ class BlockPool:
 
     def check_integrity(self) -> None:
         """Raise KVIntegrityError (never a bare assert: `python -O` must not silence it) if the pool is inconsistent."""
-        pinned_free = list(self.pinned_free_queue)
-        if len(pinned_free) != len(self.pinned_free_queue):
-            raise KVIntegrityError(f"pinned free queue length is {len(self.pinned_free_queue)} but it links "
-                                   f"{len(pinned_free)} blocks")
-        if any(block.pin_count <= 0 for block in pinned_free):
-            raise KVIntegrityError("an unpinned block sits in the pinned free queue")
-        unpinned_free = list(self.free_queue)
-        if len(unpinned_free) != len(self.free_queue):
-            raise KVIntegrityError(f"free queue length is {len(self.free_queue)} but it links {len(unpinned_free)} blocks")
-        if any(block.pin_count for block in unpinned_free):
-            raise KVIntegrityError("a pinned block sits in the ordinary free queue")
-        pinned = [block for block in self.blocks if block.pin_count]
-        if len(pinned) != self.num_pinned_blocks:
-            raise KVIntegrityError(f"{len(pinned)} blocks are pinned, the counter says {self.num_pinned_blocks}")
-        if any(block.block_hash is None for block in pinned):
-            raise KVIntegrityError("a pinned block holds no prefix")
-        free = unpinned_free + pinned_free
-        free_ids = {b.block_id for b in free}
-        if len(free_ids) != len(free):
-            raise KVIntegrityError("a block is in the free queue twice")
-        cached_free = 0
-        for block in self.blocks:
-            if block.block_id in free_ids:
-                if block.ref_cnt != 0:
-                    raise KVIntegrityError(f"free block {block.block_id} has ref_cnt {block.ref_cnt}")
-                cached_free += block.block_hash is not None
-            elif block.ref_cnt <= 0:
-                raise KVIntegrityError(f"block {block.block_id} is neither free nor referenced (leak)")
-            if block.block_hash is not None:
-                if len(block.token_ids) != self.block_size:
-                    raise KVIntegrityError(f"hashed block {block.block_id} holds {len(block.token_ids)} tokens, "
-                                           f"not a full block of {self.block_size}")
-                if self.cached.get((block.group, block.block_hash)) is not block:
-                    raise KVIntegrityError(f"hashed block {block.block_id} is not in the hash map")
-        if not all(b.block_hash == h and b.group == g for (g, h), b in self.cached.items()):
-            raise KVIntegrityError("the hash map points at a re-used block")
-        if sum(len(c) for c in self.children.values()) != len(self.cached):
-            raise KVIntegrityError("the children index is out of sync with the hash map")
-        if cached_free != self.num_cached_free_blocks:
-            raise KVIntegrityError(f"{cached_free} free blocks hold a cached prefix, "
-                                   f"the counter says {self.num_cached_free_blocks}")
+        check_pool_integrity(self)

@@ -14,6 +14,9 @@ from typing import Iterable, Iterator
 from kvserve.errors import KVIntegrityError
 from kvserve.kv.prefix.hashing import BlockHash
 
+# The owner of a block no tenant has allocated yet (tenants are str | None: kv/pool/tenant_quota.py).
+UNOWNED = "\0unowned"
+
 
 @dataclass(eq=False, slots=True)
 class KVBlock:
@@ -27,6 +30,7 @@ class KVBlock:
     token_ids: tuple[int, ...] = ()  # kept so a hash collision can never serve the wrong K/V
     pin_count: int = 0  # live pins covering this block (kv/prefix/pins.py); while free it sits in the pinned queue
     group: int = 0  # the KV group (kv/groups/layout.py) whose content it caches: one hash is cached once per group
+    tenant: object = UNOWNED  # who allocated it last (kv/pool/tenant_quota.py): its share counts the block
 
 
 class FreeBlockQueue:

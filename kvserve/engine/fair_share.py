@@ -1,0 +1,149 @@
+"""Fair sharing of a step's token budget between tenants: weighted, work-conserving, deficit-style. No tensors.
+
+A tenant is whoever the server says sent the request (its API key's id; None for the anonymous one).
+Decodes go first and are never shared out (decode-first: a token each, the cheapest work there is); what
+is left of the step's budget goes to prefill chunks and admissions, shared by weight between the tenants
+that have such work. Each tenant gets up to its share (budget x weight / weights of tenants with work),
+in rounds of one request per tenant, least-served tenant first; budget a tenant cannot use (it has no more
+work, or its next request cannot get blocks) then goes to the others, least-served first, so one tenant
+alone keeps the whole machine.
+
+"Least served" is the tokens a tenant was given, over its weight, counted across steps (DRR's deficit):
+a tenant that starts to have work again starts at the least-served active tenant's count, so an idle spell
+is not saved up into a burst that shuts the others out.
+
+Within a tenant: prefill chunks of its running requests first (admission order), then its waiting
+requests by `priority` (lower first; vLLM's field), first come first served within a priority.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import TypeVar
+
+Tenant = Hashable  # str | None
+R = TypeVar("R")
+T = TypeVar("T")
+
+# Serve one item with at most `cap` tokens: the tokens it took (0: it took none, try the tenant's next),
+# or None: this tenant's later items must wait (FCFS within a tenant, e.g. no blocks for its next request).
+ServeFn = Callable[[T, int], "int | None"]
+
+
+class FairShare:
+    """Per-tenant weights and served-token counts; shares out a step's budget (`share`)."""
+
+    def __init__(self, weights: Mapping[Tenant, float] | None = None) -> None:
+        self.weights: dict[Tenant, float] = {}
+        self.served: dict[Tenant, float] = {}  # tokens given / weight, since the tenant last had work
+        self._active: set[Tenant] = set()
+        if weights:
+            self.set_weights(weights)
+
+    def set_weights(self, weights: Mapping[Tenant, float]) -> None:
+        """Weights by tenant (default 1.0 each); a weight must be positive."""
+        for tenant, weight in weights.items():
+            if not weight > 0:
+                raise ValueError(f"a tenant's weight must be positive, not {weight!r}")
+        self.weights = dict(weights)
+
+    def weight(self, tenant: Tenant) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def charge(self, tenant: Tenant, tokens: int) -> None:
+        """Count `tokens` given to `tenant` outside `share` (its decodes)."""
+        self.served[tenant] = self.served.get(tenant, 0.0) + tokens / self.weight(tenant)
+
+    def begin_step(self, tenants_with_work: Iterable[Tenant]) -> None:
+        """Note who has work this step: a tenant back from idle starts at the least-served active count."""
+        active = set(tenants_with_work)
+        returning = active - self._active
+        staying = [self.served.get(tenant, 0.0) for tenant in active - returning]
+        floor = min(staying) if staying else min((self.served.get(t, 0.0) for t in active), default=0.0)
+        for tenant in returning:
+            self.served[tenant] = max(self.served.get(tenant, 0.0), floor)
+        for tenant in set(self.served) - active:
+            if tenant not in self.weights:  # forget idle tenants nobody configured (bounded state)
+                del self.served[tenant]
+        self._active = active
+
+    def order(self, tenants: Iterable[Tenant]) -> list[Tenant]:
+        """Least served first (ties in the order given)."""
+        return sorted(tenants, key=lambda tenant: self.served.get(tenant, 0.0))
+
+    def victim(self, running: list[R], tenant_of: Callable[[R], Tenant], blocks_held: Callable[[str], int]) -> R:
+        """Whom to preempt when the pool runs dry: the most recently admitted of `running` (admission order)
+        of the tenant holding the most blocks for its weight (`blocks_held` by request id; one tenant: the most
+        recently admitted)."""
+        held: dict[Tenant, float] = {}
+        for request in running:
+            held[tenant_of(request)] = held.get(tenant_of(request), 0.0) + blocks_held(request.request_id)
+        heaviest = max(held, key=lambda tenant: held[tenant] / self.weight(tenant))
+        return next(request for request in reversed(running) if tenant_of(request) == heaviest)
+
+    def share(self, queues: Mapping[Tenant, list[T]], budget: int, serve: ServeFn,
+              demand: Callable[[T], int]) -> int:
+        """Give the queues' items tokens from `budget`, fairly (module doc); `demand(item)` is at most how many
+        tokens an item could take this step. Returns the budget left."""
+        queues = {tenant: list(items) for tenant, items in queues.items() if items}
+        if not queues or budget <= 0:
+            return budget
+        caps = self.caps({tenant: sum(demand(item) for item in items) for tenant, items in queues.items()}, budget)
+        budget = self._rounds(queues, budget, caps, serve)
+        if budget > 0 and any(queues.values()):  # what some could not use goes to the others
+            budget = self._rounds(queues, budget, {tenant: budget for tenant in queues}, serve)
+        return budget
+
+    def caps(self, demands: Mapping[Tenant, int], budget: int) -> dict[Tenant, int]:
+        """Each tenant's tokens this step by weighted water-filling: no more than it asks for, and what a
+        tenant does not ask for shared by weight among those that ask for more."""
+        caps = {tenant: 0 for tenant in demands}
+        hungry = {tenant for tenant, need in demands.items() if need > 0}
+        left = budget
+        while hungry and left > 0:
+            total_weight = sum(self.weight(tenant) for tenant in hungry)
+            shares = {tenant: max(1, int(left * self.weight(tenant) / total_weight)) for tenant in hungry}
+            given = 0
+            for tenant in self.order(hungry):
+                take = min(shares[tenant], demands[tenant] - caps[tenant], left - given)
+                caps[tenant] += take
+                given += take
+            hungry = {tenant for tenant in hungry if caps[tenant] < demands[tenant]}
+            left -= given
+            if given == 0:
+                break
+        return caps
+
+    def _rounds(self, queues: dict[Tenant, list[T]], budget: int, caps: dict[Tenant, int], serve: ServeFn) -> int:
+        """One item per tenant per round, least served first, each within its cap, until nothing moves."""
+        moved = True
+        while moved and budget > 0:
+            moved = False
+            for tenant in self.order(tenant for tenant, items in queues.items() if items):
+                room = min(caps[tenant], budget)
+                items = queues[tenant]
+                while items and room > 0:
+                    used = serve(items[0], room)
+                    if used is None:
+                        items.clear()  # blocked: its later items wait for a later step
+                        break
+                    items.pop(0)
+                    if used:
+                        caps[tenant] -= used
+                        budget -= used
+                        self.charge(tenant, used)
+                        moved = True
+                        break  # one item per tenant per round
+        return budget
+
+
+def tenant_queues(prefilling: Iterable[R], waiting: Iterable[R], tenant_of: Callable[[R], Tenant],
+                  priority_of: Callable[[R], int]) -> dict[Tenant, list[R]]:
+    """Each tenant's work in its order: running requests' prefill chunks (as given: admission order), then
+    waiting requests by priority, lower first, in the order given within a priority."""
+    queues: dict[Tenant, list[R]] = {}
+    for request in prefilling:
+        queues.setdefault(tenant_of(request), []).append(request)
+    for request in sorted(waiting, key=priority_of):  # stable: arrival (preempted first) within a priority
+        queues.setdefault(tenant_of(request), []).append(request)
+    return queues

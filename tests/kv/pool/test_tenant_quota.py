@@ -1,0 +1,102 @@
+"""Per-tenant shares of the KV pool: a tenant's cached blocks up to its share survive another tenant's flood,
+eviction takes from the tenant furthest over its share first, pins count against their owner, and one
+tenant alone is the plain LRU pool it always was."""
+
+from kvserve.config import EngineConfig
+from kvserve.engine.scheduler import Scheduler
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.pool.block_pool import BlockPool
+from tests.engine.test_fair_share import add
+from tests.engine.test_scheduler import step
+
+
+def cache_blocks(pool, tenant, count, first_hash):
+    """`count` blocks allocated by `tenant`, cached under fresh hashes and freed (an idle tenant's prefix)."""
+    blocks = pool.allocate(count, tenant)
+    for i, block in enumerate(blocks):
+        pool.cache_block(block, first_hash + i, None, (first_hash + i,), 0)
+    pool.free(reversed(blocks))
+    return blocks
+
+
+def test_one_tenant_is_plain_lru():
+    pool = BlockPool(4)
+    cached = cache_blocks(pool, "A", 4, 100)
+    taken = pool.allocate(2, "A")
+    assert taken == [cached[3], cached[2]]  # freed tail first: the free queue's head
+    assert pool.quota.protected("A") == 0
+    pool.check_integrity()
+
+
+def test_an_idle_tenants_prefix_within_its_share_is_not_free_to_a_flooding_tenant():
+    pool = BlockPool(10)
+    b_blocks = cache_blocks(pool, "B", 3, 100)  # B's prefix: 3 blocks, under its share (5 of 10)
+    a_running = pool.allocate(6, "A")  # A now holds 6, over its share
+    assert pool.num_free_blocks == 4 and pool.num_free_for("A") == 1  # only the never-used block
+    assert pool.num_free_for("B") == 4
+    taken = pool.allocate(1, "A")
+    assert taken[0] not in b_blocks and all(block.block_hash is not None for block in b_blocks)
+    pool.free(reversed(a_running + taken))
+    pool.check_integrity()
+
+
+def test_eviction_takes_from_the_tenant_furthest_over_its_share():
+    pool = BlockPool(10)
+    b_blocks = cache_blocks(pool, "B", 2, 100)
+    a_blocks = cache_blocks(pool, "A", 8, 200)  # A: 8 of 10, furthest over; B's are older (LRU head)
+    taken = pool.allocate(3, "C")
+    assert all(block in a_blocks for block in taken)
+    assert all(block.block_hash is not None for block in b_blocks)
+    pool.check_integrity()
+
+
+def test_pins_count_against_their_owner():
+    pool = BlockPool(10)
+    b_blocks = cache_blocks(pool, "B", 4, 100)
+    for block in b_blocks:
+        pool.pin(block)
+    pool.allocate(6, "A")
+    assert pool.quota.held["B"] == 4 and pool.num_free_for("A") == 0
+    pool.check_integrity()
+
+
+def make_scheduler(num_blocks, block_size=4):
+    config = EngineConfig(block_size=block_size, max_num_batched_tokens=64)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, watermark=0.0, enable_caching=True))
+
+
+def test_a_tenants_cached_prefix_survives_anothers_flood_in_the_scheduler():
+    """Two tenants, one flooding: the other's repeated prompt keeps hitting its cached prefix."""
+    scheduler = make_scheduler(num_blocks=40)
+    b_prompt = dict(prompt_len=40, tenant="B", first_token=500)  # 10 blocks, its share is 20
+    add(scheduler, "b0", max_tokens=1, **b_prompt)
+    while scheduler.has_unfinished():
+        step(scheduler)
+    for i in range(12):  # A's flood: far more than the pool, in unique prompts
+        add(scheduler, f"a{i}", 48, "A", max_tokens=2, first_token=1000 + 100 * i)
+    for round_ in range(3):
+        for _ in range(6):
+            step(scheduler)
+        b = add(scheduler, f"b{round_ + 1}", max_tokens=1, **b_prompt)
+        assert scheduler.kv.match_prefix(b.all_token_ids, b.block_hashes).num_tokens == 36  # (the last block is always computed)
+        step(scheduler)
+        assert b.num_cached_tokens == 36, f"round {round_}: B's prefix was evicted"  # all but the last block
+    while scheduler.has_unfinished():
+        step(scheduler)
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
+
+
+def test_without_shares_the_flood_would_evict_it():
+    """The same flood by one tenant (as before tenants had shares) evicts the prefix: the test above can fail."""
+    scheduler = make_scheduler(num_blocks=40)
+    add(scheduler, "b0", 40, "A", max_tokens=1, first_token=500)
+    while scheduler.has_unfinished():
+        step(scheduler)
+    for i in range(12):
+        add(scheduler, f"a{i}", 48, "A", max_tokens=2, first_token=1000 + 100 * i)
+    for _ in range(6):
+        step(scheduler)
+    b = add(scheduler, "b1", 40, "A", max_tokens=1, first_token=500)
+    assert scheduler.kv.match_prefix(b.all_token_ids, b.block_hashes).num_tokens == 0
+
+
