@@ -17,6 +17,13 @@ def _byte_size(value: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _weights(value: str) -> list[float]:
+    try:
+        return [float(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {value!r}") from None
+
+
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
@@ -37,6 +44,9 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: from the file name)")
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="requests allowed to wait for a batch slot; beyond that new ones get 429 (default 256)")
+    serve.add_argument("--tenant-weights", type=_weights, default=[], metavar="W1,W2,...",
+                       help="each --api-key's weight, in --api-key order (missing ones 1), in the fair share of "
+                            "each step's tokens, of the KV pool and of the waiting queue (default: equal shares)")
     serve.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, seconds the requests in flight may take to finish before they are "
@@ -85,4 +95,5 @@ def server_settings_from_args(args: argparse.Namespace, model_name: str):
     return ServerSettings(model_name=model_name, api_keys=api_keys, compaction_secret=compaction_secret, max_waiting_requests=args.max_waiting_requests,
                           log_prompts=args.log_prompts, max_request_bytes=args.max_request_bytes,
                           admin_key=admin_key, responses_store_path=args.responses_store_path,
-                          default_max_tokens=args.default_max_tokens, metrics_key=metrics_key)
+                          default_max_tokens=args.default_max_tokens, metrics_key=metrics_key,
+                          tenant_weights=list(getattr(args, "tenant_weights", [])))

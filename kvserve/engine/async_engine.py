@@ -15,6 +15,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, TypeVar
@@ -56,6 +57,8 @@ class AsyncEngine:
         self.draining = False  # set by drain(): the server refuses new requests from then on
         self._drain_deadline = math.inf  # loop.time() after which drain() aborts what is left
         self.num_pending_adds = 0  # accepted by a handler, not yet in the scheduler
+        # Per tenant: requests accepted whose first delta has not come yet (the per-tenant queue limit).
+        self.num_unstarted_by_tenant: Counter = Counter()
 
     async def start(self) -> None:
         self._wakeup = asyncio.Event()
@@ -124,6 +127,8 @@ class AsyncEngine:
         request_id: str,
         cache_salt: str | None = None,
         pins: Sequence[PinRequest] = (),
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestDelta]:
         """Queue a request now and return the stream of its deltas until it finishes (feed them to a
         RequestOutputAssembler for the final output).
@@ -131,17 +136,18 @@ class AsyncEngine:
         The request counts as waiting from this call on (so the bounded queue
         sees it at once). Invalid requests raise InvalidRequestError from the
         first iteration. A consumer that stops early (client gone, task
-        cancelled) aborts the request, which frees its blocks.
+        cancelled) aborts the request, which frees its blocks. `tenant` and `priority`: Engine.add_request.
         """
         arrival = time.perf_counter()  # TTFT includes the wait for the step in flight
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self.num_pending_adds += 1
+        self.num_unstarted_by_tenant[tenant] += 1
 
         def add() -> None:
             try:
                 self.engine.add_request(prompt_token_ids, params, request_id, cache_salt, arrival_time=arrival,
-                                        pins=pins)
+                                        pins=pins, tenant=tenant, priority=priority)
             except Exception:
                 self._streams.pop(request_id, None)  # even if nobody ever reads the stream
                 raise
@@ -149,8 +155,9 @@ class AsyncEngine:
                 self.num_pending_adds -= 1
 
         if params.structured_outputs is None:
-            return self._stream(request_id, queue, self.call(add))
-        return self._stream(request_id, queue, asyncio.ensure_future(self._compile_then_add(request_id, params, add)))
+            return self._stream(request_id, queue, self.call(add), tenant)
+        return self._stream(request_id, queue, asyncio.ensure_future(self._compile_then_add(request_id, params, add)),
+                            tenant)
 
     async def _compile_then_add(self, request_id: str, params: SamplingParams, add: Callable[[], None]) -> None:
         """Compile a structured output's grammar on a worker thread (bounded in time, then cached), then add
@@ -164,9 +171,10 @@ class AsyncEngine:
             raise
         await self.call(add)
 
-    async def _stream(self, request_id: str, queue: asyncio.Queue, added: asyncio.Future
+    async def _stream(self, request_id: str, queue: asyncio.Queue, added: asyncio.Future, tenant: str | None
                       ) -> AsyncIterator[RequestDelta]:
         done = False  # finished, failed, or never added: nothing to abort
+        started = False
         try:
             try:
                 await added
@@ -181,13 +189,23 @@ class AsyncEngine:
                     done = True  # the loop already aborted it
                     raise item
                 done = item.finished
+                if not started:
+                    started = True
+                    self._started(tenant)
                 yield item
                 if done:
                     return
         finally:
             self._streams.pop(request_id, None)
+            if not started:
+                self._started(tenant)
             if not done:
                 self.abort(request_id)
+
+    def _started(self, tenant: str | None) -> None:
+        self.num_unstarted_by_tenant[tenant] -= 1
+        if self.num_unstarted_by_tenant[tenant] <= 0:
+            del self.num_unstarted_by_tenant[tenant]
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; safe to call for finished or unknown ids."""

@@ -18,6 +18,7 @@ requests by `priority` (lower first; vLLM's field), first come first served with
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import TypeVar
 
@@ -37,6 +38,7 @@ class FairShare:
         self.weights: dict[Tenant, float] = {}
         self.served: dict[Tenant, float] = {}  # tokens given / weight, since the tenant last had work
         self._active: set[Tenant] = set()
+        self.tokens: Counter = Counter()  # tokens given per tenant (monotonic, for its stats)
         if weights:
             self.set_weights(weights)
 
@@ -53,6 +55,7 @@ class FairShare:
     def charge(self, tenant: Tenant, tokens: int) -> None:
         """Count `tokens` given to `tenant` outside `share` (its decodes)."""
         self.served[tenant] = self.served.get(tenant, 0.0) + tokens / self.weight(tenant)
+        self.tokens[tenant] += tokens
 
     def begin_step(self, tenants_with_work: Iterable[Tenant]) -> None:
         """Note who has work this step: a tenant back from idle starts at the least-served active count."""

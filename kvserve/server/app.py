@@ -20,6 +20,7 @@ from kvserve.server.core.body_limit import BodyLimitMiddleware
 from kvserve.server.core.error_handlers import install_error_handlers
 from kvserve.server.core.error_shapes import ErrorShapes
 from kvserve.server.core.errors import drop_validation_responses
+from kvserve.server.core.tenancy import tenant_id
 from kvserve.server.core.metrics import ServerMetrics, log_request
 from kvserve.server.core.routes import health_router, kv_cache_router
 from kvserve.server.core.serving import ServerSettings, Serving
@@ -38,7 +39,8 @@ disable_created_metrics()  # the *_created series only add noise to every scrape
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     """An app serving `engine`; the step loop starts and stops with the app's lifespan."""
     async_engine = AsyncEngine(engine)
-    metrics = ServerMetrics(async_engine, settings.model_name)
+    tenant_labels = {tenant_id(key): str(number) for number, key in enumerate(settings.api_keys, 1)}
+    metrics = ServerMetrics(async_engine, settings.model_name, tenant_labels)
     async_engine.observers += [metrics.observe, log_request]
     serving = Serving(async_engine, settings)
     serving.count_tool_calls = metrics.count_tool_calls

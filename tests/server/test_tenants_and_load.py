@@ -58,7 +58,7 @@ def test_client_salt_narrows_but_never_widens(tenant_server):
 
 
 def test_overload_is_refused_with_429_at_once(tenant_server):
-    """One batch slot and two waiting places: of eight simultaneous requests some must be refused."""
+    """One batch slot and two waiting places, one per key: of eight simultaneous requests some must be refused."""
 
     async def burst():
         async with httpx.AsyncClient(timeout=120, headers={"Authorization": "Bearer alice-key"}) as http:
@@ -68,8 +68,8 @@ def test_overload_is_refused_with_429_at_once(tenant_server):
 
     responses = asyncio.run(burst())
     statuses = [r.status_code for r in responses]
-    # All eight arrive before a step runs, so they all wait: two places, two accepted (at least).
-    assert statuses.count(429) >= 1 and statuses.count(200) >= 2, statuses
+    # All eight arrive before a step runs, so they all wait: alice's share is one place, one accepted (at least).
+    assert statuses.count(429) >= 1 and statuses.count(200) >= 1, statuses
     assert set(statuses) <= {200, 429}
     assert all(r.headers["Retry-After"] == "1" for r in responses if r.status_code == 429)
     report = tenant_server.wait_idle()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+from kvserve.engine.observe.tenant_stats import TenantStats, tenant_stats
 from kvserve.engine.sample.constrained import StructuredOutputStats
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
@@ -104,6 +105,7 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None  # drafts and acceptances (None: speculative decoding off)
     draft_slots: StepDrafts | None = None  # the last step's draft slots in the cache (None: drafting off)
     structured: StructuredOutputStats | None = None  # grammars compiled, constrained requests, forced tokens
+    tenants: tuple[TenantStats, ...] = ()  # per-tenant usage (engine/observe/tenant_stats.py)
 
     @property
     def num_running(self) -> int:
@@ -158,6 +160,7 @@ def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int, 
         waiting=tuple(request_stats(r, kv) for r in [*(r for r, _ in scheduler.loading.values()), *scheduler.waiting]),
         last_step=last_step, blocks=blocks,
         tier=tier, pins=pins, spec_decode=spec_decode, draft_slots=draft_slots, structured=structured,
+        tenants=tenant_stats(scheduler),
     )
 
 

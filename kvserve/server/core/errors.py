@@ -54,6 +54,12 @@ def overloaded(waiting: int, limit: int) -> APIError:
                     type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def tenant_overloaded(waiting: int, limit: int) -> APIError:
+    return APIError(429, f"This API key has {waiting} requests waiting, its share of the server's queue is {limit} "
+                         f"(--max-waiting-requests shared by --tenant-weights); retry later.",
+                    type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def request_too_large(limit: int, size: int | None = None) -> APIError:
     size_text = f" ({size:,} bytes)" if size is not None else ""
     return APIError(413, f"The request body{size_text} is larger than this server's limit of {limit:,} bytes "

@@ -7,7 +7,9 @@ the whole report. A tenant sees
 - the pool's occupancy now (used / free / cached blocks, requests running / waiting) and the
   integrity check: the load every client meets anyway as latency and 429s, and what a client
   waits on before a benchmark; a sum over everyone, with no request or tenant in it;
-- its own pins (key, blocks, expiry), their count and blocks, and the pool's pin cap.
+- its own pins (key, blocks, expiry), their count and blocks, and the pool's pin cap;
+- its own usage (`tenants`: its requests, the blocks it owns against its fair share, tokens scheduled),
+  never another tenant's.
 It does not see another tenant's pins, nor the pool's counters since start (prefix-cache queries
 and hits, preemptions, steps, pins created / refreshed / expired / lapsed, cache writes, the disk
 tier's traffic): those add up everyone's history, and a tenant polling them around its own
@@ -54,6 +56,7 @@ def kv_cache_report(engine: Engine) -> dict:
         "num_preemptions": stats.num_preemptions, "num_steps": stats.num_steps, "integrity": integrity,
         "tier": dataclasses.asdict(stats.tier) if stats.tier is not None else None,
         "pins": dataclasses.asdict(stats.pins) if stats.pins is not None else None,
+        "tenants": [dataclasses.asdict(entry) for entry in stats.tenants],
     }
 
 
@@ -67,4 +70,5 @@ def tenant_view(report: dict, tenant: str, owners: PinOwners) -> dict:
         pins = {"num_pins": len(own), "num_pinned_blocks": sum(pin["num_blocks"] for pin in own),
                 "max_pinned_blocks": pins["max_pinned_blocks"], "pins": own}
     view["pins"] = pins
+    view["tenants"] = [entry for entry in report["tenants"] if entry["tenant"] == tenant]  # its own usage only
     return view

@@ -31,9 +31,10 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 class _EngineCollector:
     """Gauges and counters read from the engine's stats snapshot at scrape time."""
 
-    def __init__(self, async_engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, async_engine: AsyncEngine, model_name: str, tenant_labels: dict | None = None) -> None:
         self.async_engine = async_engine
         self.model_name = model_name
+        self.tenant_labels = tenant_labels or {}  # tenant id -> its label (1-based --api-key order)
 
     def collect(self):
         stats = self.async_engine.engine.stats()
@@ -69,6 +70,7 @@ class _EngineCollector:
                       stats.num_context_shifts)
         yield from _spec_decode_metrics(stats.spec_decode, labels)
         yield from _structured_metrics(stats.structured, labels)
+        yield from _tenant_metrics(stats.tenants, self.model_name, self.tenant_labels)
         pins = stats.pins
         if pins is not None:
             yield gauge("kvserve:kv_pins", "Live pinned prefixes (cache breakpoints with a TTL).", pins.num_pins)
@@ -112,6 +114,29 @@ class _EngineCollector:
         buckets = [(str(bound), count) for bound, count in zip(LOAD_SECONDS_BUCKETS, tier.load_seconds_buckets)]
         histogram.add_metric(labels, buckets + [("+Inf", tier.load_seconds_count)], tier.load_seconds_sum)
         yield histogram
+
+
+def _tenant_metrics(tenants, model_name: str, tenant_labels: dict):
+    """Per-tenant usage, labelled by tenant number (--api-key order; never the key). /metrics is the
+    operator's (--metrics-key or the admin key); a tenant sees its own entry in /v1/kv_cache."""
+    if not tenant_labels:
+        return
+    for name, doc, field in (
+        ("tenant_requests_running", "A tenant's requests in the running batch.", "num_running"),
+        ("tenant_requests_waiting", "A tenant's requests waiting to be scheduled.", "num_waiting"),
+        ("tenant_kv_cache_blocks", "KV blocks a tenant owns: held by its requests or holding its prefixes.",
+         "num_blocks"),
+        ("tenant_kv_cache_share_blocks", "A tenant's fair share of the KV pool, in blocks.", "share_blocks"),
+    ):
+        family = GaugeMetricFamily(f"kvserve:{name}", doc, labels=["model_name", "tenant"])
+        for entry in tenants:
+            family.add_metric([model_name, tenant_labels.get(entry.tenant, "anonymous")], getattr(entry, field))
+        yield family
+    family = CounterMetricFamily("kvserve:tenant_scheduled_tokens", "Tokens a tenant's requests were given in steps.",
+                                 labels=["model_name", "tenant"])
+    for entry in tenants:
+        family.add_metric([model_name, tenant_labels.get(entry.tenant, "anonymous")], entry.num_scheduled_tokens)
+    yield family
 
 
 def _spec_decode_metrics(spec: SpecDecodeStats | None, labels: list[str]):
@@ -158,7 +183,7 @@ def _structured_metrics(structured: StructuredOutputStats | None, labels: list[s
 class ServerMetrics:
     """The server's registry. `observe` is an AsyncEngine observer."""
 
-    def __init__(self, async_engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, async_engine: AsyncEngine, model_name: str, tenant_labels: dict | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -175,7 +200,7 @@ class ServerMetrics:
                                        labels + ["finished_reason"], registry=self.registry)
         self.tool_calls = Counter("kvserve:tool_calls_parsed", "Tool calls parsed out of outputs (any API).", labels,
                                   registry=self.registry)
-        self.registry.register(_EngineCollector(async_engine, model_name))
+        self.registry.register(_EngineCollector(async_engine, model_name, tenant_labels))
         self._last_token_time: dict[str, float] = {}
 
     def observe(self, delta: RequestDelta) -> None:

@@ -27,7 +27,7 @@ from kvserve.engine.output.types import RequestOutput
 from kvserve.engine.sample.sampling import SEED_RANGE, SamplingParams
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.server.core.errors import bad_request, model_not_found, overloaded
+from kvserve.server.core.errors import bad_request, model_not_found, overloaded, tenant_overloaded
 from kvserve.server.core.pin_owners import PinOwners
 from kvserve.server.core.streaming import Job, OutputFormat, run_jobs
 from kvserve.server.core.tenancy import Tenancy, tenant_id
@@ -68,6 +68,9 @@ class ServerSettings:
     # A replica behind the ingress: the answers it remembers (server/prompt/answers.py) are also queued for
     # the ingress, which hashes the next turn as this server builds it (replicas/routing_key.py).
     forward_answers: bool = False
+    # Each API key's weight (in --api-key order; missing ones 1) in the fair share of steps, of the KV pool
+    # and of the waiting queue (engine/fair_share.py, kv/pool/tenant_quota.py).
+    tenant_weights: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,8 @@ class Serving:
         self._special_tokens: dict[str, int] | None = None
         self._token_text = lru_cache(maxsize=65536)(self._decode_token)
         self._pool = ThreadPoolExecutor(max_workers=_PREPROCESS_WORKERS, thread_name_prefix="kvserve-preprocess")
+        self.tenant_weights = self.tenancy.weights(settings.tenant_weights)
+        self.engine.set_tenant_weights(self.tenant_weights)
 
     def close(self) -> None:
         """Stop the preprocessing pool (at shutdown, after the engine has stopped)."""
@@ -255,11 +260,18 @@ class Serving:
     # --- answering (event loop) ------------------------------------------------
 
     async def respond(self, fmt: OutputFormat, jobs: list[Job], http: HTTPRequest, api_key: str,
-                      client_salt: str | None, stream: bool):
-        """Admit the jobs (429 while the queue is full), run them, and answer in `fmt`."""
+                      client_salt: str | None, stream: bool, priority: int = 0):
+        """Admit the jobs (429 while the queue, or the caller's share of it, is full), run them, and answer
+        in `fmt`. `priority` orders them among the caller's own requests (lower first)."""
         waiting, limit = self.async_engine.num_waiting, self.settings.max_waiting_requests
         if waiting + len(jobs) > limit:
             raise overloaded(waiting, limit)
+        tenant = tenant_id(api_key) if self.tenancy.requires_key else None
+        if tenant is not None:
+            tenant_waiting = self.async_engine.num_unstarted_by_tenant[tenant]
+            tenant_limit = self.tenant_queue_limit(tenant)
+            if tenant_waiting + len(jobs) > tenant_limit:
+                raise tenant_overloaded(tenant_waiting, tenant_limit)
         salt = self.tenancy.cache_salt(api_key, client_salt)
         pinned = [job for job in jobs if job.pins]
         if pinned and self.tenancy.requires_key:  # so /v1/kv_cache can show the tenant its own pins
@@ -271,7 +283,13 @@ class Serving:
             for job in jobs:
                 log.info("request %s-%d prompt: %r", fmt.request_id, job.index,
                          self.tokenizer.decode(job.token_ids) if self.tokenizer else job.token_ids)
-        return await run_jobs(self.async_engine, fmt, jobs, http, salt, stream)
+        return await run_jobs(self.async_engine, fmt, jobs, http, salt, stream, tenant, priority)
+
+    def tenant_queue_limit(self, tenant: str) -> int:
+        """A tenant's share of the waiting queue (by weight, at least one request): a flooding tenant fills
+        its own share and gets 429s while the others still get in."""
+        total = sum(self.tenant_weights.values())
+        return max(1, int(self.settings.max_waiting_requests * self.tenant_weights.get(tenant, 1.0) / total))
 
     def token_text(self, token_id: int) -> str:
         """One token's text as logprobs show it (cached)."""

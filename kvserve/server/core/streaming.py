@@ -84,10 +84,11 @@ def sse_event(payload: dict | str, event: str | None = None) -> str:
 
 
 async def run_jobs(async_engine: AsyncEngine, fmt: OutputFormat, jobs: list[Job], http: HTTPRequest,
-                   cache_salt: str | None, stream: bool):
+                   cache_salt: str | None, stream: bool, tenant: str | None = None, priority: int = 0):
     """Start the jobs now (so the waiting queue counts them at once) and answer: an SSE stream,
-    or the body once every job finished."""
-    fanout = Fanout(async_engine, jobs, fmt.request_id, cache_salt)
+    or the body once every job finished. `tenant`, `priority`: whose fair share they use, and their order
+    among that tenant's requests (Engine.add_request)."""
+    fanout = Fanout(async_engine, jobs, fmt.request_id, cache_salt, tenant, priority)
     if stream:
         return FanoutStream(fanout, _events(fmt, jobs, fanout), fmt.media_type)
     try:
@@ -101,12 +102,13 @@ class Fanout:
     """One engine request per job, merged into one stream of (job index, delta).
     `close()` aborts whatever has not finished."""
 
-    def __init__(self, async_engine: AsyncEngine, jobs: list[Job], request_id: str, salt: str | None) -> None:
+    def __init__(self, async_engine: AsyncEngine, jobs: list[Job], request_id: str, salt: str | None,
+                 tenant: str | None = None, priority: int = 0) -> None:
         self.async_engine = async_engine
         self.request_ids = [f"{request_id}-{job.index}" for job in jobs]
         self._finished: set[str] = set()
         self._queue: asyncio.Queue = asyncio.Queue()
-        streams = [async_engine.generate(job.token_ids, job.params, rid, salt, job.pins)
+        streams = [async_engine.generate(job.token_ids, job.params, rid, salt, job.pins, tenant, priority)
                    for job, rid in zip(jobs, self.request_ids)]
         self._tasks = [asyncio.create_task(self._pump(job.index, stream)) for job, stream in zip(jobs, streams)]
 

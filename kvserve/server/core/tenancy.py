@@ -13,7 +13,7 @@ import hashlib
 import hmac
 from collections.abc import Sequence
 
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import ConfigError, InvalidRequestError
 
 
 def tenant_id(api_key: str) -> str:
@@ -47,6 +47,15 @@ class Tenancy:
         # Compare against every key in constant time: no early exit that leaks which prefix matched.
         matched = [key for key in self.api_keys if hmac.compare_digest(token.encode(), key.encode())]
         return matched[0] if matched else None
+
+    def weights(self, weights: Sequence[float]) -> dict[str | None, float]:
+        """Each tenant's weight by its id (`tenant_id`), from weights in --api-key order (missing ones: 1)."""
+        if len(weights) > len(self.api_keys):
+            raise ConfigError(f"--tenant-weights gives {len(weights)} weights for {len(self.api_keys)} API keys")
+        if any(not weight > 0 for weight in weights):
+            raise ConfigError("--tenant-weights must be positive numbers")
+        padded = [*weights, *[1.0] * (len(self.api_keys) - len(weights))]
+        return {tenant_id(key): float(weight) for key, weight in zip(self.api_keys, padded)}
 
     def key_of_tenant(self, tenant: int | None) -> str:
         """The key of tenant number `tenant` (1-based, in --api-key order), for the lab's operator."""

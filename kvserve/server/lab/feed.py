@@ -90,6 +90,10 @@ def snapshot_json(stats: EngineStats, include_blocks: bool = True) -> dict:
         "waiting": [_request_json(r) for r in stats.waiting],
         "blocks": block_view_json(stats.blocks) if include_blocks and stats.blocks is not None else None,
         "drafts": draft_counts_json(stats.draft_slots) if stats.draft_slots is not None else None,
+        # Per-tenant usage (the lab is the admin's: every tenant, by its id, never its key).
+        "tenants": [{"tenant": t.tenant, "weight": t.weight, "running": t.num_running, "waiting": t.num_waiting,
+                     "blocks": t.num_blocks, "cached_free": t.num_cached_free_blocks, "share": t.share_blocks,
+                     "scheduled_tokens": t.num_scheduled_tokens} for t in stats.tenants],
     }
 
 

@@ -33,7 +33,8 @@ class ChatServing:
         tenant = tenant_id(api_key)
         jobs, reasoning = await serving.off_loop(self._jobs, body, tool_use, tenant, reasoning)
         fmt = ChatFormat(serving, body.include_usage, body.prompt_logprobs is not None, tool_use, tenant, reasoning)
-        return await serving.respond(fmt, jobs, http, api_key, body.cache_salt, body.stream)
+        return await serving.respond(fmt, jobs, http, api_key, body.cache_salt, body.stream,
+                                     body.scheduling_priority)
 
     async def tokenize(self, body: ChatCompletionRequest, api_key: str) -> list[int]:
         """The prompt tokens a chat request would be computed on (/tokenize), tools and spliced calls included."""

@@ -23,7 +23,8 @@ class CompletionServing:
         serving.check_batch_size(len(prompts) * body.n, "n" if len(prompts) == 1 else "prompt")
         jobs = await serving.off_loop(self._jobs, body, prompts)
         fmt = CompletionFormat(serving, body.echo, body.include_usage, body.prompt_logprobs is not None)
-        return await serving.respond(fmt, jobs, http, api_key, body.cache_salt, body.stream)
+        return await serving.respond(fmt, jobs, http, api_key, body.cache_salt, body.stream,
+                                     body.scheduling_priority)
 
     def _jobs(self, body: CompletionRequest, prompts: list[str | list[int]]) -> list[Job]:
         """(worker) Tokenize, validate, and for echo detokenize, every prompt."""

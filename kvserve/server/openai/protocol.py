@@ -22,6 +22,7 @@ from kvserve.engine.sample.sampling import (
 from kvserve.errors import InvalidRequestError
 from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded, needs_tools,
                                      non_empty_list, required_in_schema, required_when, sampling_params)
+from kvserve.server.core.priority import PRIORITY_RANGE, ServiceTier, request_priority
 from kvserve.server.core.reasoning_use import ReasoningUse
 from kvserve.server.core.structured_output import (ResponseFormat, StructuredOutputsField, one_constraint,
                                                    response_format_constraint, vllm_structured_outputs)
@@ -89,6 +90,10 @@ class _SamplingRequest(NullMeansDefault):
     stop_token_ids: list[Integer] | None = bounded(items={"type": "integer", "minimum": 0})
     skip_special_tokens: StrictBool = True
     cache_salt: Text | None = Field(default=None, min_length=1)
+    # Scheduling among the caller's own requests: vLLM's `priority` (lower first) and OpenAI's `service_tier`
+    # ("priority" ahead, "flex" behind; server/core/priority.py). Never a claim against another API key's share.
+    priority: Integer | None = bounded(minimum=PRIORITY_RANGE[0], maximum=PRIORITY_RANGE[1])
+    service_tier: ServiceTier | None = None
     # Log-probabilities of each prompt token after the first, in vLLM's shape (not with stream=true).
     prompt_logprobs: Integer | None = bounded(minimum=0, maximum=MAX_LOGPROBS)
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs (json/regex/choice/grammar).
@@ -131,6 +136,10 @@ class _SamplingRequest(NullMeansDefault):
         if constraint is not None:
             values["structured_outputs"] = constraint
         return sampling_params(values, renamed or {})
+
+    @property
+    def scheduling_priority(self) -> int:
+        return request_priority(self.priority, self.service_tier)
 
     @property
     def include_usage(self) -> bool:

@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 from kvserve.engine.sample.sampling import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.prefix.pins import TTL_SECONDS
+from kvserve.server.core.priority import PRIORITY_RANGE, ServiceTier
 from kvserve.server.core.fields import (Integer, NonEmptyText, NullMeansDefault, Number, Text, bounded,
                                      check_typed_fields, needs_tools,
                                      non_empty_list, required_in_schema, required_when, sampling_params)
@@ -165,7 +166,9 @@ class ResponsesRequest(NullMeansDefault):
     prompt_cache_retention: Literal["in-memory", "24h"] | None = None
     metadata: dict[Text, Text] | None = None
     user: Text | None = None
+    service_tier: ServiceTier | None = None  # orders the caller's own requests only (server/core/priority.py)
     # vLLM's extras, as on the other endpoints
+    priority: Integer | None = bounded(minimum=PRIORITY_RANGE[0], maximum=PRIORITY_RANGE[1])
     top_k: Integer | None = bounded(minimum=-1)
     min_p: Number | None = bounded(minimum=0, maximum=1)
     repetition_penalty: Number | None = bounded(minimum=REPETITION_PENALTY_RANGE[0],

@@ -20,6 +20,7 @@ from fastapi import Request as HTTPRequest
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.prefix.pins import PinRequest
 from kvserve.server.core.errors import APIError, bad_request
+from kvserve.server.core.priority import request_priority
 from kvserve.server.core.reasoning_use import ReasoningUse
 from kvserve.server.core.serving import Serving
 from kvserve.server.core.tenancy import tenant_id
@@ -86,7 +87,8 @@ class ResponsesServing:
                 prepared = await serving.off_loop(self._prepare, body, None, tool_use, tenant, done.summary,
                                                   found[1], reasoning)
         fmt = ResponsesFormat(serving, self.store, body, prepared, tenant, tool_use, done, on_finished)
-        return await serving.respond(fmt, [prepared.job], http, api_key, None, body.stream)
+        return await serving.respond(fmt, [prepared.job], http, api_key, None, body.stream,
+                                     request_priority(body.priority, body.service_tier))
 
     async def compact(self, request: CompactRequest, api_key: str) -> dict:
         """POST /v1/responses/compact: the history's user messages, then one compaction item."""
