@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
-import time
+import signal
+import threading
 
 from kvserve.config import EngineConfig
 from kvserve.replicas.engine_replica import EngineReplica
@@ -79,16 +80,35 @@ def start(config: EngineConfig, settings: ServerSettings, options: ReplicaOption
 
 def serve_until_stopped(config: EngineConfig, settings: ServerSettings, options: ReplicaOptions, host: str,
                         port: int, ray_address: str | None = None) -> None:
-    """`kvserve serve --replicas N`: start, then run until Ctrl-C / SIGTERM, then tear the application down."""
+    """`kvserve serve --replicas N`: start, then run until Ctrl-C or SIGTERM, then stop it all: the application
+    (Serve drains each replica's requests in flight), Serve's controller and proxy, and the Ray instance this
+    process started (one joined with --ray-address stays up: it is not ours). SIGTERM's default action would
+    end the driver alone and leave the replicas and Ray running."""
+    stop = threading.Event()
+    previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        start(config, settings, options, host, port, ray_address)
+        log.info("serving %s on http://%s:%d/v1 with %d replicas (router %s)", settings.model_name, host, port,
+                 options.num_replicas, options.router)
+        while not stop.wait(3600):
+            pass
+    finally:
+        log.info("stopping: draining the replicas, then Serve%s", "" if ray_address else " and Ray")
+        stop_everything(ray_address is None)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def stop_everything(own_ray: bool) -> None:
+    """Delete the application (its replicas drain), shut Serve down, and Ray if this process started it."""
+    import ray
     from ray import serve
 
-    start(config, settings, options, host, port, ray_address)
-    log.info("serving %s on http://%s:%d/v1 with %d replicas (router %s)", settings.model_name, host, port,
-             options.num_replicas, options.router)
+    if not ray.is_initialized():
+        return
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
         serve.delete(APP_NAME)
+        serve.shutdown()
+    finally:
+        if own_ray:
+            ray.shutdown()
