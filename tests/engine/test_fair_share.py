@@ -113,3 +113,39 @@ def test_caps_water_fill_what_one_tenant_does_not_need():
     assert fair.caps({"A": 10, "B": 1000, "C": 1000}, 100) == {"A": 10, "B": 30, "C": 60}
     with pytest.raises(ValueError):
         fair.set_weights({"A": 0})
+
+
+def _schedule_of(scheduler, request_id, steps=6):
+    """Tokens `request_id` got in each of the next steps."""
+    return [counts(step(scheduler)).get(request_id, 0) for _ in range(steps)]
+
+
+def _add_salted(scheduler, request_id, tenant, salt, prompt):
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    request = Request(request_id, prompt, params, cache_salt=salt, block_size=scheduler.kv.block_size, tenant=tenant)
+    OUTPUTS.add(request_id, params)
+    scheduler.add(request)
+    return request
+
+
+@pytest.mark.parametrize("b_state", ["never", "cached", "in_flight"])
+def test_a_tenants_schedule_does_not_depend_on_another_tenants_cache(b_state):
+    """Timing leaks nothing across tenants: A's request for prompt P is scheduled the same (tokens per step,
+    steps to its first token, cached tokens) whether B never sent P, has P cached, or is computing P right
+    now: salts keep their blocks apart, and A never waits on B's in-flight blocks as it would on its own."""
+    scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=16)
+    prompt = list(range(100, 140))
+    if b_state == "cached":
+        _add_salted(scheduler, "b", "B", "salt-b", prompt)
+        while scheduler.has_unfinished():
+            step(scheduler)
+    a = _add_salted(scheduler, "a", "A", "salt-a", prompt)
+    if b_state == "in_flight":
+        _add_salted(scheduler, "b", "B", "salt-b", prompt)
+    schedule = _schedule_of(scheduler, "a")
+    assert a.num_cached_tokens == 0
+    # Alone, or beside B's own prompt (which takes its fair half of the budget): the same either way for
+    # "never" and "cached"; with B computing P too, A still gets its half from the first step, no wait.
+    assert schedule[0] > 0
+    if b_state != "in_flight":
+        assert schedule == [16, 16, 8, 1, 0, 0]
