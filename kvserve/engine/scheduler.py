@@ -170,11 +170,12 @@ class Scheduler:
                             budget)
         if count == 0:
             return None  # it waits for a step with room for its forced tokens
-        # The watermark keeps room for running requests to grow; with none
-        # running, a request that needs the whole pool must still get in.
+        # The watermark keeps room for running requests to grow, and the tenants' shares keep another's
+        # prefix; with none running (of its tenant), a request that needs the whole pool must still get in.
         keep_watermark = bool(self.running)
+        busy = any(r.tenant == request.tenant for r in [*self.running, *(r for r, _ in self.loading.values())])
         if not self.kv.allocate_slots(request.request_id, num_hit + count, keep_watermark, prefix=match,
-                                      tenant=request.tenant):
+                                      tenant=request.tenant, within_share=busy):
             return None
         request.num_computed_tokens = num_hit
         if match is not None:

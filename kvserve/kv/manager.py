@@ -123,13 +123,14 @@ class KVCacheManager:
 
     def allocate_slots(
         self, request_id: str, num_tokens: int, keep_watermark: bool = False, prefix: PrefixMatch | None = None,
-        tenant: str | None = None,
+        tenant: str | None = None, within_share: bool = True,
     ) -> bool:
         """Make the request's tables cover `num_tokens` tokens; False (and nothing changes) if blocks run out.
         `prefix` (only for a request that holds no blocks) shares the matched pool blocks instead; the
         blocks of its tier part are fresh ones, the request's own while they are loaded. New blocks count
         against `tenant`'s share of the pool, which decides whose cached blocks they may evict
-        (kv/pool/tenant_quota.py)."""
+        (kv/pool/tenant_quota.py); `within_share=False` lets them evict any (a tenant with nothing running
+        must always get in, as a request that needs the whole pool does past the watermark)."""
         length = self._length(request_id)
         hit = prefix if prefix is not None and not length and prefix.num_tokens else None
         if hit is not None:
@@ -139,7 +140,8 @@ class KVCacheManager:
         # Shared blocks nobody holds are still in the free queue: taking them uses free blocks too.
         claimed = sum(1 for block in shared if block.ref_cnt == 0)
         reserve = self.watermark_blocks if keep_watermark else 0
-        if needed * self.num_groups + claimed > self.pool.num_free_for(tenant) - reserve:
+        free = self.pool.num_free_for(tenant) if within_share else self.num_free_blocks
+        if needed * self.num_groups + claimed > free - reserve:
             return False
         if hit is not None:
             self.pins.refresh_hit(shared)  # a hit on a pinned prefix renews its TTL

@@ -100,3 +100,21 @@ def test_without_shares_the_flood_would_evict_it():
     assert scheduler.kv.match_prefix(b.all_token_ids, b.block_hashes).num_tokens == 0
 
 
+
+
+def test_a_tenant_with_nothing_running_always_gets_in():
+    """Shares never hang a request: one that needs more than the blocks outside another tenant's share is
+    admitted once its own tenant has nothing running (evicting what it must, its own first)."""
+    scheduler = make_scheduler(num_blocks=10)
+    add(scheduler, "b0", 16, "B", max_tokens=1, first_token=500)  # B caches 4 blocks, within its share of 5
+    add(scheduler, "a_old", 24, "A", max_tokens=1, first_token=2000)  # A caches 6: over its share
+    while scheduler.has_unfinished():
+        step(scheduler)
+    assert scheduler.kv.pool.num_free_for("A") == 6
+    a = add(scheduler, "a0", 32, "A", max_tokens=1, first_token=1000)  # needs 8 blocks: 6 are not B's
+    for _ in range(20):
+        step(scheduler)
+        if not scheduler.has_unfinished():
+            break
+    assert a.finished
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
