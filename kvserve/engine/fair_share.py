@@ -6,7 +6,9 @@ is left of the step's budget goes to prefill chunks and admissions, shared by we
 that have such work. Each tenant gets up to its share (budget x weight / weights of tenants with work),
 in rounds of one request per tenant, least-served tenant first; budget a tenant cannot use (it has no more
 work, or its next request cannot get blocks) then goes to the others, least-served first, so one tenant
-alone keeps the whole machine.
+alone keeps the whole machine. One exception keeps first tokens quick: in a step where a request reaches
+its first token while another tenant has work, that leftover is not handed out (the step is no longer than
+the shares make it; the heavy tenant gives up part of one step per first token of the other's).
 
 "Least served" is the tokens a tenant was given, over its weight, counted across steps (DRR's deficit):
 a tenant that starts to have work again starts at the least-served active tenant's count, so an idle spell
@@ -85,15 +87,17 @@ class FairShare:
         return next(request for request in reversed(running) if tenant_of(request) == heaviest)
 
     def share(self, queues: Mapping[Tenant, list[T]], budget: int, serve: ServeFn,
-              demand: Callable[[T], int]) -> int:
+              demand: Callable[[T], int], refill: Callable[[], bool] = lambda: True) -> int:
         """Give the queues' items tokens from `budget`, fairly (module doc); `demand(item)` is at most how many
-        tokens an item could take this step. Returns the budget left."""
+        tokens an item could take this step. With several tenants, what the shares left over is handed out
+        only if `refill()`: a step that brings a request to its first token stays as short as the shares
+        make it (the module doc). Returns the budget left."""
         queues = {tenant: list(items) for tenant, items in queues.items() if items}
         if not queues or budget <= 0:
             return budget
         caps = self.caps({tenant: sum(demand(item) for item in items) for tenant, items in queues.items()}, budget)
         budget = self._rounds(queues, budget, caps, serve)
-        if budget > 0 and any(queues.values()):  # what some could not use goes to the others
+        if budget > 0 and any(queues.values()) and (len(caps) < 2 or refill()):  # the rest to the others
             budget = self._rounds(queues, budget, {tenant: budget for tenant in queues}, serve)
         return budget
 

@@ -95,9 +95,14 @@ class Scheduler:
             if not in_flight:
                 loading = [loaded for loaded, _ in self.loading.values()]
                 in_flight.append(blocks_in_flight(self.kv, [*self.running, *loading]))
-            return self._admit(request, cap, out, counts, in_flight[0])
+            count = self._admit(request, cap, out, counts, in_flight[0])
+            if count and request.num_computed_tokens + count >= request.num_tokens:
+                first_tokens.append(request)
+            return count
 
-        self.fair.share(queues, budget, serve, lambda r: r.num_tokens - r.num_computed_tokens)
+        first_tokens: list[Request] = []  # admitted to their first token this step
+        self.fair.share(queues, budget, serve, lambda r: r.num_tokens - r.num_computed_tokens,
+                        refill=lambda: not first_tokens)
         for request_id, count in counts.items():
             out.scheduled.append(scheduled_request(self.requests[request_id], count,
                                                    self.kv.take_block_updates(request_id)))

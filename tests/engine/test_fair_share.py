@@ -149,3 +149,25 @@ def test_a_tenants_schedule_does_not_depend_on_another_tenants_cache(b_state):
     assert schedule[0] > 0
     if b_state != "in_flight":
         assert schedule == [16, 16, 8, 1, 0, 0]
+
+
+def test_a_step_that_brings_a_first_token_is_not_refilled_by_the_heavy_tenant():
+    """B's cached prompt needs 4 tokens, A floods: the step that gives B its first token holds A to its share
+    (the leftover B's estimate left is not handed to A), so B's first token does not wait on a full step."""
+    from kvserve.config import EngineConfig
+    from kvserve.engine.scheduler import Scheduler
+    from kvserve.kv.manager import KVCacheManager
+
+    scheduler = Scheduler(EngineConfig(block_size=4, max_num_batched_tokens=64),
+                          KVCacheManager(256, 4, watermark=0.0, enable_caching=True))
+    add(scheduler, "b0", 40, "B", max_tokens=1, first_token=500)
+    while scheduler.has_unfinished():
+        step(scheduler)
+    for i in range(4):
+        add(scheduler, f"a{i}", 400, "A", first_token=1000 + 500 * i)
+    assert tokens_by_tenant(scheduler, step(scheduler)) == {"A": 64}  # alone: the whole budget
+    b = add(scheduler, "b1", 40, "B", max_tokens=1, first_token=500)
+    out = step(scheduler)
+    assert b.num_cached_tokens == 36 and counts(out)["b1"] == 4
+    assert tokens_by_tenant(scheduler, out).get("A") == 32  # its share, no refill to 60
+    assert tokens_by_tenant(scheduler, step(scheduler)) == {"A": 64}  # and the whole budget again after
