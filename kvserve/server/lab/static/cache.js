@@ -166,6 +166,23 @@ function setRequests(snapshot) {
   lab.text("request-counts", `· ${snapshot.running.length} running, ${snapshot.waiting.length} waiting`);
 }
 
+function setTenants(snapshot) {
+  // Per-tenant usage (the lab is the admin's view): one row per tenant with requests, blocks or tokens.
+  const rows = (snapshot.tenants || []).map((t) => {
+    const row = document.createElement("tr");
+    const cells = [t.tenant === null ? "anonymous" : t.tenant.slice(0, 12), t.weight, t.running, t.waiting,
+                   lab.int(t.blocks), lab.int(t.cached_free), t.share.toFixed(0), lab.int(t.scheduled_tokens)];
+    cells.forEach((value, i) => {
+      const cell = document.createElement("td");
+      if (i === 0) cell.className = "text";
+      cell.textContent = String(value);
+      row.appendChild(cell);
+    });
+    return row;
+  });
+  lab.el("tenants").tBodies[0].replaceChildren(...rows);
+}
+
 function recordHistory(snapshot) {
   snapshot.received = performance.now() / 1000;
   const h = state.history;
@@ -201,6 +218,7 @@ function apply(snapshot) {
   const counts = state.view ? state.view.counts : null;
   snapshot.usedBlocks = counts ? counts.used + counts.shared : snapshot.pool.used;
   setRequests(snapshot);
+  setTenants(snapshot);
   recordHistory(snapshot);
   document.body.dataset.updates = (Number(document.body.dataset.updates || 0) + 1).toString();
 }
