@@ -11,8 +11,8 @@ still prefilling (their next chunk), then its waiting requests by priority, firs
 come first served, while the pool keeps a watermark of free blocks. One tenant
 alone (as without API keys) gets the whole budget in that order. When a running
 request needs a block and none is free, the most recently admitted running request
-of the tenant holding the most blocks is preempted (blocks freed, requeued at the front, its tokens kept and recomputed
-later) and nobody new is admitted that step.
+of the tenant holding the most blocks is preempted (blocks freed, requeued at the
+front, its tokens kept and recomputed later) and nobody new is admitted that step.
 
 With `context_overflow="shift"`, a running request whose next token would lie
 past `max_model_len` first drops half of its tokens after the first
@@ -135,7 +135,7 @@ class Scheduler:
         return count
 
     def _shift_running(self, request: Request, out: SchedulerOutput, counts: dict[str, int]) -> None:
-        """Shift a running request's context, preempting (`_victim`) while the blocks it must copy do not fit."""
+        """Shift a running request's context, preempting (`FairShare.victim`) while the blocks it must copy do not fit."""
         keep, drop = shift_amount(self.config.keep_tokens, request.num_tokens)
         while (plan := self.kv.shift(request.request_id, keep, drop, request.num_computed_tokens)) is None:
             victim = self.fair.victim(self.running, lambda r: r.tenant, self.kv.num_blocks_held)
