@@ -129,8 +129,9 @@ class KVCacheManager:
         `prefix` (only for a request that holds no blocks) shares the matched pool blocks instead; the
         blocks of its tier part are fresh ones, the request's own while they are loaded. New blocks count
         against `tenant`'s share of the pool, which decides whose cached blocks they may evict
-        (kv/pool/tenant_quota.py); `within_share=False` lets them evict any (a tenant with nothing running
-        must always get in, as a request that needs the whole pool does past the watermark)."""
+        (kv/pool/tenant_quota.py); `within_share=False` (a tenant with nothing running) lets a request that
+        could never fit beside the others' shares evict past them: it must get in some time, as a request
+        that needs the whole pool does past the watermark."""
         length = self._length(request_id)
         hit = prefix if prefix is not None and not length and prefix.num_tokens else None
         if hit is not None:
@@ -140,8 +141,10 @@ class KVCacheManager:
         # Shared blocks nobody holds are still in the free queue: taking them uses free blocks too.
         claimed = sum(1 for block in shared if block.ref_cnt == 0)
         reserve = self.watermark_blocks if keep_watermark else 0
-        free = self.pool.num_free_for(tenant) if within_share else self.num_free_blocks
-        if needed * self.num_groups + claimed > free - reserve:
+        protected = self.pool.quota.protected(tenant)
+        if not within_share and needed * self.num_groups + claimed > self.num_blocks - protected - reserve:
+            protected = 0  # it could never fit beside the others' shares: it may evict past them
+        if needed * self.num_groups + claimed > self.num_free_blocks - protected - reserve:
             return False
         if hit is not None:
             self.pins.refresh_hit(shared)  # a hit on a pinned prefix renews its TTL

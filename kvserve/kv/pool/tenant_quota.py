@@ -5,9 +5,9 @@ prefix, pinned or not (pins count against their owner's share), until another al
 tenant's fair share is the pool x its weight / the weights of every tenant that holds blocks. With two or
 more tenants holding blocks, an allocation takes free blocks in this order: blocks holding no prefix (they
 cost nobody anything), then the least recently used cached block of the tenant furthest over its share.
-And a tenant at or over its share may not evict another tenant's cached blocks that are within that
-tenant's share: to such a tenant they do not count as free (`num_available`), so its requests wait or
-preempt its own, and the other tenant's prefix survives the flood.
+And no tenant may evict another tenant's cached blocks that are within that tenant's share: to it they do
+not count as free (`protected`), so its requests wait or preempt its own, and the other tenant's prefix
+survives the flood. (Each can still grow to its own share: the shares add up to the pool.)
 
 One tenant (every request anonymous, as without API keys) is the pool's plain LRU, unchanged.
 """
@@ -56,9 +56,9 @@ class TenantQuota:
         return self.held[tenant] - self.share(tenant)
 
     def protected(self, tenant: Hashable) -> int:
-        """Free blocks `tenant` may not take: other tenants' cached blocks within their shares, while
-        `tenant` is at or over its own share (under it, it is owed blocks and may take any)."""
-        if not self.shared or self.over(tenant) < 0:
+        """Free blocks `tenant` may not take: other tenants' cached blocks within their shares. (It can still
+        grow to its own share: the shares add up to the pool.)"""
+        if not self.shared:
             return 0
         protected = 0
         for other, free in self.cached_free.items():

@@ -2,6 +2,8 @@
 eviction takes from the tenant furthest over its share first, pins count against their owner, and one
 tenant alone is the plain LRU pool it always was."""
 
+import pytest
+
 from kvserve.config import EngineConfig
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.manager import KVCacheManager
@@ -65,15 +67,17 @@ def make_scheduler(num_blocks, block_size=4):
     return Scheduler(config, KVCacheManager(num_blocks, block_size, watermark=0.0, enable_caching=True))
 
 
-def test_a_tenants_cached_prefix_survives_anothers_flood_in_the_scheduler():
-    """Two tenants, one flooding: the other's repeated prompt keeps hitting its cached prefix."""
+@pytest.mark.parametrize("flood_tokens", [48, 72])  # A's requests: 12 blocks, or 18 (one alone is under its share)
+def test_a_tenants_cached_prefix_survives_anothers_flood_in_the_scheduler(flood_tokens):
+    """Two tenants, one flooding: the other's repeated prompt keeps hitting its cached prefix, whether the
+    flooder is over its share or, one request at a time, under it."""
     scheduler = make_scheduler(num_blocks=40)
     b_prompt = dict(prompt_len=40, tenant="B", first_token=500)  # 10 blocks, its share is 20
     add(scheduler, "b0", max_tokens=1, **b_prompt)
     while scheduler.has_unfinished():
         step(scheduler)
     for i in range(12):  # A's flood: far more than the pool, in unique prompts
-        add(scheduler, f"a{i}", 48, "A", max_tokens=2, first_token=1000 + 100 * i)
+        add(scheduler, f"a{i}", flood_tokens, "A", max_tokens=2, first_token=1000 + 100 * i)
     for round_ in range(3):
         for _ in range(6):
             step(scheduler)
