@@ -86,6 +86,19 @@ class FairShare:
         heaviest = max(held, key=lambda tenant: held[tenant] / self.weight(tenant))
         return next(request for request in reversed(running) if tenant_of(request) == heaviest)
 
+    def reclaim_victim(self, running: list[R], tenant: Tenant, tenant_of: Callable[[R], Tenant],
+                       over_share: Callable[[Tenant], float]) -> R | None:
+        """Whom to preempt so that `tenant`, under its share of the pool and short of blocks, gets in: the
+        most recently admitted running request of the tenant furthest over its share (None: nobody is)."""
+        if over_share(tenant) >= 0:
+            return None
+        others = {tenant_of(request) for request in running} - {tenant}
+        over = {other: over_share(other) for other in others}
+        heaviest = max((other for other in over if over[other] > 0), key=over.get, default=None)
+        if heaviest is None:
+            return None
+        return next(request for request in reversed(running) if tenant_of(request) == heaviest)
+
     def share(self, queues: Mapping[Tenant, list[T]], budget: int, serve: ServeFn,
               demand: Callable[[T], int], refill: Callable[[], bool] = lambda: True) -> int:
         """Give the queues' items tokens from `budget`, fairly (module doc); `demand(item)` is at most how many

@@ -151,8 +151,9 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, out: SchedulerOutput, counts: dict[str, int],
                in_flight: set[BlockHash]) -> int | None:
         """Admit a waiting request with at most `budget` tokens if the sequence cap and the pool (its watermark,
-        its tenant's share) allow; a prefix hit starts its progress above zero. Returns its tokens (0: it
-        went to load a tier's blocks), or None: it waits, and its tenant's later requests with it (FCFS)."""
+        its tenant's share: under it, the tenant furthest over its share is preempted) allow; a prefix hit
+        starts its progress above zero. Returns its tokens (0: it went to load a tier's blocks), or None: it
+        waits, and its tenant's later requests with it (FCFS)."""
         if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
             return None
         if self.shift_at is not None and request.num_tokens > self.shift_at:
@@ -175,13 +176,15 @@ class Scheduler:
                             budget)
         if count == 0:
             return None  # it waits for a step with room for its forced tokens
-        # The watermark keeps room for running requests to grow, and the tenants' shares keep another's
-        # prefix; with none running (of its tenant), a request that needs the whole pool must still get in.
-        keep_watermark = bool(self.running)
-        busy = any(r.tenant == request.tenant for r in [*self.running, *(r for r, _ in self.loading.values())])
-        if not self.kv.allocate_slots(request.request_id, num_hit + count, keep_watermark, prefix=match,
-                                      tenant=request.tenant, within_share=busy):
-            return None
+        # Room kept: the watermark (for running requests to grow) and the other tenants' shares.
+        while not self.kv.allocate_slots(request.request_id, num_hit + count, bool(self.running), prefix=match,
+                                         tenant=request.tenant):
+            victim = self.fair.reclaim_victim(self.running, request.tenant, lambda r: r.tenant,
+                                              self.kv.blocks_over_share)
+            if victim is None:
+                return None
+            self._preempt(victim, out)
+            counts.pop(victim.request_id, 0)
         request.num_computed_tokens = num_hit
         if match is not None:
             in_flight |= self.kv.pending_block_keys(request.request_id, request.block_hashes,

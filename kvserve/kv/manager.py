@@ -121,17 +121,12 @@ class KVCacheManager:
                           num_computed_tokens: int) -> None:
         self.prefix.cache_full_blocks(request_id, token_ids, block_hashes, num_computed_tokens)
 
-    def allocate_slots(
-        self, request_id: str, num_tokens: int, keep_watermark: bool = False, prefix: PrefixMatch | None = None,
-        tenant: str | None = None, within_share: bool = True,
-    ) -> bool:
+    def allocate_slots(self, request_id: str, num_tokens: int, keep_watermark: bool = False,
+                       prefix: PrefixMatch | None = None, tenant: str | None = None) -> bool:
         """Make the request's tables cover `num_tokens` tokens; False (and nothing changes) if blocks run out.
         `prefix` (only for a request that holds no blocks) shares the matched pool blocks instead; the
         blocks of its tier part are fresh ones, the request's own while they are loaded. New blocks count
-        against `tenant`'s share of the pool, which decides whose cached blocks they may evict
-        (kv/pool/tenant_quota.py); `within_share=False` (a tenant with nothing running) lets a request that
-        could never fit beside the others' shares evict past them: it must get in some time, as a request
-        that needs the whole pool does past the watermark."""
+        against `tenant`'s share, which decides whose cached blocks they may evict (kv/pool/tenant_quota.py)."""
         length = self._length(request_id)
         hit = prefix if prefix is not None and not length and prefix.num_tokens else None
         if hit is not None:
@@ -141,10 +136,8 @@ class KVCacheManager:
         # Shared blocks nobody holds are still in the free queue: taking them uses free blocks too.
         claimed = sum(1 for block in shared if block.ref_cnt == 0)
         reserve = self.watermark_blocks if keep_watermark else 0
-        protected = self.pool.quota.protected(tenant)
-        if not within_share and needed * self.num_groups + claimed > self.num_blocks - protected - reserve:
-            protected = 0  # it could never fit beside the others' shares: it may evict past them
-        if needed * self.num_groups + claimed > self.num_free_blocks - protected - reserve:
+        free = self.pool.num_free_for(tenant, needed * self.num_groups + claimed + reserve)
+        if needed * self.num_groups + claimed > free - reserve:
             return False
         if hit is not None:
             self.pins.refresh_hit(shared)  # a hit on a pinned prefix renews its TTL
@@ -231,6 +224,10 @@ class KVCacheManager:
 
     def blocks_held_by_group(self, request_id: str) -> list[int]:
         return [sum(block is not None for block in group.tables.get(request_id, ())) for group in self.groups]
+
+    def blocks_over_share(self, tenant: str | None) -> float:
+        """Blocks `tenant` holds over its fair share of the pool (negative: under; 0: one tenant)."""
+        return self.pool.quota.over(tenant) if self.pool.quota.shared else 0.0
 
     def num_blocks_held(self, request_id: str) -> int:
         """Blocks the request holds over every group."""

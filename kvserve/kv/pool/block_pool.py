@@ -68,9 +68,14 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self.free_queue) + len(self.pinned_free_queue)
 
-    def num_free_for(self, tenant: object) -> int:
-        """Free blocks `tenant` may take (others' cached blocks within their shares are not: tenant_quota.py)."""
-        return self.num_free_blocks - self.quota.protected(tenant)
+    def num_free_for(self, tenant: object, need_anyway: int | None = None) -> int:
+        """Free blocks `tenant` may take (others' cached blocks within their shares are not: tenant_quota.py),
+        or all of them for a need of `need_anyway` blocks that could never fit beside those shares (it must
+        get in some time, as a request that needs the whole pool does past the watermark)."""
+        protected = self.quota.protected(tenant)
+        if need_anyway is not None and need_anyway > self.num_blocks - protected:
+            protected = 0
+        return self.num_free_blocks - protected
 
     def allocate(self, count: int, tenant: object = None) -> list[KVBlock]:
         """Take `count` free blocks for `tenant` (ref_cnt 1 each), evicting their cached content: the free

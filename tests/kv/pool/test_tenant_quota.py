@@ -9,7 +9,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.pool.block_pool import BlockPool
 from tests.engine.test_fair_share import add
-from tests.engine.test_scheduler import step
+from tests.engine.test_scheduler import counts, step
 
 
 def cache_blocks(pool, tenant, count, first_hash):
@@ -122,3 +122,21 @@ def test_a_tenant_with_nothing_running_always_gets_in():
             break
     assert a.finished
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
+
+
+def test_a_tenant_under_its_share_takes_blocks_back_from_the_one_over_it():
+    """B (its prefix cached, under its share) arrives while A's running requests hold every other block: B
+    does not wait for them to finish; A's most recent request is preempted and B runs in the next step."""
+    scheduler = make_scheduler(num_blocks=40)
+    add(scheduler, "b0", 40, "B", max_tokens=1, first_token=500)
+    while scheduler.has_unfinished():
+        step(scheduler)
+    for i in range(3):
+        add(scheduler, f"a{i}", 32, "A", max_tokens=30, first_token=1000 + 100 * i)
+    for _ in range(7):
+        step(scheduler)
+    assert scheduler.kv.num_free_blocks == 10 and len(scheduler.running) == 3  # all but B's prefix is A's
+    b = add(scheduler, "b1", 41, "B", max_tokens=1, first_token=500)
+    out = step(scheduler)
+    assert out.preempted and all(rid.startswith("a") for rid in out.preempted)
+    assert b.num_cached_tokens == 40 and "b1" in counts(out)
