@@ -70,10 +70,18 @@ QWEN3_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+# Widths K-quant super-blocks divide (256 inputs): a file of Q4_K / Q6_K matrices.
+WIDE_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama-wide": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)),
+}
+
+
 def build_hf_model(variant: str, seed: int = 0):
     import transformers
 
-    config_name, model_name, overrides = {**VARIANTS, **GEMMA3_VARIANTS, **QWEN3_VARIANTS, **DENSE_VARIANTS}[variant]
+    config_name, model_name, overrides = {**VARIANTS, **GEMMA3_VARIANTS, **QWEN3_VARIANTS, **DENSE_VARIANTS,
+                                          **WIDE_VARIANTS}[variant]
     kwargs = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -174,6 +182,9 @@ def write_gguf(model, path: Path, quant_types: dict[str, str], tokenizer_metadat
     import gguf
     from gguf.quants import dequantize, quantize
 
+    from kvserve.kernels.kquant_packing import KQUANT_KINDS
+    from kvserve.kernels.kquant_quantize import quantize_kquant
+
     cfg = model.config
     gemma = cfg.model_type == "gemma3_text"
     qwen3 = cfg.model_type in ("qwen3", "qwen3_moe")  # NEOX RoPE: Q/K unpermuted
@@ -238,10 +249,14 @@ def write_gguf(model, path: Path, quant_types: dict[str, str], tokenizer_metadat
                 held = torch.from_numpy(stored - 1) if shifted else tensor.float().clone()
             else:
                 ggml_type = gguf.GGMLQuantizationType[qtype]
-                packed = quantize(np.ascontiguousarray(stored), ggml_type)
+                quantizer = quantize
+                if qtype in KQUANT_KINDS:  # the gguf package has no K-quant quantizer: kvserve's
+                    def quantizer(values, _, kind=qtype):
+                        return quantize_kquant(torch.from_numpy(values), kind).numpy()
+                packed = quantizer(np.ascontiguousarray(stored), ggml_type)
                 writer.add_tensor(gguf_name, packed, raw_dtype=ggml_type)
                 # Quantization blocks lie within rows, so quantizing commutes with the row permutation.
-                held = torch.from_numpy(dequantize(quantize(data, ggml_type), ggml_type).copy()).view(data.shape)
+                held = torch.from_numpy(dequantize(quantizer(data, ggml_type), ggml_type).copy()).view(data.shape)
             pieces.setdefault(hf_name, []).append(held)
     reference = {name: parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) for name, parts in pieces.items()}
     writer.write_header_to_file()

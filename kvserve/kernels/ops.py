@@ -140,6 +140,22 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features:
     return ext.quant_matmul(x, packed, bits, out_features, isa)
 
 
+def kquant_matmul(x: torch.Tensor, packed: torch.Tensor, kind: int, out_features: int,
+                  out: torch.Tensor | None = None, column: int = 0, isa: int = -1) -> torch.Tensor:
+    """x `[M, K]` fp32 @ W^T for W a GGUF K-quant matrix packed by kernels/kquant_packing.py (`kind`: its
+    KQUANT_KINDS number), written to `out[:, column : column + out_features]` (a fused projection's parts
+    fill one output) or to a new `[M, out_features]`; returns the output. `isa` as for `quant_matmul`."""
+    ext = kernels()
+    if ext is None or not (x.is_cpu and packed.is_cpu and x.dtype is _F32 and packed.dtype is _U8):
+        _refuse("kquant_matmul", ext, x=(x, (_F32,)), packed=(packed, (_U8,)))
+    if out is None:
+        out = torch.empty(x.shape[0], out_features, dtype=_F32)
+    elif not (out.is_cpu and out.dtype is _F32):
+        _refuse("kquant_matmul", ext, out=(out, (_F32,)))
+    ext.kquant_matmul_(x, packed, kind, out_features, out, column, isa)
+    return out
+
+
 class RowTables(NamedTuple):
     """Which keys each query row of the paged attention kernels sees (int64, CPU): row i at position
     row_pos[i] sees keys row_low[i]..row_pos[i] (row_low: its window's first key, else 0), block j of them

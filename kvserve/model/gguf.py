@@ -22,9 +22,10 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError, UnsupportedModelError
+from kvserve.kernels.kquant_packing import KQuantCodes
 from kvserve.kernels.packing import GroupCodes
 from kvserve.model.gguf_file import GGUFFile, GGUFTensorInfo
-from kvserve.model.gguf_quants import dequantize, ggml_type_name, group_codes, tensor_nbytes
+from kvserve.model.gguf_quants import dequantize, ggml_type_name, group_codes, kquant_codes, tensor_nbytes
 from kvserve.model.family import GGUF_GLOBAL_TENSORS
 from kvserve.model.registry import GGUF, Architecture, find_architecture
 
@@ -79,16 +80,17 @@ class GGUFModel:
                 value = unpermute_qk(value, self.config.num_kv_heads)
             yield hf_name, value
 
-    def group_codes(self, hf_name: str) -> GroupCodes | None:
-        """The file's own codes of the matrix loaded as `hf_name` (Q/K rows unpermuted as in `weights`), where
-        its type is a group of w = d * q + m that a group-quantized linear layer holds exactly; else None."""
+    def group_codes(self, hf_name: str) -> GroupCodes | KQuantCodes | None:
+        """The file's own codes of the matrix loaded as `hf_name` (Q/K rows unpermuted as in `weights`): group
+        codes where its type is a group of w = d * q + m that a group-quantized linear layer holds exactly,
+        its super-blocks where it is a K-quant (Q4_K, Q5_K, Q6_K); else None."""
         part = self._parts_by_hf_name.get(hf_name)
         if part is None:
             return None
         type_name, raw, shape = self._raw(part)
         if len(shape) != 2:
             return None
-        codes = group_codes(raw, type_name, shape)
+        codes = kquant_codes(raw, type_name, shape) or group_codes(raw, type_name, shape)
         if codes is None or not self.permuted_qk:
             return codes
         heads = {".q_proj.": self.config.num_heads, ".k_proj.": self.config.num_kv_heads}

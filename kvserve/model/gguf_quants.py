@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from kvserve.errors import UnsupportedModelError
+from kvserve.kernels.kquant_packing import KQUANT_KINDS, SUPER_BLOCK, TYPE_BYTES, KQuantCodes, kquant_fields
 from kvserve.kernels.packing import GroupCodes, fits_fp16
 
-QK_K = 256  # super-block size of the K-quants
+QK_K = SUPER_BLOCK  # super-block size of the K-quants
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -68,55 +69,20 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return d * blocks[:, 2:34].contiguous().view(torch.int8).float()
 
 
-def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unpack the 12-byte field of Q4_K/Q5_K into 8 six-bit scales and 8 six-bit mins."""
-    s = packed.to(torch.int32)
-    scales = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], dim=1)
-    mins = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=1)
-    return scales.float(), mins.float()
+def _k_quant(kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The dequantizer of a K-quant type, from its fields (kvserve.kernels.kquant_packing)."""
 
+    def decode(blocks: torch.Tensor) -> torch.Tensor:
+        f = kquant_fields(kind, blocks)
+        d = f.d.float()[:, None, None]
+        if f.dmin is None:  # Q6_K: 16 sub-blocks of 16, codes offset by 32
+            q = f.codes.float().view(-1, 16, 16) - 32.0
+            return (d * f.scales.float()[..., None] * q).reshape(-1, QK_K)
+        q = f.codes.float().view(-1, 8, 32)
+        out = d * f.scales.float()[..., None] * q - f.dmin.float()[:, None, None] * f.mins.float()[..., None]
+        return out.reshape(-1, QK_K)
 
-def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[n, 128] bytes -> [n, 8, 32]: sub-block 2i is chunk i's low nibbles, 2i+1 its high ones."""
-    chunks = qs.reshape(-1, 4, 1, 32)
-    return torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(-1, 8, 32)
-
-
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    scales, mins = _k_scales_mins(blocks[:, 4:16])
-    q = _k_low_nibbles(blocks[:, 16:144]).float()
-    out = (d * scales).unsqueeze(-1) * q - (dmin * mins).unsqueeze(-1)
-    return out.reshape(-1, QK_K)
-
-
-def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    scales, mins = _k_scales_mins(blocks[:, 4:16])
-    qh = blocks[:, 16:48]  # bit i of qh[l] is the 5th bit of element l of sub-block i
-    shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
-    high = ((qh.unsqueeze(1) >> shifts) & 1) << 4  # [n, 8, 32]
-    q = (_k_low_nibbles(blocks[:, 48:176]) | high).float()
-    out = (d * scales).unsqueeze(-1) * q - (dmin * mins).unsqueeze(-1)
-    return out.reshape(-1, QK_K)
-
-
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    n = blocks.shape[0]
-    ql = blocks[:, 0:128].reshape(n, 2, 2, 32)  # [half, ql[l] / ql[l+32], l]
-    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)  # [half, -, l]
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).float().reshape(n, 16)
-    d = _f16(blocks, 208)
-    # Within each 128-element half, four 32-element groups: low nibbles of
-    # ql[l], ql[l+32], then high nibbles of ql[l], ql[l+32]; their 2 high bits
-    # are bit pairs 0, 1, 2, 3 of qh[l].
-    low = torch.cat([ql & 0x0F, ql >> 4], dim=2)  # [n, 2, 4, 32]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
-    high = ((qh >> shifts) & 3) << 4  # [n, 2, 4, 32]
-    q = (low | high).float() - 32.0
-    # 16 scales, one per 16 elements, in output order.
-    q = q.reshape(n, 16, 16)
-    return (d.unsqueeze(-1) * scales.unsqueeze(-1) * q).reshape(n, QK_K)
+    return decode
 
 
 def _f16_block(blocks: torch.Tensor) -> torch.Tensor:
@@ -141,9 +107,7 @@ _TYPES: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
     "Q5_0": (32, 22, _q5_0),
     "Q5_1": (32, 24, _q5_1),
     "Q8_0": (32, 34, _q8_0),
-    "Q4_K": (QK_K, 144, _q4_k),
-    "Q5_K": (QK_K, 176, _q5_k),
-    "Q6_K": (QK_K, 210, _q6_k),
+    **{kind: (QK_K, TYPE_BYTES[kind], _k_quant(kind)) for kind in KQUANT_KINDS},
 }
 
 SUPPORTED_TYPES: tuple[str, ...] = tuple(_TYPES)
@@ -244,3 +208,12 @@ def group_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Grou
     groups = cols // 32
     return GroupCodes(codes.reshape(rows, cols).contiguous(), scales.reshape(rows, groups).contiguous(),
                       offsets.reshape(rows, groups).contiguous(), bits)
+
+
+def kquant_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> KQuantCodes | None:
+    """The raw bytes of a 2-D GGUF matrix as its K-quant super-blocks (Q4_K, Q5_K, Q6_K), exactly the file's;
+    None for other types."""
+    if len(shape) != 2 or type_name not in KQUANT_KINDS:
+        return None
+    blocks = _blocks(raw, type_name, shape)
+    return KQuantCodes(type_name, blocks.view(shape[0], shape[1] // QK_K, TYPE_BYTES[type_name]))

@@ -41,17 +41,20 @@ from kvserve.config import WEIGHTS_DTYPES, ModelConfig
 from kvserve.cpu_features import has_fast_bf16_matmul
 from kvserve.errors import ConfigError
 from kvserve.kernels import ops
+from kvserve.kernels.kquant_packing import KQUANT_KINDS, KQuantCodes
 from kvserve.kernels.packing import GROUP_SIZE, GroupCodes, pack, packed_bytes, quantize_groups
 from kvserve.model.float_gemm import row_invariant_linear
+from kvserve.model.kquant_linear import KQuantLinearMethod
 from kvserve.model.layers import Linear, UnquantizedLinearMethod
 from kvserve.model.weights import hf_name
 
-# GGUF types whose weights int4 groups hold exactly (the file's codes, scale and offset).
-EXACT_INT4_SOURCES = frozenset({"Q4_0", "Q4_1"})
+# GGUF types whose weights "int4" holds exactly: Q4_0 / Q4_1 as 4-bit groups (the file's codes, scale and
+# offset), K-quants as their own super-blocks (kvserve.model.kquant_linear) under int4 and int8 alike.
+EXACT_INT4_SOURCES = frozenset({"Q4_0", "Q4_1", *KQUANT_KINDS})
 GROUP_BITS = {"int8": 8, "int4": 4}
 
 # The source of a checkpoint's own group codes: HF name of a weight -> its codes, or None.
-CodeSource = Callable[[str], "GroupCodes | None"]
+CodeSource = Callable[[str], "GroupCodes | KQuantCodes | None"]
 
 
 def packed_kernel_isa() -> str | None:
@@ -63,10 +66,11 @@ def packed_kernel_isa() -> str | None:
 def resolve_weights_dtype(weights_dtype: str, input_sizes: Iterable[int] = (), exact_int4: bool = True) -> str:
     """"auto" -> the fastest measured option that keeps accuracy on this CPU: int4 where the quantized
     matmul has a SIMD path (AVX512-VNNI or AVX2) and every input size is a multiple of the group; but
-    `exact_int4=False` (a GGUF file whose linear weights are other quantizations, e.g. Q4_K / Q6_K) makes
-    it int8: re-quantizing those to 4 bits compounds two roundings (Gemma 3 270M's Q4_K_M file,
-    bench/weights_accuracy.py: int4 +21.6% perplexity, int8 +0.39%, bfloat16 -0.21%; int8 decodes 3x
-    faster than bfloat16 there). Without the SIMD kernel: bfloat16 where bf16 GEMMs are native, else
+    `exact_int4=False` (a GGUF file whose linear weights include types 4-bit groups do not hold exactly,
+    e.g. Q5_0 / Q8_0) makes it int8: re-quantizing those to 4 bits compounds two roundings (Gemma 3 270M's
+    file, bench/weights_accuracy.py, before its K-quant layers were held as such: int4 +21.6% perplexity,
+    int8 +0.39%, bfloat16 -0.21%; int8 decodes 3x faster than bfloat16 there). K-quant matrices are held
+    as their own super-blocks under either. Without the SIMD kernel: bfloat16 where bf16 GEMMs are native, else
     float32. int8 / int4 asked for explicitly need the C++ kernels."""
     if weights_dtype not in WEIGHTS_DTYPES:
         raise ConfigError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {weights_dtype!r}")
@@ -172,9 +176,11 @@ def _mlp_held_bytes(config: ModelConfig, dtype: str, router_dtype: str) -> int:
     return config.num_experts * expert + linear_held_bytes(config.num_experts, hidden, False, router_dtype)
 
 
-def _checkpoint_codes(model: nn.Module, name: str, layer: Linear, source: CodeSource) -> GroupCodes | None:
-    """The checkpoint's own codes for `layer` (module `name`): a fused projection's shards stacked in row
-    order, a tied head's from the embedding; None unless every part has them."""
+def _checkpoint_codes(model: nn.Module, name: str, layer: Linear,
+                      source: CodeSource) -> GroupCodes | list[KQuantCodes] | None:
+    """The checkpoint's own codes for `layer` (module `name`), a fused projection's shards in row order, a
+    tied head's from the embedding: group codes stacked, or the K-quant matrices, where every part has them
+    alike; None otherwise (a layer mixing the two is quantized from its fp32 weights)."""
     embedding = getattr(getattr(model, "embed_tokens", None), "weight", None)
     if name == HEAD_NAME and embedding is not None and layer.weight is embedding:
         names = ["model.embed_tokens.weight"]
@@ -185,9 +191,11 @@ def _checkpoint_codes(model: nn.Module, name: str, layer: Linear, source: CodeSo
         shards.sort(key=lambda item: layer.shard_rows(item[1]).start)
         names = [hf_name(f"{prefix}.{part}.weight") for part, _ in shards] or [hf_name(f"{name}.weight")]
     parts = [source(n) for n in names]
-    if any(p is None for p in parts):
-        return None
-    return GroupCodes.cat(parts)
+    if all(isinstance(p, KQuantCodes) for p in parts):
+        return parts
+    if all(isinstance(p, GroupCodes) for p in parts):
+        return GroupCodes.cat(parts)
+    return None
 
 
 def convert_linear_weights(model: nn.Module, weights_dtype: str, exact_int4: bool = True,
@@ -205,7 +213,7 @@ def convert_linear_weights(model: nn.Module, weights_dtype: str, exact_int4: boo
                           f"{uneven[0]} has {uneven[1]}; use bfloat16 or float32 for this model")
     for name, module in linears:
         dtype = _HEAD_DTYPE.get(resolved, resolved) if name == HEAD_NAME or module.keeps_8_bits else resolved
-        module.method = _method(dtype)
         codes = _checkpoint_codes(model, name, module, source) if source and dtype in GROUP_BITS else None
+        module.method = KQuantLinearMethod() if isinstance(codes, list) else _method(dtype)
         module.method.process_weights_after_loading(module, codes)
     return resolved

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvserve.kernels.packing import GroupCodes, block_bytes, pack, packed_bytes, quantize_groups
-from kvserve.model.gguf_quants import dequantize, group_codes
+from kvserve.model.gguf_quants import dequantize, group_codes, kquant_codes
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -32,9 +32,15 @@ def test_a_gguf_files_blocks_are_held_exactly(type_name, bits):
     assert torch.equal(codes.dequantize(), dequantize(raw, type_name, (20, 64)))
 
 
-def test_k_quants_have_no_group_codes():
-    # Q4_K's sub-block scales are d * a 6-bit integer: not an fp16 in general, so they are re-quantized.
-    assert group_codes(np.zeros(4 * 144, dtype=np.uint8), "Q4_K", (4, 256)) is None
+def test_k_quants_are_held_as_super_blocks_not_group_codes():
+    # Q4_K's sub-block scales are d * a 6-bit integer: not an fp16 in general, so no group of fp16 scale and
+    # offset holds them; the K-quant layers hold the file's super-blocks instead.
+    raw = np.arange(4 * 144, dtype=np.uint8)
+    assert group_codes(raw, "Q4_K", (4, 256)) is None
+    held = kquant_codes(raw, "Q4_K", (4, 256))
+    assert held.kind == "Q4_K" and held.shape == (4, 256)
+    assert torch.equal(held.blocks.reshape(-1), torch.from_numpy(raw))  # the file's bytes as they are
+    assert kquant_codes(raw[:4 * 18], "Q4_0", (4, 32)) is None
 
 
 def test_the_packed_layout_puts_four_inputs_of_sixteen_rows_in_each_64_bytes():

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from kvserve.kernels import ops
+from kvserve.kernels.kquant_packing import KQUANT_KINDS, pack_kquant
 from kvserve.kernels.packing import pack, quantize_groups
+from tests.kernels.test_kquant_matmul import random_kquant
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="the C++ kernels could not be built here")
 ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
@@ -25,6 +27,20 @@ def test_quant_matmul_rows_alone_equal_the_same_rows_in_any_batch(isa, bits):
     for rows in range(2, 65):
         start = (7 * rows) % (65 - rows)  # the batch's rows sit anywhere in the batch
         batch = ops.quant_matmul(x[start : start + rows], packed, bits, outputs, ISAS[isa])
+        assert torch.equal(batch, alone[start : start + rows]), f"M={rows}"
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("kind", list(KQUANT_KINDS))
+def test_kquant_matmul_rows_alone_equal_the_same_rows_in_any_batch(isa, kind):
+    outputs, cols = 40, 512  # two full tiles of 16 outputs and a partial one, two super-blocks
+    packed = pack_kquant(random_kquant(kind, outputs, cols, KQUANT_KINDS[kind]))
+    x = torch.randn(64, cols, generator=torch.Generator().manual_seed(5))
+    number = KQUANT_KINDS[kind]
+    alone = torch.cat([ops.kquant_matmul(x[m : m + 1], packed, number, outputs, isa=ISAS[isa]) for m in range(64)])
+    for rows in range(2, 65):
+        start = (7 * rows) % (65 - rows)
+        batch = ops.kquant_matmul(x[start : start + rows], packed, number, outputs, isa=ISAS[isa])
         assert torch.equal(batch, alone[start : start + rows]), f"M={rows}"
 
 

@@ -1,5 +1,6 @@
 // The functions of kvserve's CPU kernels extension: declared once here, defined in paged_decode.cpp,
-// paged_decode_quant.cpp, quant_matmul.cpp and fused_ops.cpp (the attention files share attend_blocks*.h
+// paged_decode_quant.cpp, quant_matmul.cpp,
+// kquant_matmul.cpp and fused_ops.cpp (the attention files share attend_blocks*.h
 // and decode_splits.h), bound to Python in bindings.cpp. Python reaches them only through
 // kvserve/kernels/ops.py, which checks devices and dtypes before a call (a CUDA tensor here would be read
 // as host memory).
@@ -25,6 +26,9 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
 // quant_matmul.cpp: x @ W^T for 4- or 8-bit group-quantized W, and the instruction set it runs on.
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t N, int64_t isa);
 std::string quant_matmul_isa();
+// kquant_matmul.cpp: the same for W held as GGUF Q4_K / Q5_K / Q6_K super-blocks, into columns of `out`.
+void kquant_matmul_(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t N, torch::Tensor out, int64_t col,
+                    int64_t isa);
 
 // fused_ops.cpp: the per-layer ops of a decoder, one pass over their rows each.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

@@ -18,9 +18,10 @@
 // products per 32-bit lane (AVX512-VNNI's vpdpbusd) gives 16 rows' partial dot products with no
 // horizontal reduction, and one weight load serves several activation rows.
 //
-// Instruction sets are chosen at run time (one binary: AVX512-VNNI, AVX2, portable C++), so a test can
-// run each path on a machine that has them all.
+// Instruction sets are chosen at run time (quant_common.h), so a test can run each path on a machine that
+// has them all.
 #include "kernels.h"
+#include "quant_common.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -37,56 +38,12 @@
 
 namespace {
 
+using namespace kvserve_quant;
+
 constexpr int64_t kTile = 16;   // output rows per tile
-constexpr int64_t kGroup = 32;  // inputs per group
 constexpr int64_t kMaxRows = 8; // activation rows sharing one pass over a weight tile
 
 inline int64_t block_bytes(int64_t bits) { return bits * kTile * kGroup / 8 + 2 * kTile * 2; }
-
-// fp16 -> fp32 without F16C (the portable path).
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: normalize
-      exp = 127 - 15 + 1;
-      while (!(mant & 0x400)) { mant <<= 1; --exp; }
-      bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7F800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// x [M, K] fp32 -> xq [M, K] int8, dx [M, K/32] (scale) and sx [M, K/32] (dx * sum of the group's codes).
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx) {
-  const int64_t groups = K / kGroup;
-  at::parallel_for(0, M * groups, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const float* src = x + item * kGroup;  // rows are contiguous: item = m * groups + g
-      float amax = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(src[i]));
-      const float scale = amax / 127.f;
-      const float inverse = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      int8_t* dst = xq + item * kGroup;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(src[i] * inverse));
-        dst[i] = static_cast<int8_t>(q);
-        sum += q;
-      }
-      dx[item] = scale;
-      sx[item] = scale * static_cast<float>(sum);
-    }
-  });
-}
 
 struct Problem {
   const uint8_t* packed;
@@ -291,22 +248,6 @@ void tile_avx2_rows(const Problem& p, int64_t t, int64_t m0, int64_t rows) {
 
 #endif  // __x86_64__
 
-enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
-
-Isa best_isa() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl")) {
-    return kAvx512Vnni;
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-    return kAvx2;
-  }
-#endif
-  return kPortable;
-}
-
 // Rows of x one pass over a weight tile serves, per instruction set (register budget).
 int64_t rows_per_pass(Isa isa) { return isa == kAvx512Vnni ? 8 : isa == kAvx2 ? 4 : kMaxRows; }
 
@@ -346,7 +287,7 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, 
   TORCH_CHECK(K % kGroup == 0 && packed.size(1) == groups && packed.size(2) == block_bytes(bits) &&
                   tiles * kTile >= N && (tiles - 1) * kTile < N,
               "quant_matmul: packed weights do not match x's ", K, " inputs and ", N, " outputs");
-  const Isa chosen = isa < 0 ? best_isa() : static_cast<Isa>(std::min<int64_t>(isa, best_isa()));
+  const Isa chosen = chosen_isa(isa);
   // The quantized activations live in a workspace kept by the calling thread (a decode step makes ~120
   // of these calls: no allocator round trip for them).
   thread_local std::vector<int8_t> xq;
