@@ -41,6 +41,11 @@ class KQuantCodes:
     def select_rows(self, index: torch.Tensor) -> KQuantCodes:
         return KQuantCodes(self.kind, self.blocks[index])
 
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight these super-blocks stand for."""
+        rows = self.blocks.shape[0]
+        return dequantize_kquant(self.kind, self.blocks.reshape(-1, TYPE_BYTES[self.kind])).view(rows, -1)
+
 
 class KQuantFields(NamedTuple):
     """The values of n super-blocks: w = d * sc * q - dmin * mn (Q4_K, Q5_K) or d * sc * (q - 32) (Q6_K)."""
@@ -94,6 +99,19 @@ def kquant_fields(kind: str, blocks: torch.Tensor) -> KQuantFields:
     else:
         raise ValueError(f"not a K-quant type: {kind}")
     return KQuantFields(codes, _f16(blocks, 0), _f16(blocks, 2), scales, mins)
+
+
+def dequantize_kquant(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """`[n, type bytes]` uint8 super-blocks of `kind` -> their fp32 values `[n, 256]` (as ggml computes them:
+    d * sc first, then times the code, less dmin * mn)."""
+    f = kquant_fields(kind, blocks)
+    d = f.d.float()[:, None, None]
+    if f.dmin is None:  # Q6_K: 16 sub-blocks of 16, codes offset by 32
+        q = f.codes.float().view(-1, 16, 16) - 32.0
+        return (d * f.scales.float()[..., None] * q).reshape(-1, SUPER_BLOCK)
+    q = f.codes.float().view(-1, 8, 32)
+    out = d * f.scales.float()[..., None] * q - f.dmin.float()[:, None, None] * f.mins.float()[..., None]
+    return out.reshape(-1, SUPER_BLOCK)
 
 
 def kquant_block_bytes(kind: str) -> int:

@@ -22,7 +22,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError, UnsupportedModelError
-from kvserve.kernels.kquant_packing import KQuantCodes
+from kvserve.kernels.kquant_packing import KQUANT_KINDS, KQuantCodes
 from kvserve.kernels.packing import GroupCodes
 from kvserve.model.gguf_file import GGUFFile, GGUFTensorInfo
 from kvserve.model.gguf_quants import dequantize, ggml_type_name, group_codes, kquant_codes, tensor_nbytes
@@ -58,14 +58,22 @@ class GGUFModel:
                 if t.name.startswith("blk.") and len(t.shape) in (2, 3)  # 3-D: stacked experts
                 and not t.name.endswith(_ROUTER)}
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, codes_held: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, fp32 tensor), dequantized one at a time as the consumer asks for it.
 
         GGUF's `rope_freqs` (Llama 3.1-style scaling) comes as ("rope_freqs", divisors), a family's other
-        extra tensors by the names it gives them (kvserve.model.family), flattened like it.
+        extra tensors by the names it gives them (kvserve.model.family), flattened like it. `codes_held`: the
+        layers' 2-D K-quant matrices come as zeros, not dequantized, for a loader whose linear layers take the
+        file's codes instead (`group_codes`; a fused projection mixing them with other types too), so a
+        1B-class file does not dequantize a billion weights only to drop them.
         """
         extras = _extra_tensors(self.architecture)
         for part in self._parts:
+            tensor = part.tensor
+            if (codes_held and part.expert is None and tensor.name.startswith("blk.") and len(tensor.shape) == 2
+                    and ggml_type_name(tensor.ggml_type) in KQUANT_KINDS):
+                yield part.hf_name, torch.zeros(()).expand(tuple(int(n) for n in tensor.shape))
+                continue
             type_name, raw, shape = self._raw(part)
             value = dequantize(raw, type_name, shape)
             if part.tensor.name in extras:

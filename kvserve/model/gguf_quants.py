@@ -11,13 +11,14 @@ implementation.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import numpy as np
 import torch
 
 from kvserve.errors import UnsupportedModelError
-from kvserve.kernels.kquant_packing import KQUANT_KINDS, SUPER_BLOCK, TYPE_BYTES, KQuantCodes, kquant_fields
+from kvserve.kernels.kquant_packing import KQUANT_KINDS, SUPER_BLOCK, TYPE_BYTES, KQuantCodes, dequantize_kquant
 from kvserve.kernels.packing import GroupCodes, fits_fp16
 
 QK_K = SUPER_BLOCK  # super-block size of the K-quants
@@ -69,22 +70,6 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return d * blocks[:, 2:34].contiguous().view(torch.int8).float()
 
 
-def _k_quant(kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The dequantizer of a K-quant type, from its fields (kvserve.kernels.kquant_packing)."""
-
-    def decode(blocks: torch.Tensor) -> torch.Tensor:
-        f = kquant_fields(kind, blocks)
-        d = f.d.float()[:, None, None]
-        if f.dmin is None:  # Q6_K: 16 sub-blocks of 16, codes offset by 32
-            q = f.codes.float().view(-1, 16, 16) - 32.0
-            return (d * f.scales.float()[..., None] * q).reshape(-1, QK_K)
-        q = f.codes.float().view(-1, 8, 32)
-        out = d * f.scales.float()[..., None] * q - f.dmin.float()[:, None, None] * f.mins.float()[..., None]
-        return out.reshape(-1, QK_K)
-
-    return decode
-
-
 def _f16_block(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.contiguous().view(torch.float16).float()
 
@@ -107,7 +92,7 @@ _TYPES: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
     "Q5_0": (32, 22, _q5_0),
     "Q5_1": (32, 24, _q5_1),
     "Q8_0": (32, 34, _q8_0),
-    **{kind: (QK_K, TYPE_BYTES[kind], _k_quant(kind)) for kind in KQUANT_KINDS},
+    **{kind: (QK_K, TYPE_BYTES[kind], partial(dequantize_kquant, kind)) for kind in KQUANT_KINDS},
 }
 
 SUPPORTED_TYPES: tuple[str, ...] = tuple(_TYPES)

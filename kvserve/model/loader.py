@@ -21,7 +21,7 @@ from kvserve.model.causal_lm import CausalLM
 from kvserve.model.checkpoint import load_checkpoint
 from kvserve.model.gguf import load_gguf
 from kvserve.model.gguf_file import GGUFFile
-from kvserve.model.quantized_linear import EXACT_INT4_SOURCES, convert_linear_weights
+from kvserve.model.quantized_linear import GROUP_BITS, EXACT_INT4_SOURCES, convert_linear_weights, resolve_for_config
 from kvserve.model.registry import model_class
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.model.weights import materialize, parameter_bytes
@@ -147,7 +147,9 @@ def load_model(path: str | Path | None = None, cache_dtype: str = "auto",
             tokenizer = None
     elif path.is_file():
         gguf_model = load_gguf(path)
-        config, weights = gguf_model.config, gguf_model.weights()
+        # Where the linear layers will hold group codes, they take the file's K-quant matrices as they are.
+        codes_held = resolve_for_config(gguf_model.config, weights_dtype) in GROUP_BITS
+        config, weights = gguf_model.config, gguf_model.weights(codes_held)
         weight_format = "GGUF " + ", ".join(f"{t} x{n}" for t, n in sorted(gguf_model.tensor_types.items(), key=lambda kv: -kv[1]))
         tokenizer = _gguf_tokenizer(gguf_model.tokenizer_metadata, path)
         exact_int4 = gguf_model.linear_types <= EXACT_INT4_SOURCES

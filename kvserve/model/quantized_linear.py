@@ -176,26 +176,38 @@ def _mlp_held_bytes(config: ModelConfig, dtype: str, router_dtype: str) -> int:
     return config.num_experts * expert + linear_held_bytes(config.num_experts, hidden, False, router_dtype)
 
 
-def _checkpoint_codes(model: nn.Module, name: str, layer: Linear,
-                      source: CodeSource) -> GroupCodes | list[KQuantCodes] | None:
+def _checkpoint_codes(model: nn.Module, name: str, layer: Linear, source: CodeSource,
+                      bits: int) -> GroupCodes | list[KQuantCodes] | None:
     """The checkpoint's own codes for `layer` (module `name`), a fused projection's shards in row order, a
-    tied head's from the embedding: group codes stacked, or the K-quant matrices, where every part has them
-    alike; None otherwise (a layer mixing the two is quantized from its fp32 weights)."""
+    tied head's from the embedding: the K-quant matrices where every part is one; else group codes stacked,
+    where a part has them; None where none has (the layer quantizes its fp32 weight)."""
     embedding = getattr(getattr(model, "embed_tokens", None), "weight", None)
     if name == HEAD_NAME and embedding is not None and layer.weight is embedding:
-        names = ["model.embed_tokens.weight"]
+        names = [("model.embed_tokens.weight", slice(0, layer.output_size))]
     else:
         prefix, _, fused = name.rpartition(".")
-        shards = [(part, shard) for fused_name, part, shard in getattr(model, "stacked_params", ())
+        shards = [(part, layer.shard_rows(shard)) for fused_name, part, shard in getattr(model, "stacked_params", ())
                   if fused_name == fused]
-        shards.sort(key=lambda item: layer.shard_rows(item[1]).start)
-        names = [hf_name(f"{prefix}.{part}.weight") for part, _ in shards] or [hf_name(f"{name}.weight")]
-    parts = [source(n) for n in names]
+        shards.sort(key=lambda item: item[1].start)
+        names = ([(hf_name(f"{prefix}.{part}.weight"), rows) for part, rows in shards]
+                 or [(hf_name(f"{name}.weight"), slice(0, layer.output_size))])
+    parts = [source(n) for n, _ in names]
     if all(isinstance(p, KQuantCodes) for p in parts):
         return parts
-    if all(isinstance(p, GroupCodes) for p in parts):
-        return GroupCodes.cat(parts)
-    return None
+    if all(p is None for p in parts):
+        return None
+    return GroupCodes.cat([_as_groups(p, layer.weight, rows, bits) for p, (_, rows) in zip(parts, names)])
+
+
+def _as_groups(part: GroupCodes | KQuantCodes | None, weight: torch.Tensor, rows: slice, bits: int) -> GroupCodes:
+    """One shard of a projection of mixed types as groups of at most `bits`: the file's own where they fit;
+    a K-quant shard (never loaded as fp32: GGUFModel.weights) or wider codes re-quantized from their
+    values; a shard without codes from its fp32 rows."""
+    if part is None:
+        return quantize_groups(weight.detach()[rows], bits)
+    if isinstance(part, KQuantCodes) or part.bits > bits:
+        return quantize_groups(part.dequantize(), bits)
+    return part
 
 
 def convert_linear_weights(model: nn.Module, weights_dtype: str, exact_int4: bool = True,
@@ -213,7 +225,8 @@ def convert_linear_weights(model: nn.Module, weights_dtype: str, exact_int4: boo
                           f"{uneven[0]} has {uneven[1]}; use bfloat16 or float32 for this model")
     for name, module in linears:
         dtype = _HEAD_DTYPE.get(resolved, resolved) if name == HEAD_NAME or module.keeps_8_bits else resolved
-        codes = _checkpoint_codes(model, name, module, source) if source and dtype in GROUP_BITS else None
+        codes = (_checkpoint_codes(model, name, module, source, GROUP_BITS[dtype])
+                 if source and dtype in GROUP_BITS else None)
         module.method = KQuantLinearMethod() if isinstance(codes, list) else _method(dtype)
         module.method.process_weights_after_loading(module, codes)
     return resolved

@@ -71,15 +71,20 @@ def test_a_q4_k_m_file_gives_its_dequantized_logits_within_the_q4_0_paths_tolera
     assert 0 < k_error <= max(2 * q4_0_error, 0.01), (k_error, q4_0_error)
 
 
-def test_a_projection_mixing_k_quants_with_group_types_is_quantized_from_its_weights(tmp_path):
+def test_a_projection_mixing_k_quants_with_group_types_holds_groups_of_the_files_values(tmp_path):
     path = tmp_path / "mixed.gguf"
     write_gguf(build_hf_model("llama-wide"), path, {"q_proj": "Q4_K", "k_proj": "Q8_0", "v_proj": "Q8_0",
                                                     "o_proj": "Q6_K", "mlp": "Q8_0"})
-    loaded = load_model(path, weights_dtype="int8")
+    loaded, exact = load_model(path, weights_dtype="int8"), load_model(path, weights_dtype="float32")
     layer = loaded.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.method, ql.GroupQuantizedLinearMethod)
     assert isinstance(layer.self_attn.o_proj.method, KQuantLinearMethod)
     assert isinstance(layer.mlp.down_proj.method, ql.GroupQuantizedLinearMethod)
+    # The Q4_K shard was never loaded as fp32 (its rows are the file's values re-quantized to 8 bits), the
+    # Q8_0 shards are the file's own codes.
+    x = torch.randn(4, 256)
+    expected = exact.model.layers[0].self_attn.qkv_proj(x)
+    assert (layer.self_attn.qkv_proj(x) - expected).norm() / expected.norm() < 0.02
 
 
 def test_parts_that_do_not_make_the_layer_are_refused():
