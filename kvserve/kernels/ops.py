@@ -167,6 +167,16 @@ class RowTables(NamedTuple):
     row_pos: torch.Tensor
 
 
+def _sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The kernels' sinks argument: fp32 `[H]` on the CPU, or empty for none."""
+    if sinks is None:
+        return torch.empty(0, dtype=_F32)
+    if not sinks.is_cpu or sinks.numel() != q.shape[1]:
+        raise KernelInputError(f"sinks must be one CPU logit per query head ({q.shape[1]}), got {tuple(sinks.shape)} "
+                               f"on {sinks.device}")
+    return sinks.to(_F32)
+
+
 def _cpu_longs(rows: RowTables) -> bool:
     return all(t.is_cpu and t.dtype is _LONG for t in rows)
 
@@ -176,19 +186,20 @@ def _row_checks(rows: RowTables) -> dict[str, tuple[torch.Tensor, tuple[torch.dt
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: RowTables, scale: float,
-                 split_blocks: int) -> torch.Tensor:
+                 split_blocks: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention (csrc/paged_decode.cpp) over the float blocks, read in place, one query token per row
     (a decode, a verify's query, a prefill chunk's token): q `[B, H, D]` fp32, caches `[num_blocks, KVH,
     block_size, D]` -> `[B, H * D]`; `rows` says which keys each row sees (RowTables). Each row's blocks run
     in splits of `split_blocks` (<= 0: one), merged in order: a row's result depends on that row alone, not
-    on the rows beside it. No torch path here: the attention
+    on the rows beside it. `sinks` (fp32 `[H]`): each head's learned logit in its softmax denominator
+    (gpt-oss), once per row. No torch path here: the attention
     backend gathers the blocks and runs its torch kernels instead (kv/attention/cpu_decode.py)."""
     ext = kernels()
     if (ext is None or not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and _cpu_longs(rows))
             or q.dtype is not _F32 or k_cache.dtype not in CACHE_DTYPES or v_cache.dtype not in CACHE_DTYPES):
         _refuse("paged_decode", ext, q=(q, (_F32,)), k_cache=(k_cache, CACHE_DTYPES), v_cache=(v_cache, CACHE_DTYPES),
                 **_row_checks(rows))
-    return ext.paged_decode(q, k_cache, v_cache, *rows, scale, split_blocks)
+    return ext.paged_decode(q, k_cache, v_cache, *rows, scale, split_blocks, _sinks(sinks, q))
 
 
 # paged_decode_quant's kinds of quantized sides (kv/cache/quant.py's codecs; the C++ enum).
@@ -199,7 +210,7 @@ _F16 = torch.float16
 def paged_decode_quant(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor, int],
                        v: tuple[torch.Tensor, torch.Tensor, int], group: int,
                        open_blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, rows: RowTables,
-                       scale: float, split_blocks: int) -> torch.Tensor:
+                       scale: float, split_blocks: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_decode` over quantized blocks, read in place: k and v are (data `[num_blocks, KVH, block_size,
     width]`, fp16 params `[num_blocks, KVH, block_size, params]`, kind: INT8_ROW, INT4_ROW with `group`
     channels per group, INT4_CHANNEL); `open_blocks` (fp16 K, V `[slots, KVH, block_size, D]`, int64
@@ -215,4 +226,4 @@ def paged_decode_quant(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor, int
         none = torch.empty(0, dtype=_LONG, device=q.device)
         open_blocks = (torch.empty(0, dtype=_F16, device=q.device), torch.empty(0, dtype=_F16, device=q.device), none)
     return ext.paged_decode_quant(q, k[0], k[1], k[2], v[0], v[1], v[2], group, *open_blocks, *rows, scale,
-                                  split_blocks)
+                                  split_blocks, _sinks(sinks, q))

@@ -56,7 +56,7 @@ class GGUFModel:
         """The quantization types of the layers' matrices (what the linear layers are loaded from)."""
         return {ggml_type_name(t.ggml_type) for t in self.file.tensors
                 if t.name.startswith("blk.") and len(t.shape) in (2, 3)  # 3-D: stacked experts
-                and not t.name.endswith(_ROUTER)}
+                and not t.name.endswith(_ROUTER) and not t.name.endswith(".bias")}  # 2-D: stacked expert biases
 
     def weights(self, codes_held: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, fp32 tensor), dequantized one at a time as the consumer asks for it.
@@ -140,12 +140,13 @@ class TensorPart:
 
 def tensor_parts(tensor: GGUFTensorInfo, arch: Architecture) -> list[TensorPart]:
     """A tensor as the loader streams it: whole, or (a family's name with `{expert}`, a 3-D tensor of llama.cpp's
-    stacked experts) one part per expert."""
+    stacked experts, or their stacked biases) one part per expert."""
     name = _hf_name(tensor.name, arch)
     if name is None or "{expert}" not in name:
         return [TensorPart(tensor, name)]
-    if len(tensor.shape) != 3:
-        raise ModelLoadError(f"GGUF tensor {tensor.name} has shape {tensor.shape}: stacked experts are 3-D")
+    if len(tensor.shape) != (2 if tensor.name.endswith(".bias") else 3):
+        raise ModelLoadError(f"GGUF tensor {tensor.name} has shape {tensor.shape}: stacked experts are 3-D, "
+                             "their biases 2-D")
     return [TensorPart(tensor, name.format(expert=e), e) for e in range(int(tensor.shape[0]))]
 
 

@@ -70,6 +70,20 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return d * blocks[:, 2:34].contiguous().view(torch.int8).float()
 
 
+# MXFP4 (gpt-oss's experts): E2M1 codes as their doubled values (ggml's kvalues_mxfp4), and a power-of-two scale.
+_E2M1_DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
+
+
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    """32 elements: one E8M0 exponent byte e (scale 2^(e - 127)), then 16 bytes of 4-bit E2M1 codes (element j in
+    the low nibble of byte j, element j + 16 in its high one). The doubled code values take half the scale."""
+    e = blocks[:, :1].to(torch.int32)
+    # ggml_e8m0_to_fp32_half: 2^(e - 128) as float bits; e < 2 is subnormal there (bit 21 + e of the mantissa).
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    half_scale = bits.view(torch.float32)
+    return half_scale * _E2M1_DOUBLED[_nibbles(blocks[:, 1:17]).long()]
+
+
 def _f16_block(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.contiguous().view(torch.float16).float()
 
@@ -93,6 +107,7 @@ _TYPES: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
     "Q5_1": (32, 24, _q5_1),
     "Q8_0": (32, 34, _q8_0),
     **{kind: (QK_K, TYPE_BYTES[kind], partial(dequantize_kquant, kind)) for kind in KQUANT_KINDS},
+    "MXFP4": (32, 17, _mxfp4),
 }
 
 SUPPORTED_TYPES: tuple[str, ...] = tuple(_TYPES)
@@ -103,7 +118,7 @@ _TYPE_IDS: dict[int, str] = {
     0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
     11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
     19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32",
-    27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16",
+    27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 39: "MXFP4",
 }
 
 

@@ -219,18 +219,27 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm_(residual, delta, self.weight, self.eps)
 
 
+# A gated activation the fused kernel lacks: `[N, 2I]` (gate columns, then up) -> `[N, I]`.
+GatedActivation = Callable[[torch.Tensor], torch.Tensor]
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up in one GEMM (shards 0 and 1 of `gate_up_proj`);
-    act is SiLU (Llama) or GELU's tanh form (Gemma): `ops.SILU` / `ops.GELU_TANH`."""
+    act is SiLU (Llama) or GELU's tanh form (Gemma): `ops.SILU` / `ops.GELU_TANH`, or a function of the whole
+    gate/up output for an activation of its own (gpt-oss's clamped SwiGLU). `bias`: all three carry one."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: int = ops.SILU) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: int | GatedActivation = ops.SILU,
+                 bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.gated_activation(self.gate_up_proj(x), self.activation))
+        gate_up = self.gate_up_proj(x)
+        if callable(self.activation):
+            return self.down_proj(self.activation(gate_up))
+        return self.down_proj(ops.gated_activation(gate_up, self.activation))
 
 
 # --- rotary embedding ----------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.model.layers import GatedMLP, Linear
+from kvserve.kernels import ops
+from kvserve.model.layers import GatedActivation, GatedMLP, Linear
 
 
 class Router(Linear):
@@ -29,19 +30,27 @@ class Router(Linear):
 
 class SparseMoE(nn.Module):
     """sum over a token's top-k experts of weight_r * expert_r(x); weights = softmax(router(x)) restricted to the
-    top k (renormalised to sum to 1 with `norm_topk_prob`). Checkpoint names as Hugging Face's: `gate.weight`
-    (the router), `experts.{e}.gate_proj.weight` / `up_proj` / `down_proj`."""
+    top k (renormalised to sum to 1 with `norm_topk_prob`), or, with `softmax_over_top_k` (gpt-oss), the softmax
+    of the k best logits alone. Checkpoint names as Hugging Face's Qwen3-MoE: `gate.weight` (the router),
+    `experts.{e}.gate_proj.weight` / `up_proj` / `down_proj`; with `bias`, the router and every expert
+    projection carry a `.bias`; `activation` as GatedMLP takes it."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool) -> None:
+                 norm_topk_prob: bool, *, softmax_over_top_k: bool = False, bias: bool = False,
+                 activation: int | GatedActivation = ops.SILU) -> None:
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.gate = Router(hidden_size, num_experts)
-        self.experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.softmax_over_top_k = softmax_over_top_k
+        self.gate = Router(hidden_size, num_experts, bias=bias)
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size, activation, bias=bias)
+                                     for _ in range(num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[N, hidden]` -> (weights `[N, k]` fp32, experts `[N, k]` int64), best first."""
+        if self.softmax_over_top_k:
+            logits, experts = torch.topk(self.gate(x).float(), self.top_k, dim=-1)
+            return torch.softmax(logits, dim=-1), experts
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -70,3 +70,19 @@ def test_unsupported_type_is_named():
 
 def test_supported_types_cover_the_issue_list():
     assert set(SUPPORTED_TYPES) >= {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+
+
+def test_mxfp4_matches_gguf_reference_and_roundtrips():
+    """gpt-oss's expert type: every code, exponents across the range (0 and 1 take ggml's subnormal branch)."""
+    rng = np.random.default_rng(2)
+    raw = rng.integers(0, 256, size=(64, 17), dtype=np.uint8)
+    raw[:, 0] = np.concatenate([[0, 1, 2, 127], rng.integers(90, 160, size=60)]).astype(np.uint8)
+    expected = reference_dequantize(raw.reshape(4, -1), gguf.GGMLQuantizationType.MXFP4)
+    ours = dequantize(raw.reshape(4, -1), "MXFP4", (4, 16 * 32))
+    np.testing.assert_array_equal(ours.numpy(), expected)
+    weights = rng.standard_normal((8, 64)).astype(np.float32)
+    packed = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.MXFP4)
+    assert packed.shape == (8, 2 * 17)
+    decoded = dequantize(packed, "MXFP4", (8, 64)).numpy()
+    np.testing.assert_array_equal(decoded, reference_dequantize(packed, gguf.GGMLQuantizationType.MXFP4))
+    assert np.abs(decoded - weights).max() < 1.0  # 4-bit E2M1: steps of up to a third of the block's top

@@ -63,8 +63,9 @@ void attend_item(const float* qh, int64_t G, int64_t D, const scalar_t* kp, cons
 // Row b at position pos[b] sees the keys at positions low[b] .. pos[b] (low: its window's first key, else
 // 0), block j of them being tables[table[b] + j]: the rows of one request share its block table.
 struct DecodeRows {
-  torch::Tensor q, tables, row_table, row_low, row_pos;
+  torch::Tensor q, tables, row_table, row_low, row_pos, sinks;
   const float* qp;
+  const float* sink = nullptr;  // [H] learned sink logits (gpt-oss), or none: one more term in each denominator
   const int64_t *table, *low, *pos, *blocks;
   int64_t B, H, KVH, G, D, BS;
   int64_t split_blocks;    // blocks per split (a row's last split may be shorter); <= 0: one split per row
@@ -79,7 +80,7 @@ struct DecodeRows {
 // row's splits.
 DecodeRows decode_rows(const char* op, torch::Tensor q, torch::Tensor tables, torch::Tensor row_table,
                        torch::Tensor row_low, torch::Tensor row_pos, int64_t KVH, int64_t BS, double scale,
-                       int64_t split_blocks);
+                       int64_t split_blocks, torch::Tensor sinks);
 
 // Partial softmax states of up to `capacity` split items, each for every (KV head, query head): max, sum
 // and weighted V sum. Reused for the items of one batch of rows after another (bounded memory: a prefill

@@ -12,16 +12,17 @@
 #include <string>
 
 // paged_decode.cpp: decode attention over paged fp32 / fp16 / bf16 K/V blocks, read in place.
-// One query token per row (decodes, verify queries, prefill tokens alike), each attended alone.
+// One query token per row (decodes, verify queries, prefill tokens alike), each attended alone; `sinks`
+// (fp32 [H] or empty): a per-head logit added to each row's softmax denominator.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                            torch::Tensor row_table, torch::Tensor row_low, torch::Tensor row_pos, double scale,
-                           int64_t split_blocks);
+                           int64_t split_blocks, torch::Tensor sinks);
 // paged_decode_quant.cpp: the same over quantized K/V (int8 rows, int4 row groups, int4 per channel over a block) and fp16 open blocks.
 torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_params, int64_t k_kind,
                                  torch::Tensor v_data, torch::Tensor v_params, int64_t v_kind, int64_t group,
                                  torch::Tensor open_k, torch::Tensor open_v, torch::Tensor open_slot,
                                  torch::Tensor tables, torch::Tensor row_table, torch::Tensor row_low,
-                                 torch::Tensor row_pos, double scale, int64_t split_blocks);
+                                 torch::Tensor row_pos, double scale, int64_t split_blocks, torch::Tensor sinks);
 
 // quant_matmul.cpp: x @ W^T for 4- or 8-bit group-quantized W, and the instruction set it runs on.
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t N, int64_t isa);

@@ -14,7 +14,7 @@ namespace kvserve_attention {
 
 DecodeRows decode_rows(const char* op, torch::Tensor q, torch::Tensor tables, torch::Tensor row_table,
                        torch::Tensor row_low, torch::Tensor row_pos, int64_t KVH, int64_t BS, double scale,
-                       int64_t split_blocks) {
+                       int64_t split_blocks, torch::Tensor sinks) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, op, ": fp32 queries [B, H, D] only");
   DecodeRows rows;
   rows.q = q.contiguous();
@@ -33,6 +33,11 @@ DecodeRows decode_rows(const char* op, torch::Tensor q, torch::Tensor tables, to
   TORCH_CHECK(rows.row_table.numel() == rows.B && rows.row_low.numel() == rows.B && rows.row_pos.numel() == rows.B,
               op, ": row_table, row_low and row_pos must be [B]");
   rows.qp = rows.q.data_ptr<float>();
+  if (sinks.numel() > 0) {
+    TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.numel() == rows.H, op, ": sinks are fp32 [H]");
+    rows.sinks = sinks.contiguous();
+    rows.sink = rows.sinks.data_ptr<float>();
+  }
   rows.blocks = rows.tables.data_ptr<int64_t>();
   rows.table = rows.row_table.data_ptr<int64_t>();
   rows.low = rows.row_low.data_ptr<int64_t>();
@@ -71,6 +76,14 @@ void SplitPartials::merge(const DecodeRows& rows, int64_t row_begin, int64_t row
           total += sum[p] * w;
           axpy(w, &acc[p * D], o, D);
         }
+        if (rows.sink != nullptr) {
+          // The head's sink logit joins the denominator once per row (after the splits, so once only), on the
+          // common max of the keys and the sink.
+          const float s = rows.sink[h * G + g], top = std::max(global_max, s);
+          const float w = std::exp(global_max - top);
+          for (int64_t i = 0; i < D; ++i) o[i] *= w;
+          total = total * w + std::exp(s - top);
+        }
         const float inv = total > 0.f ? 1.f / total : 0.f;
         for (int64_t i = 0; i < D; ++i) o[i] *= inv;
       }
@@ -85,14 +98,15 @@ using namespace kvserve_attention;
 // q [B, H, D] fp32 (one query token per row); k_cache, v_cache [num_blocks, KVH, block_size, D] (fp32 / fp16 /
 // bf16, contiguous); tables (int64: the block tables of the rows' requests, one after another); row_table,
 // row_low, row_pos [B] (int64: where row b's table starts in `tables`, its first and last visible key
-// positions); split_blocks: blocks per split (<= 0: one split per row). Returns [B, H * D].
+// positions); split_blocks: blocks per split (<= 0: one split per row); sinks: fp32 [H], each head's learned
+// sink logit in its softmax denominator (gpt-oss), or empty. Returns [B, H * D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                            torch::Tensor row_table, torch::Tensor row_low, torch::Tensor row_pos, double scale,
-                           int64_t split_blocks) {
+                           int64_t split_blocks, torch::Tensor sinks) {
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: K and V caches of one dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: contiguous cache");
   const DecodeRows rows = decode_rows("paged_decode", q, tables, row_table, row_low, row_pos, k_cache.size(1),
-                                      k_cache.size(2), scale, split_blocks);
+                                      k_cache.size(2), scale, split_blocks, sinks);
   TORCH_CHECK(k_cache.size(3) == rows.D, "paged_decode: shapes disagree");
   torch::Tensor out;
   const int64_t KVH = rows.KVH, block_elems = KVH * rows.BS * rows.D;

@@ -143,9 +143,9 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
                                  torch::Tensor v_data, torch::Tensor v_params, int64_t v_kind, int64_t group,
                                  torch::Tensor open_k, torch::Tensor open_v, torch::Tensor open_slot,
                                  torch::Tensor tables, torch::Tensor row_table, torch::Tensor row_low,
-                                 torch::Tensor row_pos, double scale, int64_t split_blocks) {
+                                 torch::Tensor row_pos, double scale, int64_t split_blocks, torch::Tensor sinks) {
   const DecodeRows rows = decode_rows("paged_decode_quant", q, tables, row_table, row_low, row_pos, k_data.size(1),
-                                      k_data.size(2), scale, split_blocks);
+                                      k_data.size(2), scale, split_blocks, sinks);
   const int64_t KVH = rows.KVH, BS = rows.BS, D = rows.D;
   TORCH_CHECK(D <= kMaxHeadDim && D % 2 == 0 && group > 0 && D % group == 0, "paged_decode_quant: shapes disagree");
   const QuantSide ks = quant_side(k_data, k_params, k_kind, group), vs = quant_side(v_data, v_params, v_kind, group);

@@ -48,8 +48,11 @@ class AttentionContext(ABC):
     """
 
     @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The forward's N new tokens of `layer`: q `[N, H, D]`, k/v `[N, KVH, D]` (RoPE applied) -> `[N, H * D]`.
+        `sinks` `[H]` (gpt-oss): each head's learned logit in its softmax denominator (kv/attention/reference.py);
+        a context that cannot take them raises rather than attend without them.
 
         Stores the new K/V wherever the backend keeps them (if anywhere), then
         attends each token over its own sequence's keys up to and including its

@@ -26,11 +26,13 @@ class ContiguousContext(AttentionContext):
         self.positions = positions
         self.layer_windows = layer_windows
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        return self.attend_sequence(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale,
-                                    self.layer_windows[layer])
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        args = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale, self.layer_windows[layer])
+        # Sinks only where the model has them: a subclass that studies plain attention need not take them.
+        return self.attend_sequence(*args) if sinks is None else self.attend_sequence(*args, sinks=sinks)
 
     def attend_sequence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                        sliding_window: int | None) -> torch.Tensor:
-        """q `[H, N, D]`, k/v `[KVH, N, D]` of one layer -> `[N, H * D]`."""
-        return attend(q, k, v, self.positions, scale, sliding_window)
+                        sliding_window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q `[H, N, D]`, k/v `[KVH, N, D]` of one layer -> `[N, H * D]`; `sinks` `[H]` (reference.py)."""
+        return attend(q, k, v, self.positions, scale, sliding_window, sinks=sinks)

@@ -56,7 +56,8 @@ class PagedKVContext(AttentionContext):
         # Per group: the flat rows its new tokens are written to.
         self._slots = [slot_indices(m.slot_blocks, m.slot_rows, heads, block_size) for m in group_metadata]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         group = self.layer_group[layer]
         meta = self.group_metadata[group]
         cache = self.cache
@@ -69,12 +70,12 @@ class PagedKVContext(AttentionContext):
             queries = q[: meta.num_decode_tokens]
             if meta.decode.union_block_ids is not None:  # decodes sharing most of their blocks
                 kv = cache.gather(layer, meta.decode.union_block_ids, q.dtype, fold_scales=True)
-                outputs.append(union_decode(queries, kv, meta.decode, scale))
+                outputs.append(union_decode(queries, kv, meta.decode, scale, sinks))
             elif self.decode_kernel is not None:
-                outputs.append(self.decode_kernel(cache, layer, queries, meta.decode, scale, SPLIT_BLOCKS))
+                outputs.append(self.decode_kernel(cache, layer, queries, meta.decode, scale, SPLIT_BLOCKS, sinks))
             else:
                 kv = cache.gather(layer, meta.decode.block_ids, q.dtype, fold_scales=True)
-                outputs.append(split_kv_decode(queries, kv, meta.decode, scale))
+                outputs.append(split_kv_decode(queries, kv, meta.decode, scale, sinks))
         for index, p in enumerate(meta.prefills):
             kv = cache.gather(layer, p.block_ids, q.dtype)
             num_kv_heads, head_dim = kv.k.shape[1], kv.k.shape[3]
@@ -84,14 +85,14 @@ class PagedKVContext(AttentionContext):
             queries = q[p.query_start : p.query_end].transpose(0, 1)
             if before is None:
                 outputs.append(prefill_attention(queries, keys, values, p.positions, scale, meta.sliding_window,
-                                                 p.key_start))
+                                                 p.key_start, sinks))
                 continue
             (k_before, v_before), start = before[index], int(p.positions[0])
             own_k = torch.cat([k_before, _as_open(k[p.query_start : p.query_end], q.dtype)]).transpose(0, 1)
             own_v = torch.cat([v_before, _as_open(v[p.query_start : p.query_end], q.dtype)]).transpose(0, 1)
             outputs.append(open_block_prefill(queries, keys, values, own_k, own_v, p.positions, scale,
                                               cache.block_size, meta.sliding_window, p.key_start,
-                                              start - start % cache.block_size))
+                                              start - start % cache.block_size, sinks))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from kvserve.kernels import ops
 from kvserve.kv.attention.cpu_metadata import DecodeMetadata
 from kvserve.kv.cache.quant import KVCodec, int4_group
+from kvserve.kv.attention.reference import with_sinks
 from kvserve.kv.cache.storage import GatheredKV, PagedKVCache
 
 
@@ -42,20 +43,22 @@ def cpp_decode_reads(cache: PagedKVCache) -> bool:
 
 
 def cpp_decode(cache: PagedKVCache, layer: int, q: torch.Tensor, meta: DecodeMetadata, scale: float,
-               split_blocks: int) -> torch.Tensor:
-    """The C++ kernel's decode of `layer` over the pool where it lies (`cpp_decode_reads` said it can)."""
+               split_blocks: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The C++ kernel's decode of `layer` over the pool where it lies (`cpp_decode_reads` said it can); `sinks`
+    `[H]` join each row's softmax denominator in the kernel's merge of its splits."""
     rows = ops.RowTables(meta.tables, meta.row_table, meta.row_low, meta.row_pos)
     if not cache.k_params and not cache.v_params:
-        return ops.paged_decode(q, cache.k[layer], cache.v[layer], rows, scale, split_blocks)
+        return ops.paged_decode(q, cache.k[layer], cache.v[layer], rows, scale, split_blocks, sinks)
     spec, open_ = cache.spec, cache.open_blocks
     tensor = spec.layout.layer_slot[layer]
     open_tensors = (open_.k[tensor], open_.v[tensor], open_.slot_of[tensor]) if open_ is not None else None
     return ops.paged_decode_quant(q, (cache.k[layer], cache.k_params[layer], _kernel_kind(spec.k_codec)),
                                   (cache.v[layer], cache.v_params[layer], _kernel_kind(spec.v_codec)),
-                                  int4_group(spec.head_dim), open_tensors, rows, scale, split_blocks)
+                                  int4_group(spec.head_dim), open_tensors, rows, scale, split_blocks, sinks)
 
 
-def split_kv_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale: float) -> torch.Tensor:
+def split_kv_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale: float,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q `[B, H, D]` (one token per request) -> `[B, H * D]`, over the gathered valid blocks `kv`.
 
     Per-row K/V scales of a quantized cache are folded in: into the scores for
@@ -85,21 +88,27 @@ def split_kv_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale
         0, meta.seq_index, block_out * weight)
     norm = torch.zeros(num_seqs, num_kv_heads, group, 1, device=q.device).index_add_(0, meta.seq_index,
                                                                                      block_sum * weight)
-    return (out / norm).view(num_seqs, num_heads * head_dim)
+    out = out / norm
+    if sinks is not None:  # [B, KVH, G, D] with the heads first, as with_sinks takes them
+        lse = (seq_max + norm.log()).squeeze(-1)
+        out = with_sinks(out.flatten(1, 2).transpose(0, 1), lse.flatten(1, 2).transpose(0, 1), sinks).transpose(0, 1)
+    return out.reshape(num_seqs, num_heads * head_dim)
 
 
-def union_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale: float) -> torch.Tensor:
+def union_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale: float,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q `[B, H, D]` -> `[B, H * D]`: attention over the union of the requests' blocks (`kv`), each read once.
 
     Float blocks go through SDPA. Blocks with per-row scales (int8/fp8) use the
     same math written out, with the scales folded into the scores and the
-    probabilities rather than multiplied into every element of K and V.
+    probabilities rather than multiplied into every element of K and V; so do attention sinks (`sinks` `[H]`),
+    for the rows' log-sum-exps.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv.k.shape[1]
     keys = kv.k.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
     values = kv.v.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
-    if kv.k_scale is None and kv.v_scale is None:
+    if kv.k_scale is None and kv.v_scale is None and sinks is None:
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=meta.union_mask,
             scale=scale, enable_gqa=num_heads != num_kv_heads,
@@ -113,8 +122,11 @@ def union_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale: f
         scores.mul_(kv.k_scale.transpose(0, 1).reshape(num_kv_heads, 1, -1))
     mask = meta.union_mask.repeat(group, 1)  # [G * B, U * bs], same row order
     scores.masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)  # [KVH, G * B]
+    probs = (scores - lse[..., None]).exp_()
     if kv.v_scale is not None:
         probs.mul_(kv.v_scale.transpose(0, 1).reshape(num_kv_heads, 1, -1))
     out = torch.matmul(probs, values)  # [KVH, G * B, D]
+    if sinks is not None:  # the rows of KV head h are its G query heads, each over the B requests
+        out = with_sinks(out.view(num_heads, num_seqs, head_dim), lse.view(num_heads, num_seqs), sinks)
     return out.view(num_kv_heads, group, num_seqs, head_dim).permute(2, 0, 1, 3).reshape(num_seqs, -1)

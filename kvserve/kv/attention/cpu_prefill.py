@@ -19,22 +19,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.kv.attention.reference import attend, window_applies
+from kvserve.kv.attention.reference import attend, masked_attention, window_applies, with_sinks
 
 _flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float,
-                      sliding_window: int | None = None, key_start: int = 0) -> torch.Tensor:
+                      sliding_window: int | None = None, key_start: int = 0,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """As `reference.attend`: q `[H, T, D]` at `q_positions`, k/v `[KVH, L, D]` at key_start..key_start+L-1,
-    -> `[T, H * D]`; the queries are the last T of the keys (a prefill chunk)."""
+    -> `[T, H * D]`; the queries are the last T of the keys (a prefill chunk). `sinks` `[H]`: reference.py."""
     num_queries, num_keys = q.shape[1], k.shape[1]
     cached = num_keys - num_queries
     last = int(q_positions[-1])
     chunk_is_last = cached >= 0 and last == key_start + num_keys - 1 and int(q_positions[0]) == last - num_queries + 1
     if (_flash is None or not chunk_is_last or window_applies(last, sliding_window, key_start)
             or q.dtype != torch.float32):
-        return attend(q, k, v, q_positions, scale, sliding_window, key_start)
+        return attend(q, k, v, q_positions, scale, sliding_window, key_start, sinks)
     queries = q.unsqueeze(0)
     own, own_lse = _flash(queries, k[None, :, cached:], v[None, :, cached:], 0.0, True, scale=scale)
     if cached:
@@ -44,12 +45,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
         own_weight, before_weight = (own_lse - top).exp_(), (before_lse - top).exp_()
         total = own_weight + before_weight
         own = own * (own_weight / total)[..., None] + before * (before_weight / total)[..., None]
-    return own[0].transpose(0, 1).reshape(num_queries, -1)
+        own_lse = top + total.log() if sinks is not None else own_lse
+    return with_sinks(own[0], own_lse[0], sinks).transpose(0, 1).reshape(num_queries, -1)
 
 
 def open_block_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor,
                        q_positions: torch.Tensor, scale: float, block_size: int, sliding_window: int | None,
-                       key_start: int, own_start: int) -> torch.Tensor:
+                       key_start: int, own_start: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A prefill chunk over a pool with open blocks (kv/cache/open_blocks.py): each query sees its own block, up to
     itself, in float16 (`own_k`/`own_v`: positions own_start.., the chunk's first block on) unless it is that
     block's last row, and every other key as the pool holds it (`k`/`v`: positions key_start.., read after
@@ -75,26 +77,13 @@ def open_block_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own_k:
         own &= queries - own_pos < sliding_window
     keys = torch.cat([k[:, lo:], own_k.to(k.dtype)], dim=1)
     values = torch.cat([v[:, lo:], own_v.to(v.dtype)], dim=1)
-    out, lse = _masked_attention(q, keys, values, torch.cat([main, own], dim=1), scale)
+    out, lse = masked_attention(q, keys, values, torch.cat([main, own], dim=1), scale)
     if flash:
         first, first_lse = _flash(q.unsqueeze(0), k[None, :, :lo], v[None, :, :lo], 0.0, False, scale=scale)
         top = torch.maximum(lse, first_lse[0])
         weight, first_weight = (lse - top).exp_(), (first_lse[0] - top).exp_()
         total = weight + first_weight
         out = out * (weight / total)[..., None] + first[0] * (first_weight / total)[..., None]
-    return out.transpose(0, 1).reshape(q.shape[1], -1)
+        lse = top + total.log()
+    return with_sinks(out, lse, sinks).transpose(0, 1).reshape(q.shape[1], -1)
 
-
-def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of q `[H, T, D]` over k/v `[KVH, L, D]` (GQA) where `mask` `[T, L]` allows: the output
-    `[H, T, D]` and each row's log-sum-exp `[H, T]` (every row must allow a key)."""
-    heads, num_queries, head_dim = q.shape
-    kv_heads = k.shape[0]
-    grouped = q.reshape(kv_heads, heads // kv_heads * num_queries, head_dim)
-    scores = torch.matmul(grouped, k.transpose(1, 2)).mul_(scale).view(kv_heads, -1, num_queries, k.shape[1])
-    scores.masked_fill_(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = (scores - lse[..., None]).exp_().view(kv_heads, -1, k.shape[1])
-    out = torch.matmul(probs, v).view(heads, num_queries, head_dim)
-    return out, lse.view(heads, num_queries)
