@@ -274,4 +274,6 @@ def test_memory_plan_counts_windows_per_layer_and_no_kv_for_sinks(hf_model, tmp_
                                  max_num_seqs=1), loaded=load_model(directory))
     assert engine.kv_spec.bytes_per_token == result.bytes_per_token == 3 * 2 * 16 * 2 * 4  # sinks: no K/V
     assert engine.kv_cache.bytes_allocated == result.kv_bytes_total
-    assert engine.kv_spec.layout.num_groups == 2  # the sliding layers' table and the full layer's
+    assert {group.window for group in engine.kv_spec.layout.groups} == {WINDOW, None}
+    # The sliding layers keep only their window's blocks: two of the three layers hold less than 37 tokens.
+    assert result.kv_bytes_per_request < result.kv_bytes_per_request_unwindowed == 48 * result.bytes_per_token

@@ -49,6 +49,19 @@ def seen(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, position: int) -
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_mixed_batch_matches_per_sequence_attention(window, cache_dtype):
+    check_mixed_batch(window, cache_dtype)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8", "int4"])  # int4: open blocks
+@pytest.mark.parametrize("decodes", ["split", "union"])
+def test_attention_sinks_join_every_torch_paths_denominator(window, cache_dtype, decodes):
+    # gpt-oss: split-KV and union decodes, prefill chunks (flash, masked, open-block), each against the reference.
+    sinks = torch.randn(HEADS, generator=torch.Generator().manual_seed(1)) * 2
+    check_mixed_batch(window, cache_dtype, sinks, union_factor=None if decodes == "split" else 1e9)
+
+
+def check_mixed_batch(window, cache_dtype, sinks=None, union_factor=4):
     gen = torch.Generator().manual_seed(0)
     # (tokens already cached, tokens computed this step): three decodes, then two prefill chunks.
     shapes = [(0, 1), (9, 1), (16, 1), (0, 7), (6, 5)]
@@ -67,19 +80,20 @@ def test_mixed_batch_matches_per_sequence_attention(window, cache_dtype):
         full_k.append(k)
         full_v.append(v)
         slices.append(SequenceSlice((table,), cached, new))
-    meta = build_attention_metadata(slices, BLOCK, window)
+    meta = build_attention_metadata(slices, BLOCK, window, union_factor=union_factor)
     assert meta.num_decode_tokens == 3 and len(meta.prefills) == 2
+    assert (meta.decode.union_block_ids is None) == (union_factor is None)  # None: split-KV
     q = torch.randn(sum(n for _, n in shapes), HEADS, HEAD_DIM, generator=gen)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes)])
-    out = PagedKVContext(cache, [meta]).attend(0, q, new_k, new_v, HEAD_DIM**-0.5)
+    out = PagedKVContext(cache, [meta]).attend(0, q, new_k, new_v, HEAD_DIM**-0.5, sinks)
 
     row = 0
     for (cached, new), k, v in zip(shapes, full_k, full_v):
         for position in range(cached, cached + new):  # each query over the K/V it reads
             sk, sv = seen(cache, k, v, position)
             expected = attend(q[row : row + 1].transpose(0, 1), sk.transpose(0, 1), sv.transpose(0, 1),
-                              torch.tensor([position]), HEAD_DIM**-0.5, window)
+                              torch.tensor([position]), HEAD_DIM**-0.5, window, sinks=sinks)
             torch.testing.assert_close(out[row : row + 1], expected, atol=1e-5, rtol=1e-5)
             row += 1
 
