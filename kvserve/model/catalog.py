@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvserve.config import ModelConfig
-from kvserve.model import gemma3
+from kvserve.model import gemma3, gpt_oss
 
 
 def _shape(layers: int, heads: int, kv_heads: int, head_dim: int, hidden: int, intermediate: int, vocab: int,
@@ -51,6 +51,12 @@ KNOWN_MODELS: dict[str, ModelConfig] = {
     "Qwen3-30B-A3B": replace(
         _shape(48, 32, 4, 128, 2048, 6144, 151936, 40960), architecture="qwen3moe", num_experts=128,
         num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    # Experts of 2,880 (4 per token) in every layer; a 128-token window on every other layer (sinks hold no KV).
+    **{name: replace(
+        _shape(layers, 64, 8, 64, 2880, 0, 201088, 131072), architecture="gpt-oss", attention_bias=True,
+        num_experts=experts, num_experts_per_tok=4, moe_intermediate_size=2880, sliding_window=128,
+        layer_windows=gpt_oss.gguf_layer_windows(128, layers))
+       for name, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128))},
 }
 
 

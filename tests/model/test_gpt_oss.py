@@ -247,8 +247,9 @@ def test_engine_tokens_are_the_same_cold_cached_chunked_and_drafted(hf_model, tm
     from kvserve.engine.sample.sampling import SamplingParams
     from tests.engine.test_batch_invariance import Oracle, run
 
-    loaded = load_model(save_hf_model(hf_model, tmp_path))  # the default weights
-    assert loaded.linear_dtype != "float32"
+    # int4, as "auto" holds a full-size model's (a model this small resolves to float32): experts as group codes
+    loaded = load_model(save_hf_model(hf_model, tmp_path), weights_dtype="int4")
+    assert loaded.linear_dtype == "int4"
     rng = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, TINY_VOCAB, (n,), generator=rng).tolist() for n in (37, 9, 22)]
     params = [SamplingParams(max_tokens=10, temperature=t, seed=s, ignore_eos=True, logprobs=0)
@@ -277,3 +278,15 @@ def test_memory_plan_counts_windows_per_layer_and_no_kv_for_sinks(hf_model, tmp_
     assert {group.window for group in engine.kv_spec.layout.groups} == {WINDOW, None}
     # The sliding layers keep only their window's blocks: two of the three layers hold less than 37 tokens.
     assert result.kv_bytes_per_request < result.kv_bytes_per_request_unwindowed == 48 * result.bytes_per_token
+
+
+def test_catalog_gpt_oss_sizes_and_windowed_kv():
+    from kvserve.model.catalog import KNOWN_MODELS, num_parameters
+    from kvserve.planner import plan
+
+    assert num_parameters(KNOWN_MODELS["gpt-oss-20b"]) / 1e9 == pytest.approx(20.91, abs=0.01)
+    assert num_parameters(KNOWN_MODELS["gpt-oss-120b"]) / 1e9 == pytest.approx(116.8, abs=0.1)
+    config = KNOWN_MODELS["gpt-oss-20b"]
+    result = plan("gpt-oss-20b", config, num_parameters(config), context=8192, kv_dtype="float16")
+    full_layers = 12 * 8192 * 8 * 64 * 2 * 2  # the 12 full layers hold every token; the 12 windowed far fewer
+    assert full_layers < result.kv_bytes_per_request < full_layers * 1.05
