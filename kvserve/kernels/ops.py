@@ -170,7 +170,7 @@ class RowTables(NamedTuple):
 def _sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     """The kernels' sinks argument: fp32 `[H]` on the CPU, or empty for none."""
     if sinks is None:
-        return torch.empty(0, dtype=_F32)
+        return torch.empty(0, dtype=_F32, device=q.device)
     if not sinks.is_cpu or sinks.numel() != q.shape[1]:
         raise KernelInputError(f"sinks must be one CPU logit per query head ({q.shape[1]}), got {tuple(sinks.shape)} "
                                f"on {sinks.device}")
