@@ -82,7 +82,8 @@ def _checked_items(items: list[InputMessage], param: str) -> list[dict]:
 
 
 def _with_id(item: dict, kind: str) -> dict:
-    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "compaction": "cmp"}[kind]
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "compaction": "cmp",
+              "reasoning": "rs"}[kind]
     entry = {"id": f"{prefix}_{uuid.uuid4().hex}", **item}
     return {**entry, "status": "completed"} if kind == "message" else entry
 

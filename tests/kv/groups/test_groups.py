@@ -116,8 +116,10 @@ def test_the_hybrid_search_backs_off_to_where_every_group_has_its_blocks():
     pool = kv.pool
     chain = block_hashes(tokens + [7], BS)
     for index, group in ((6, 1), (4, 2)):
-        pool._evict(pool.cached_block(chain.hashes[index], group))  # as allocation would, keeping the count
+        block = pool.cached_block(chain.hashes[index], group)
+        pool._evict(block)  # as allocation would, keeping the counts (the pool's and its owner's)
         pool.num_cached_free_blocks -= 1
+        pool.quota.cached_free[block.tenant] -= 1
     match = kv.find_cached_prefix(tokens + [7], chain)
     # A hit of n blocks needs blocks (4n - 5) // 4 .. n - 1 of each windowed group: n = 8 and 7 need block 6
     # of group 1; n = 6 and 5 need block 4 of group 2; n = 4 needs blocks 2 and 3 only.

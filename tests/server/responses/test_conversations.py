@@ -116,3 +116,13 @@ def test_a_restart_keeps_conversations_and_compaction_items(tiny_long_model, tmp
         reply = client.responses.create(model="tiny", input=[item, {"role": "user", "content": "Go on."}],
                                         max_output_tokens=2)
         assert reply.status in ("completed", "incomplete")
+
+
+def test_a_reasoning_item_is_kept_with_a_reasoning_id(app):
+    """Every input item kind responses.create takes, a conversation takes too (schemathesis found a 500 here)."""
+    client = client_for(app)
+    created = client.conversations.create(items=[
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Thinking."}]},
+        {"type": "message", "role": "user", "content": "Hi."}])
+    items = client.conversations.items.list(created.id, order="asc")
+    assert [i.type for i in items.data] == ["reasoning", "message"] and items.data[0].id.startswith("rs_")
