@@ -165,5 +165,7 @@ def pack_kquant(matrix: KQuantCodes) -> torch.Tensor:
         for values in (fields.scales, fields.mins):
             parts.append(_bytes(_tiled(values.view(*per_block, 8), tiles).transpose(2, 3), tiles, supers))
     packed = torch.cat(parts, dim=2)
-    assert packed.shape[2] == kquant_block_bytes(matrix.kind)
+    if packed.shape[2] != kquant_block_bytes(matrix.kind):  # a layout bug, never bad input
+        raise RuntimeError(f"{matrix.kind} repacked to {packed.shape[2]} bytes a super-block, not "
+                           f"{kquant_block_bytes(matrix.kind)}")
     return packed

@@ -78,5 +78,6 @@ def quantize_kquant(weight: torch.Tensor, kind: str) -> torch.Tensor:
         raise ValueError(f"{kind} needs a K-quant type and inputs in multiples of {SUPER_BLOCK}; got {cols}")
     blocks = weight.float().reshape(-1, SUPER_BLOCK)
     data = _q6_k(blocks) if kind == "Q6_K" else _q45_k(blocks, 4 if kind == "Q4_K" else 5)
-    assert data.shape[1] == TYPE_BYTES[kind]
+    if data.shape[1] != TYPE_BYTES[kind]:  # a layout bug, never bad input
+        raise RuntimeError(f"{kind} quantized to {data.shape[1]} bytes a super-block, not {TYPE_BYTES[kind]}")
     return data.reshape(rows, -1)
