@@ -40,6 +40,11 @@ class RopeScaling:
     attention_factor: float | None = None
 
 
+# Layer kinds of a hybrid model (ModelConfig.layer_kinds).
+ATTENTION = "attention"
+RECURRENT = "recurrent"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The shape of a Llama-family decoder, whatever file it came from."""
@@ -92,6 +97,12 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # Hybrid models (Qwen3.5's Gated DeltaNet, LFM2's short convolutions): each layer's kind, ATTENTION (keeps
+    # K/V per token in the paged cache) or RECURRENT (keeps a fixed-size state per request); None: every layer
+    # attends. `recurrent_state` is the shapes of the float32 tensors one recurrent layer keeps per request
+    # (the same for every recurrent layer of a model), e.g. ((conv_dim, kernel - 1), (heads, d_k, d_v)).
+    layer_kinds: tuple[str, ...] | None = None
+    recurrent_state: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
@@ -108,8 +119,30 @@ class ModelConfig:
             bad = next((w for w in self.layer_windows if w is not None and (not isinstance(w, int) or w < 1)), None)
             if bad is not None:
                 raise ValueError(f"a layer window must be a positive token count or None, got {bad!r}")
+        if self.layer_kinds is not None:
+            if len(self.layer_kinds) != self.num_layers:
+                raise ValueError(f"layer_kinds has {len(self.layer_kinds)} entries for {self.num_layers} layers")
+            if set(self.layer_kinds) - {ATTENTION, RECURRENT}:
+                raise ValueError(f"a layer kind is {ATTENTION!r} or {RECURRENT!r}, got {self.layer_kinds}")
+            if RECURRENT in self.layer_kinds and not self.recurrent_state:
+                raise ValueError("recurrent layers need their state's shapes (recurrent_state)")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok must be 1..{self.num_experts}, got {self.num_experts_per_tok}")
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The model layers that keep K/V (all of them unless the model is hybrid), in order: attention layer i
+        of the KV cache is model layer `attention_layers[i]`."""
+        if self.layer_kinds is None:
+            return tuple(range(self.num_layers))
+        return tuple(layer for layer, kind in enumerate(self.layer_kinds) if kind == ATTENTION)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The model layers that keep a recurrent state instead (state layer i is model layer `recurrent_layers[i]`)."""
+        if self.layer_kinds is None:
+            return ()
+        return tuple(layer for layer, kind in enumerate(self.layer_kinds) if kind == RECURRENT)
 
     def window_for_layer(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None = full attention)."""

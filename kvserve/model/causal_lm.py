@@ -14,6 +14,7 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.kernels import ops
 from kvserve.kv.attention import AttentionContext, ContiguousContext
+from kvserve.kv.state.context import ContiguousStateContext, StateContext
 from kvserve.model.layers import Linear, RotaryEmbedding, VocabEmbedding
 from kvserve.model.weights import checkpoint_targets, parameter_count, stream_weights
 
@@ -29,6 +30,13 @@ class CausalLM(nn.Module):
     A family's `__init__` calls this one (config, embedding), then builds `layers` (each a module called
     as `layer(x, cos, sin, kv, layer_index)`, with `self_attn.sliding_window`), `norm`, `build_head()`
     and `rotary_emb`.
+
+    A hybrid model (`config.layer_kinds`: Qwen3.5, LFM2) has recurrent layers too: its forward also gets
+    `states`, the step's recurrent-state context (kv/state/context.py), and calls every layer as
+    `layer(x, cos, sin, kv, layer_index, states)`. Only its attention layers have `self_attn`; the i-th of
+    them is attention layer i of the KV cache (`config.attention_layers`), and it attends as that layer
+    (`kv.attend(i, ...)`); the i-th recurrent layer is state layer i. Without a KV cache the state context
+    is a contiguous one (one sequence from position 0, nothing kept).
     """
 
     # Hugging Face's separate projections -> the shards of our fused ones.
@@ -81,13 +89,20 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv: AttentionContext | None = None,
         logits_indices: torch.Tensor | None = None,
+        states: StateContext | None = None,
     ) -> torch.Tensor:
         """input_ids/positions `[N]` -> logits `[N, vocab]` (or only the rows in `logits_indices`)."""
         if kv is None:
             kv = ContiguousContext(positions, self.layer_windows)
+            if states is None and self.has_recurrent_state:
+                states = ContiguousStateContext(input_ids.shape[0])
+        if states is not None and not self.has_recurrent_state:
+            raise ValueError("this model keeps no recurrent state: its forward takes no state context")
+        if states is None and self.has_recurrent_state:
+            raise ValueError("a hybrid model's forward over a KV cache needs its recurrent-state context")
         x = self.embed(input_ids)
         for index, (layer, (cos, sin)) in enumerate(zip(self.layers, self.rope_tables(positions))):
-            x = layer(x, cos, sin, kv, index)
+            x = layer(x, cos, sin, kv, index) if states is None else layer(x, cos, sin, kv, index, states)
         if logits_indices is not None:
             x = x[logits_indices]
         return self.compute_logits(x)
@@ -96,6 +111,7 @@ class CausalLM(nn.Module):
         """Cached keys `[T, KVH, D]` of `layer` (RoPE applied) as if computed `delta` positions later: RoPE is
         a rotation by position, so rotating by `delta` with the layer's own rotary embedding moves them (a
         context shift's re-rotation, as llama.cpp does). A layer without RoPE keeps them as they are."""
+        layer = self.config.attention_layers[layer]  # the cache's attention layer -> the model's layer
         if self.config.rope_layers is not None and not self.config.rope_layers[layer]:
             return keys
         cos, sin = self.rotary_for_layer(layer).rotation(torch.tensor([delta], device=keys.device))
@@ -115,8 +131,13 @@ class CausalLM(nn.Module):
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
-        """Each layer's sliding window (None = full): what an attention context is built for."""
-        return tuple(layer.self_attn.sliding_window for layer in self.layers)
+        """Each attention layer's sliding window (None = full): what an attention context is built for."""
+        return tuple(self.layers[layer].self_attn.sliding_window for layer in self.config.attention_layers)
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Whether some layers keep a recurrent state per request (a hybrid model)."""
+        return bool(self.config.recurrent_layers)
 
     def num_parameters(self) -> int:
         """The model's parameter count, whatever format its linear layers hold (a tied head counts once)."""

@@ -152,8 +152,9 @@ class KVSpec:
 
 def kv_spec(config: ModelConfig, dtype: str = "auto", linear_dtype: str = "float32") -> KVSpec:
     """The spec at cache dtype `dtype` ("auto": by `linear_dtype`, what the linear layers hold)."""
-    windows = tuple(config.window_for_layer(layer) for layer in range(config.num_layers))
-    return KVSpec(config.num_layers, config.num_kv_heads, config.head_dim, resolve_cache_dtype(dtype, linear_dtype),
+    layers = config.attention_layers  # a hybrid model's recurrent layers keep no K/V (kv/state/)
+    windows = tuple(config.window_for_layer(layer) for layer in layers)
+    return KVSpec(len(layers), config.num_kv_heads, config.head_dim, resolve_cache_dtype(dtype, linear_dtype),
                   windows if any(window is not None for window in windows) else ())
 
 
