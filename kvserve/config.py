@@ -290,6 +290,13 @@ class EngineConfig:
     keep_tokens: int = field(default=4, metadata=engine_arg(
         "with {context_overflow} shift: leading tokens never dropped (attention sinks, a system prompt)",
         check=token_count))
+    state_cache_fraction: float = field(default=0.5, metadata=engine_arg(
+        "a hybrid model's (Qwen3.5, LFM2) share of {kv_cache_memory} for recurrent states: each running "
+        "request's live state and the snapshots prefix hits resume from (the rest holds the attention layers' "
+        "K/V blocks; ignored for other models)", check=fraction))
+    state_snapshot_interval: int = field(default=8, metadata=engine_arg(
+        "a hybrid model's recurrent state is snapshotted every this many blocks along a sequence (besides the "
+        "end of each step and where a hit's blocks fork), for prefix hits", check=positive_int))
     speculative: str = field(default="auto", metadata=engine_arg(
         "speculative decoding without a draft model, verified exactly (greedy output unchanged, sampling "
         "distribution unchanged): ngram (prompt lookup: drafts copied from the request's own tokens), suffix "

@@ -63,7 +63,7 @@ class Engine:
             parts.attention_backend, parts.tiers, parts.tiering, parts.prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_manager, self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.attention_backend, parts.device,
-                                  tiers=self.tiers)
+                                  tiers=self.tiers, states=parts.state_cache)
         # Without a KV cache, blocks are scratch for one step: a request holds no cache memory.
         page_bytes = self.kv_spec.page_bytes(self.config.block_size) if self.config.enable_kv_cache else 0
         self.outputs = OutputProcessor(self.loaded.tokenizer, self.kv_manager, page_bytes, self.prefix_caching)

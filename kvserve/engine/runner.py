@@ -23,6 +23,8 @@ from kvserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvserve.kv.attention import AttentionBackend, SequenceSlice
 from kvserve.kv.context_shift import ShiftPlan, TokenMoves
 from kvserve.kv.cache.storage import PagedKVCache
+from kvserve.kv.state.context import StateSequence
+from kvserve.kv.state.storage import StateCache
 from kvserve.kv.tiers.connector import LoadResult, TierConnector, TierLoad
 from kvserve.kv.tiers.reader import TierReader
 from kvserve.model.causal_lm import CausalLM
@@ -40,13 +42,18 @@ class _StepInputs:
     accept_rows: list[AcceptRows] = field(default_factory=list)  # each request's part of sample_rows
     # (request, first prompt position, first row, rows) of the rows that score prompt tokens
     prompt_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
+    states: list[StateSequence] = field(default_factory=list)  # a hybrid model's sequences, in row order
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, attention: AttentionBackend,
-                 device: torch.device | str = "cpu", tiers: TierConnector | None = None) -> None:
+                 device: torch.device | str = "cpu", tiers: TierConnector | None = None,
+                 states: StateCache | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        if (states is not None) != model.has_recurrent_state:
+            raise ValueError("a hybrid model runs with a recurrent-state cache, and only a hybrid model does")
+        self.states = states
         self.attention = attention  # the backend that allocated kv_cache
         self.device = torch.device(device)  # every tensor a step builds is made there
         layout = kv_cache.spec.layout
@@ -173,6 +180,12 @@ class ModelRunner:
                 inputs.accept_rows.append(AcceptRows(item.request_id, len(inputs.sample_rows) + forced_rows,
                                                      item.forced_token_ids, item.draft_token_ids, forced_rows))
                 inputs.sample_rows.extend(rows[item.request_id][-num_rows:])
+            if item.state is not None:
+                request_rows = rows[item.request_id]  # contiguous: a request's units stay together, in order
+                if request_rows[-1] - request_rows[0] + 1 != len(request_rows):
+                    raise ValueError(f"request {item.request_id}: its rows are not contiguous in the batch order")
+                inputs.states.append(StateSequence(request_rows[0], len(request_rows), item.num_computed_tokens,
+                                                   item.state.slot, item.state.snapshots, item.state.source))
             prompt = self.acceptor.prompt_token_ids(item.request_id)
             if prompt is not None:
                 # Position p's logits score prompt token p + 1.
@@ -202,7 +215,11 @@ class ModelRunner:
         logits_rows = torch.cat([self._tensor(inputs.sample_rows)]
                                 + [torch.arange(row, row + count, device=self.device)
                                    for _, _, row, count in inputs.prompt_rows])
-        return self.model(self._tensor(inputs.input_ids), torch.cat(inputs.positions), context, logits_rows)
+        states = None
+        if self.states is not None:
+            states = self.states.context(sorted(inputs.states, key=lambda sequence: sequence.first_row))
+        return self.model(self._tensor(inputs.input_ids), torch.cat(inputs.positions), context, logits_rows,
+                          states=states)
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import replace
 
 from kvserve.config import EngineConfig
 from kvserve.engine.fair_share import FairShare, tenant_queues
@@ -104,8 +105,9 @@ class Scheduler:
         self.fair.share(queues, budget, serve, lambda r: r.num_tokens - r.num_computed_tokens,
                         refill=lambda: not first_tokens)
         for request_id, count in counts.items():
-            out.scheduled.append(scheduled_request(self.requests[request_id], count,
-                                                   self.kv.take_block_updates(request_id)))
+            item = scheduled_request(self.requests[request_id], count, self.kv.take_block_updates(request_id))
+            state = self.kv.state_step(request_id, item.num_computed_tokens, count, item.num_speculative_tokens)
+            out.scheduled.append(item if state is None else replace(item, state=state))
         return out
 
     def _give_running(self, request: Request, budget: int, out: SchedulerOutput, counts: dict[str, int]) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvserve.engine.request import Request
 from kvserve.kv.pool.block_updates import BlockTableUpdate
 from kvserve.kv.context_shift import ShiftPlan
+from kvserve.kv.state.manager import StateStep
 from kvserve.kv.tiers.connector import TierLoad
 
 
@@ -26,6 +27,7 @@ class ScheduledRequest:
     sample: bool  # whether this step reaches the end of the request's tokens (new tokens are accepted)
     forced_token_ids: tuple[int, ...] = ()
     draft_token_ids: tuple[int, ...] = ()
+    state: StateStep | None = None  # a hybrid model's recurrent-state slots for this step (opaque ids)
 
     @property
     def num_new_tokens(self) -> int:

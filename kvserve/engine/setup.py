@@ -27,6 +27,8 @@ from kvserve.kv.cache.storage import PagedKVCache
 from kvserve.kv.tiers.connector import TierConnector
 from kvserve.kv.tiers.disk import DiskTier
 from kvserve.kv.tiers.traffic import TierTraffic
+from kvserve.kv.state.state_spec import StateSpec, state_spec
+from kvserve.kv.state.storage import StateCache
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.platform import Platform
 
@@ -48,6 +50,7 @@ class EngineParts:
     tiers: TierConnector | None  # the lower tiers, disk first (None: none configured)
     tiering: TierTraffic | None
     prefix_caching: bool  # without a KV cache there is nothing to share: a hit would skip the recompute
+    state_cache: StateCache | None = None  # a hybrid model's recurrent-state slots (None: no recurrent layers)
 
 
 def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None,
@@ -67,18 +70,24 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None,
     max_model_len = checked_max_model_len(config, loaded.config)
     spec = kv_spec(loaded.config, config.kv_cache_dtype, loaded.linear_dtype)
     check_layout(config, spec, max_model_len)
-    num_blocks = pool_blocks(config, spec)
+    states = state_spec(loaded.config)
+    if states is not None:
+        check_hybrid(config)
+    num_state_slots = state_slots(config, states)
+    num_blocks = pool_blocks(config, spec, config.kv_cache_bytes - num_state_slots * (states.slot_bytes if states else 0))
     kv_cache = backend.allocate_kv_cache(spec, num_blocks, config.block_size, config.device,
                                          max_num_seqs=config.max_num_seqs)
+    state_cache = StateCache(states, num_state_slots, platform.device) if states is not None else None
     prefix_caching = config.enable_prefix_caching and config.enable_kv_cache
     tiers = (TierConnector([open_disk_tier(config, loaded, kv_cache, spec.dtype)])
              if config.kv_disk_path is not None else None)
     kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=prefix_caching,
                                 max_pinned_fraction=config.max_pinned_fraction, clock=clock,
-                                group_windows=spec.layout.windows, tiers=tiers)
+                                group_windows=spec.layout.windows, tiers=tiers, state_slots=num_state_slots,
+                                snapshot_interval=config.state_snapshot_interval)
     tiering = TierTraffic(tiers, kv_manager, kv_cache) if tiers is not None else None
     parts = EngineParts(config, platform.device, loaded, max_model_len, spec, backend, kv_cache,
-                        kv_manager, tiers, tiering, prefix_caching)
+                        kv_manager, tiers, tiering, prefix_caching, state_cache)
     log_startup(parts)
     return parts
 
@@ -144,11 +153,38 @@ def check_layout(config: EngineConfig, spec: KVSpec, max_model_len: int) -> None
                               f"({max_model_len} tokens): a shift drops half of what is not kept")
 
 
-def pool_blocks(config: EngineConfig, spec: KVSpec) -> int:
-    """How many blocks the KV budget holds; one block is one KV group's page: block_size tokens of
-    page_layers layers."""
+def check_hybrid(config: EngineConfig) -> None:
+    """Features a hybrid model's recurrent state cannot follow, refused before anything is allocated."""
+    if config.kv_disk_path is not None:
+        raise ConfigError("kv_disk_path: the disk tier holds K/V blocks; a hybrid model's prefix hit also needs "
+                          "the recurrent-state snapshot where it ends, which the tier does not keep, so its "
+                          "blocks could never be resumed from")
+    if config.context_overflow == "shift":
+        raise ConfigError("context_overflow='shift' re-rotates cached keys; a hybrid model's recurrent state has "
+                          "every dropped token folded in and cannot drop them")
+
+
+def state_slots(config: EngineConfig, spec: StateSpec | None) -> int:
+    """How many recurrent-state slots `state_cache_fraction` of the budget holds (0 for a model without
+    recurrent layers): each running request holds one, the rest keep snapshots for prefix hits."""
+    if spec is None:
+        return 0
+    budget = int(config.kv_cache_bytes * config.state_cache_fraction)
+    slots = budget // spec.slot_bytes
+    if slots < 2:
+        raise ConfigError(f"state_cache_fraction {config.state_cache_fraction:g} of kv_cache_memory "
+                          f"({config.kv_cache_bytes:,} bytes) holds {slots} recurrent states of {spec.slot_bytes:,} "
+                          f"bytes ({spec.formula()}); a request needs one to run and one more to step without "
+                          f"writing over what it read: raise either")
+    return slots
+
+
+def pool_blocks(config: EngineConfig, spec: KVSpec, budget: int | None = None) -> int:
+    """How many blocks the KV budget holds (`budget`: what is left of kv_cache_memory for K/V); one block
+    is one KV group's page: block_size tokens of page_layers layers."""
     block_bytes = spec.page_bytes(config.block_size)
-    budget = config.kv_cache_bytes  # the default is a share of what is free after the load
+    if budget is None:
+        budget = config.kv_cache_bytes  # the default is a share of what is free after the load
     # Pages, and beside them (int4 keys) the float16 blocks being filled: one per request and KV group.
     num_blocks = spec.pool_pages(budget, config.block_size, config.max_num_seqs)
     if num_blocks < 1:
@@ -175,6 +211,11 @@ def log_startup(parts: EngineParts) -> None:
     log.info("KV cache: %s, %.1f MiB%s prefix caching %s%s", geometry, parts.kv_cache.bytes_allocated / 2**20,
              groups, "on" if parts.prefix_caching else "off",
              "" if config.enable_kv_cache else "; KV cache DISABLED: every step recomputes every sequence")
+    if parts.state_cache is not None:
+        states = parts.state_cache.spec
+        log.info("recurrent state: %d slots of %s bytes (%s), %.1f MiB: one per running request, the rest "
+                 "snapshots every %d blocks for prefix hits", parts.state_cache.num_slots, f"{states.slot_bytes:,}",
+                 states.formula(), parts.state_cache.nbytes / 2**20, config.state_snapshot_interval)
     if spec.k_codec.is_fp8 or spec.v_codec.is_fp8:
         log.warning("%s KV cache: this CPU has no fp8 arithmetic, so every read converts the gathered blocks "
                     "to float32 in software (works; int8 is as small and faster here)", spec.dtype)

@@ -26,18 +26,26 @@ from kvserve.kv.prefix.pins import PinStats, PinTable
 from kvserve.kv.prefix.prefix_cache import Divergence, PrefixCache, PrefixMatch
 from kvserve.kv.tiers.connector import TierConnector, TierLoad
 from kvserve.kv.groups.window import SlidingWindowManager
+from kvserve.kv.state.manager import RecurrentStates, StateStep
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_caching: bool = False,
                  max_pinned_fraction: float = 0.5, clock: Callable[[], float] | None = None,
-                 group_windows: Sequence[int | None] = (None,), tiers: TierConnector | None = None) -> None:
+                 group_windows: Sequence[int | None] = (None,), tiers: TierConnector | None = None,
+                 state_slots: int = 0, snapshot_interval: int = 8) -> None:
         """`group_windows`: each KV group's sliding window (None: full attention); one group by default.
-        `tiers`: lower tiers where a prefix match continues past the pool (one group only)."""
+        `tiers`: lower tiers where a prefix match continues past the pool (one group only).
+        `state_slots`: a hybrid model's recurrent-state slots (kv/state/manager.py; 0: the model has none),
+        snapshotted every `snapshot_interval` blocks besides each request's tail."""
         if not group_windows:
             raise ValueError("a KV cache has at least one group")
         if tiers is not None and len(group_windows) > 1:
             raise ValueError("a lower tier holds the blocks of a single KV group")
+        if tiers is not None and state_slots:
+            raise ValueError("a lower tier holds K/V blocks, not the recurrent-state snapshots a hit also needs")
+        self.states = (RecurrentStates(state_slots, block_size, snapshot_interval, enable_caching)
+                       if state_slots else None)
         self.tiers = tiers
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -48,7 +56,7 @@ class KVCacheManager:
             else SlidingWindowManager(self.pool, block_size, group, window)
             for group, window in enumerate(self.group_windows))
         self._windowed = tuple(group for group in self.groups if not group.keeps_whole_chains)
-        self.prefix = PrefixCache(self.pool, block_size, enable_caching, self.groups)
+        self.prefix = PrefixCache(self.pool, block_size, enable_caching, self.groups, self.states)
         # Admissions keep this many blocks free, so running requests can grow
         # a little before anyone has to be preempted.
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 and num_blocks > 1 else 0
@@ -119,7 +127,10 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], block_hashes: BlockHashChain,
                           num_computed_tokens: int) -> None:
+        """After a step: the request's full computed blocks (and its state snapshots) become hittable."""
         self.prefix.cache_full_blocks(request_id, token_ids, block_hashes, num_computed_tokens)
+        if self.states is not None:
+            self.states.after_step(request_id, num_computed_tokens, block_hashes.hashes)
 
     def allocate_slots(self, request_id: str, num_tokens: int, keep_watermark: bool = False,
                        prefix: PrefixMatch | None = None, tenant: str | None = None) -> bool:
@@ -139,6 +150,10 @@ class KVCacheManager:
         free = self.pool.num_free_for(tenant, needed * self.num_groups + claimed + reserve)
         if needed * self.num_groups + claimed > free - reserve:
             return False
+        if self.states is not None and not self.states.started(request_id) and not self.states.start(
+                request_id, hit.num_tokens if hit is not None else 0, hit.state_slot if hit is not None else None,
+                prefix.num_attention_tokens if prefix is not None else 0):
+            return False  # every state slot is held by a running request
         if hit is not None:
             self.pins.refresh_hit(shared)  # a hit on a pinned prefix renews its TTL
             self.pool.touch(shared)
@@ -165,8 +180,10 @@ class KVCacheManager:
         if not 0 <= num_tokens <= self._length(request_id) * self.block_size:
             raise ValueError(f"cannot truncate request {request_id} to {num_tokens} tokens: its tables hold "
                              f"{self._length(request_id) * self.block_size}")
-        while (kept := min(group.resumable_tokens(request_id, num_tokens) for group in self.groups)) != num_tokens:
-            num_tokens = kept  # every group agrees on a cut point, or it moves back
+        while (kept := min(self._resumable(request_id, num_tokens))) != num_tokens:
+            num_tokens = kept  # every group (and the recurrent state) agrees on a cut point, or it moves back
+        if self.states is not None:
+            self.states.cut(request_id, kept)
         self.prefix.cut(request_id, kept // self.block_size)
         for group in self.groups:
             dropped = group.cut(request_id, kept)
@@ -174,6 +191,20 @@ class KVCacheManager:
                 self.pool.free(reversed(dropped))
                 self._updates.changed(request_id)
         return kept
+
+    def _resumable(self, request_id: str, num_tokens: int) -> list[int]:
+        kept = [group.resumable_tokens(request_id, num_tokens) for group in self.groups]
+        if self.states is not None:
+            kept.append(self.states.resumable_tokens(request_id, num_tokens))
+        return kept
+
+    def state_step(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
+                   num_speculative_tokens: int) -> StateStep | None:
+        """A hybrid model's recurrent-state slots for the request's step (None for other models): which
+        slot is live, what to copy in first, where to keep snapshots (kv/state/manager.py)."""
+        if self.states is None:
+            return None
+        return self.states.plan_step(request_id, num_computed_tokens, num_new_tokens, num_speculative_tokens)
 
     def take_block_updates(self, request_id: str) -> BlockTableUpdate:
         """The request's tables as changed since the last call for it (kv/pool/block_updates.py)."""
@@ -183,8 +214,9 @@ class KVCacheManager:
         """Drop tokens keep..keep+drop-1 of the request's `num_computed_tokens` cached ones; the later ones
         move `drop` positions earlier (kv/context_shift.py). Full attention only (one group, no window).
         None, and nothing changes, if the blocks it must copy do not fit in the free ones."""
-        if self.group_windows != (None,):
-            raise ValueError("a context shift applies to full-attention models (one KV group, no window)")
+        if self.group_windows != (None,) or self.states is not None:
+            raise ValueError("a context shift applies to full-attention models (one KV group, no window, "
+                             "no recurrent state)")
         plan = plan_shift(self.pool, self.groups[0].tables[request_id], keep, drop, num_computed_tokens)
         if plan is not None:
             self.prefix.never_cache_from(request_id, keep // self.block_size)
@@ -244,6 +276,8 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Return all of a request's blocks (tail first) and forget it. Freeing an unknown id is a no-op."""
         self.prefix.forget(request_id)
+        if self.states is not None:
+            self.states.free(request_id)
         self._updates.changed(request_id)
         for group in self.groups:
             group.free(request_id)
@@ -256,6 +290,8 @@ class KVCacheManager:
         Raises KVIntegrityError otherwise."""
         self.pool.check_integrity()
         self.pins.check_integrity()
+        if self.states is not None:
+            self.states.check_integrity()
         holders = Counter(block.block_id for group in self.groups for table in group.tables.values()
                           for block in table if block is not None)
         for block in self.pool.blocks:
@@ -278,3 +314,5 @@ class KVCacheManager:
                                    f"{num_computed_tokens} computed tokens")
         for group in self.groups:
             group.check_table(request_id, num_computed_tokens)
+        if self.states is not None:
+            self.states.check_request(request_id, num_computed_tokens)

@@ -23,6 +23,7 @@ from kvserve.kv.pool.free_queue import KVBlock
 from kvserve.kv.groups.group_manager import GroupManager
 from kvserve.kv.prefix.hashing import BlockHash, BlockHashChain
 from kvserve.kv.prefix.pins import CacheKey
+from kvserve.kv.state.manager import RecurrentStates
 from kvserve.kv.tiers.connector import BlockKey, TierConnector, TierHit, TierLoad
 
 # (group, table index) -> the cached block for that index of a chain in that group, if any
@@ -39,6 +40,10 @@ class PrefixMatch:
     last_hash: BlockHash  # hash of the last matched block (the chain root if none matched)
     num_tier_tokens: int = 0  # of num_tokens, those a lower tier holds (to be loaded into fresh blocks)
     tier: TierHit | None = None  # the tier and the keys of those blocks
+    # Hybrid models: the recurrent-state snapshot after the hit's tokens (None: no hit, a fresh state), and
+    # how far the attention blocks alone would have gone (when further than any snapshot: a fork).
+    state_slot: int | None = None
+    num_attention_tokens: int = 0
 
     @property
     def blocks(self) -> tuple[KVBlock, ...]:
@@ -69,8 +74,9 @@ class PrefixCache:
     """The prefix cache's questions and each request's cached blocks, for one pool and its group managers."""
 
     def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool,
-                 groups: Sequence[GroupManager]) -> None:
+                 groups: Sequence[GroupManager], states: RecurrentStates | None = None) -> None:
         self.pool = pool
+        self.states = states  # a hybrid model's: a hit must also end where a state snapshot resumes it
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.groups = tuple(groups)
@@ -122,9 +128,18 @@ class PrefixCache:
                                     token_ids[index * bs : (index + 1) * bs], group)
 
         tables = self.longest_hit(lookup, self.max_hit_blocks(token_ids, block_hashes))
-        num_blocks = len(tables[0])
+        num_attention = num_blocks = len(tables[0])
+        state_slot = None
+        if self.states is not None:
+            # The attention groups and the state agree, as the groups do among themselves: the state serves
+            # up to its last snapshot, and the groups are asked again up to there.
+            while (served := self.states.longest_hit(hashes, num_blocks)) < num_blocks:
+                tables = self.longest_hit(lookup, served)
+                num_blocks = len(tables[0])
+            state_slot = self.states.snapshot_for(hashes, num_blocks)
         last = hashes[num_blocks - 1] if num_blocks else block_hashes.root
-        return PrefixMatch(tables, num_blocks * bs, last)
+        return PrefixMatch(tables, num_blocks * bs, last, state_slot=state_slot,
+                           num_attention_tokens=num_attention * bs)
 
     def match_prefix(self, token_ids: Sequence[int], block_hashes: BlockHashChain,
                      tiers: TierConnector | None) -> PrefixMatch:

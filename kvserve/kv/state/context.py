@@ -32,9 +32,17 @@ class StateSequence:
     first_row: int  # its first row in the forward (its rows are contiguous, in order)
     num_rows: int
     start: int  # the position of its first row; 0: the state starts fresh (all zeros)
-    slot: int  # its live slot: read before the first row (when start > 0), written after the last
+    slot: int  # its live slot: written after the last row
     # (rows, slot): after that many of its rows (1..num_rows), the state is also copied to `slot`.
     snapshots: tuple[tuple[int, int], ...] = ()
+    # The slot its state is read from before the first row (when start > 0); None: `slot` itself. The engine
+    # reads one slot and writes another, so a step run again (a batch that failed, retried request by
+    # request) reads the same state again; a prefix hit reads its snapshot.
+    source: int | None = None
+
+    @property
+    def read_slot(self) -> int:
+        return self.slot if self.source is None else self.source
 
 
 class StateContext(ABC):

@@ -55,7 +55,7 @@ class SlotStateContext(StateContext):
     def read(self, layer: int, sequence: StateSequence) -> LayerState | None:
         if sequence.start == 0:
             return None
-        return [tensor[sequence.slot] for tensor in self.cache.layers[layer]]
+        return [tensor[sequence.read_slot] for tensor in self.cache.layers[layer]]
 
     def write(self, layer: int, slot: int, state: LayerState) -> None:
         for tensor, value in zip(self.cache.layers[layer], state):
