@@ -84,7 +84,8 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None,
     kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=prefix_caching,
                                 max_pinned_fraction=config.max_pinned_fraction, clock=clock,
                                 group_windows=spec.layout.windows, tiers=tiers, state_slots=num_state_slots,
-                                snapshot_interval=config.state_snapshot_interval)
+                                snapshot_interval=config.state_snapshot_interval,
+                                state_slot_bytes=states.slot_bytes if states is not None else 0)
     tiering = TierTraffic(tiers, kv_manager, kv_cache) if tiers is not None else None
     parts = EngineParts(config, platform.device, loaded, max_model_len, spec, backend, kv_cache,
                         kv_manager, tiers, tiering, prefix_caching, state_cache)

@@ -26,14 +26,14 @@ from kvserve.kv.prefix.pins import PinStats, PinTable
 from kvserve.kv.prefix.prefix_cache import Divergence, PrefixCache, PrefixMatch
 from kvserve.kv.tiers.connector import TierConnector, TierLoad
 from kvserve.kv.groups.window import SlidingWindowManager
-from kvserve.kv.state.manager import RecurrentStates, StateStep
+from kvserve.kv.state.manager import RecurrentStates, StateStats, StateStep
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_caching: bool = False,
                  max_pinned_fraction: float = 0.5, clock: Callable[[], float] | None = None,
                  group_windows: Sequence[int | None] = (None,), tiers: TierConnector | None = None,
-                 state_slots: int = 0, snapshot_interval: int = 8) -> None:
+                 state_slots: int = 0, snapshot_interval: int = 8, state_slot_bytes: int = 0) -> None:
         """`group_windows`: each KV group's sliding window (None: full attention); one group by default.
         `tiers`: lower tiers where a prefix match continues past the pool (one group only).
         `state_slots`: a hybrid model's recurrent-state slots (kv/state/manager.py; 0: the model has none),
@@ -46,6 +46,7 @@ class KVCacheManager:
             raise ValueError("a lower tier holds K/V blocks, not the recurrent-state snapshots a hit also needs")
         self.states = (RecurrentStates(state_slots, block_size, snapshot_interval, enable_caching)
                        if state_slots else None)
+        self.state_slot_bytes = state_slot_bytes  # what one slot holds (reported only)
         self.tiers = tiers
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -205,6 +206,10 @@ class KVCacheManager:
         if self.states is None:
             return None
         return self.states.plan_step(request_id, num_computed_tokens, num_new_tokens, num_speculative_tokens)
+
+    def state_stats(self) -> StateStats | None:
+        """The recurrent-state slots (None for a model without recurrent layers)."""
+        return None if self.states is None else self.states.stats(self.state_slot_bytes)
 
     def take_block_updates(self, request_id: str) -> BlockTableUpdate:
         """The request's tables as changed since the last call for it (kv/pool/block_updates.py)."""

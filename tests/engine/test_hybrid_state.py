@@ -56,7 +56,10 @@ def test_a_prefix_hit_resumes_the_state_exactly(toy, cold):
     # The second and third prompts share 26 tokens: the grid (every 2 blocks = 8 tokens) gives a hit of 24,
     # and the second request's snapshot at its fork (the attention blocks' end, 24 too) is found again.
     assert stats.prefix_cache_hits >= 2 * 24
-    assert engine.kv_manager.states.slots.num_snapshots > 0
+    states = stats.states
+    assert states.num_snapshots > 0 and states.num_live == 0 and states.num_held == 0  # all returned
+    assert states.slot_kinds.count("snapshot") == states.num_snapshots
+    assert states.slot_bytes == 2 * (32 * 2 + 32) * 4  # 2 recurrent layers x (conv window + sum) x float32
 
 
 def test_batched_chunked_drafted_and_preempted_requests_keep_the_greedy_tokens(toy, cold):

@@ -20,6 +20,7 @@ from kvserve.engine.spec_decode.slots import StepDrafts
 from kvserve.engine.spec_decode.counters import SpecDecodeStats
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix.pins import PinStats
+from kvserve.kv.state.manager import StateStats
 from kvserve.kv.tiers.stats import TierStats
 
 
@@ -106,6 +107,7 @@ class EngineStats:
     draft_slots: StepDrafts | None = None  # the last step's draft slots in the cache (None: drafting off)
     structured: StructuredOutputStats | None = None  # grammars compiled, constrained requests, forced tokens
     tenants: tuple[TenantStats, ...] = ()  # per-tenant usage (engine/observe/tenant_stats.py)
+    states: StateStats | None = None  # a hybrid model's recurrent-state slots (None: no recurrent layers)
 
     @property
     def num_running(self) -> int:
@@ -160,7 +162,7 @@ def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int, 
         waiting=tuple(request_stats(r, kv) for r in [*(r for r, _ in scheduler.loading.values()), *scheduler.waiting]),
         last_step=last_step, blocks=blocks,
         tier=tier, pins=pins, spec_decode=spec_decode, draft_slots=draft_slots, structured=structured,
-        tenants=tenant_stats(scheduler),
+        tenants=tenant_stats(scheduler), states=kv.state_stats(),
     )
 
 

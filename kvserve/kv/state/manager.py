@@ -31,6 +31,21 @@ from kvserve.kv.state.slots import StateSlots
 
 
 @dataclass(frozen=True, slots=True)
+class StateStats:
+    """The state slots between two steps, for the stats snapshot (metrics, /v1/kv_cache, the lab)."""
+
+    num_slots: int
+    slot_bytes: int  # one request's state over every recurrent layer
+    num_live: int  # running requests' live states
+    num_held: int  # slots held by requests (live, being read or written, their tails)
+    num_snapshots: int  # findable by prefix hits (held or not)
+    num_evicted: int  # snapshots given up for a slot (monotonic)
+    snapshot_interval: int  # blocks between grid snapshots
+    # Per slot: "live", "snapshot" (findable), "working" (held: read, or written this step) or "free".
+    slot_kinds: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StateStep:
     """One request's recurrent state in a step, as slot ids (the runner moves the tensors)."""
 
@@ -209,6 +224,14 @@ class RecurrentStates:
         slots = [self._live.get(request_id), self._hit.get(request_id), self._read.get(request_id),
                  *self._written.get(request_id, {}).values(), self._tail.get(request_id, (0, None))[1]]
         return [slot for slot in slots if slot is not None]
+
+    def stats(self, slot_bytes: int) -> StateStats:
+        live = set(self._live.values())
+        slots = self.slots
+        kinds = tuple("live" if slot in live else "snapshot" if slots.key_of[slot] is not None
+                      else "working" if slots.ref_cnt[slot] else "free" for slot in range(slots.num_slots))
+        return StateStats(slots.num_slots, slot_bytes, len(live), slots.num_held, slots.num_snapshots,
+                          slots.num_evicted, self.snapshot_interval, kinds)
 
     def check_request(self, request_id: str, num_computed_tokens: int) -> None:
         """A running request has a live state, and it is the state after its computed tokens."""
