@@ -72,6 +72,9 @@ class Request:
         self.num_cached_tokens: int | None = None
         self.num_tier_cached_tokens = 0  # of those, loaded from a lower tier (disk) for this request
         self.prefix_divergence = None
+        # A hybrid model's hit stopped short of its cached attention blocks (at the last state snapshot): how
+        # far the blocks went (0: it did not).
+        self.num_attention_cached_tokens = 0
         self.prefix_cache_report = None  # built once from the two above, for outputs
         # Logprob entries recorded and not yet handed out: outputs are deltas, so each entry goes
         # out once (take_new_logprobs) and the request keeps no history of them.

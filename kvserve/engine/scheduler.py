@@ -236,6 +236,8 @@ class Scheduler:
         request.num_tier_cached_tokens = num_tier_tokens
         self.prefix_cache_queries += request.num_prompt_tokens
         self.prefix_cache_hits += num_hit
+        if match is not None and match.num_attention_tokens > num_hit:
+            request.num_attention_cached_tokens = match.num_attention_tokens
         if match is not None and num_hit < request.num_prompt_tokens - 1:
             request.prefix_divergence = self.kv.find_divergence(request.all_token_ids, match)
 

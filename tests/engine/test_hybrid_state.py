@@ -104,3 +104,18 @@ def test_the_disk_tier_and_context_shift_are_refused_for_hybrid_models(toy, tmp_
         engine_for(toy, kv_disk_path=str(tmp_path))
     with pytest.raises(ConfigError, match="recurrent state"):
         engine_for(toy, context_overflow="shift")
+
+
+def test_a_hit_cut_short_by_the_state_is_explained_and_the_next_one_is_whole(toy):
+    rng = np.random.default_rng(5)
+    shared = rng.integers(1, 160, 22).tolist()
+    engine = engine_for(toy, state_snapshot_interval=4)  # grid every 16 tokens
+    run(engine, [shared + rng.integers(1, 160, 6).tolist()], max_tokens=2)  # blocks to 28; snapshots at 16, 28
+    report = engine.explain_prompt(shared + rng.integers(1, 160, 6).tolist())
+    assert report.num_cached_tokens == 16
+    assert "blocks are cached up to token 20" in report.reason and "snapshot is kept at 20" in report.reason
+    second = shared + rng.integers(1, 160, 6).tolist()
+    request = engine.add_request(second, greedy(2))
+    assert run_to_finals(engine)[request].num_cached_tokens == 16  # it writes the fork's snapshot at 20 ...
+    request = engine.add_request(shared + rng.integers(1, 160, 6).tolist(), greedy(2))
+    assert run_to_finals(engine)[request].num_cached_tokens == 20  # ... which the next request hits

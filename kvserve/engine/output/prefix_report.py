@@ -25,6 +25,12 @@ def build_prefix_report(request: Request, prefix_caching: bool, block_size: int,
     elif cached >= (request.num_prompt_tokens - 1) // block_size * block_size:
         report.reason = ("every full block of the prompt was cached (the last token is always computed)"
                          if cached else f"the prompt is shorter than one {block_size}-token block plus one token")
+    elif request.num_attention_cached_tokens > cached:
+        report.reason = (f"the attention layers' blocks are cached up to token {request.num_attention_cached_tokens}, "
+                         f"but the recurrent layers' last state snapshot on this prefix is at token {cached} "
+                         f"(snapshots are kept every few blocks, at the end of each step and where prompts fork): "
+                         f"the tokens between are recomputed, and a snapshot is kept at "
+                         f"{request.num_attention_cached_tokens} for the next request")
     elif request.prefix_divergence is None:
         report.reason = ("no cached prompt continues past the cached prefix" if cached
                          else "nothing cached starts like this prompt (for this cache salt)")
@@ -57,6 +63,8 @@ def explain_prompt(kv: KVCacheManager, token_ids: list[int], cache_salt: str | N
                       block_size=block_size if prefix_caching else None)
     match = kv.find_cached_prefix(request.all_token_ids, request.block_hashes)
     request.num_cached_tokens = match.num_tokens
+    if match.num_attention_tokens > match.num_tokens:
+        request.num_attention_cached_tokens = match.num_attention_tokens
     if match.num_tokens < request.num_prompt_tokens - 1:  # as the scheduler does at admission
         request.prefix_divergence = kv.find_divergence(request.all_token_ids, match)
     return build_prefix_report(request, prefix_caching, block_size, tokenizer)
