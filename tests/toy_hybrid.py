@@ -74,7 +74,7 @@ def toy_hybrid(vocab_size: int = 160, kinds: str = "RARA", seed: int = 0) -> Loa
     """A random-weight toy hybrid (R: recurrent layer, A: attention layer), float32."""
     config = ModelConfig(
         architecture="toy-hybrid", vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=64,
-        num_layers=len(kinds), num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=1024,
+        num_layers=len(kinds), num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=4096,
         rms_norm_eps=1e-6, rope_theta=10000.0,
         layer_kinds=tuple(RECURRENT if kind == "R" else ATTENTION for kind in kinds),
         recurrent_state=((HIDDEN, KERNEL - 1), (HIDDEN,)))
