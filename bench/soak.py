@@ -47,7 +47,8 @@ async def post(http: httpx.AsyncClient, url: str, key: str, body: dict, headers:
     return await http.post(url, json=body, headers={"Authorization": f"Bearer {key}", **(headers or {})})
 
 
-async def one_round(http: httpx.AsyncClient, base: str, key: str, n: int, counts: collections.Counter) -> None:
+async def one_round(http: httpx.AsyncClient, base: str, key: str, n: int, counts: collections.Counter,
+                    model: str) -> None:
     api = base + "/v1"
     note = lambda kind, status: counts.update([(kind, status // 100 * 100)])  # noqa: E731
     chat = {"messages": [{"role": "user", "content": f"Say hello number {n}."}], "max_tokens": 12, "temperature": 0}
@@ -63,7 +64,7 @@ async def one_round(http: httpx.AsyncClient, base: str, key: str, n: int, counts
     if first.status_code == 200:
         follow = {"input": "And another one?", "max_output_tokens": 8, "previous_response_id": first.json()["id"]}
         note("responses_chain", (await post(http, api + "/responses", key, follow)).status_code)
-    messages = {"model": "any", "max_tokens": 8, "messages": [{"role": "user", "content": f"Count to {n % 5 + 2}."}]}
+    messages = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": f"Count to {n % 5 + 2}."}]}
     note("messages", (await post(http, api + "/messages", key, messages, {"x-api-key": key})).status_code)
     stream = {"prompt": "Tell a long story about a lighthouse keeper.", "max_tokens": 200, "stream": True,
               "ignore_eos": True}
@@ -78,11 +79,11 @@ async def one_round(http: httpx.AsyncClient, base: str, key: str, n: int, counts
 
 
 async def worker(index: int, http: httpx.AsyncClient, base: str, deadline: float, counts: collections.Counter,
-                 failures: list[str]) -> None:
+                 failures: list[str], model: str) -> None:
     n = 0
     while time.monotonic() < deadline:
         try:
-            await one_round(http, base, KEYS[(index + n) % 2], n, counts)
+            await one_round(http, base, KEYS[(index + n) % 2], n, counts, model)
         except httpx.HTTPError as exc:
             failures.append(f"{type(exc).__name__}: {exc}")
         n += 1
@@ -95,7 +96,11 @@ async def run(base: str, pid: int | None, args: argparse.Namespace) -> dict:
     started = time.monotonic()
     deadline = started + 60 * args.minutes
     async with httpx.AsyncClient(timeout=600) as http:
-        workers = [asyncio.create_task(worker(i, http, base, deadline, counts, failures)) for i in range(args.clients)]
+        # Messages names the model it asks for (Anthropic's API requires it): the one this server serves.
+        models = await http.get(base + "/v1/models", headers={"Authorization": f"Bearer {KEYS[0]}"})
+        model = models.json()["data"][0]["id"]
+        workers = [asyncio.create_task(worker(i, http, base, deadline, counts, failures, model))
+                   for i in range(args.clients)]
         while time.monotonic() < deadline:
             if pid is not None:
                 samples.append((time.monotonic() - started, rss_bytes(pid)))
