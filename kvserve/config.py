@@ -103,6 +103,8 @@ class ModelConfig:
     # (the same for every recurrent layer of a model), e.g. ((conv_dim, kernel - 1), (heads, d_k, d_v)).
     layer_kinds: tuple[str, ...] | None = None
     recurrent_state: tuple[tuple[int, ...], ...] = ()
+    # LFM2: whether its short convolutions (in_proj, the convolution, out_proj) carry biases.
+    conv_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):

@@ -69,6 +69,19 @@ QWEN3_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
         moe_intermediate_size=64, norm_topk_prob=False)),
 }
 
+# Hybrid models: recurrent layers among the attention ones (ModelConfig.layer_kinds).
+HYBRID_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {}
+# LFM2 (kvserve.model.lfm2): short-convolution layers around two attention layers; the MLP width derived from
+# block_ff_dim (128 -> 2/3 -> rounded up to 32: 96); tied embeddings, GQA. GGUF twin: tests/lfm2_gguf.py.
+HYBRID_VARIANTS["lfm2"] = ("Lfm2Config", "Lfm2ForCausalLM", dict(
+    num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, block_multiple_of=32, norm_eps=1e-5,
+    layer_types=["conv", "full_attention", "conv", "conv", "full_attention", "conv"]))
+# ... with biases in the convolutions, a kernel of 4, the width as given, untied, MHA, attention first.
+HYBRID_VARIANTS["lfm2-bias"] = ("Lfm2Config", "Lfm2ForCausalLM", dict(
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, block_auto_adjust_ff_dim=False,
+    conv_bias=True, conv_L_cache=4, tie_word_embeddings=False,
+    layer_types=["full_attention", "conv", "conv", "full_attention"]))
+
 
 # Widths K-quant super-blocks divide (256 inputs): a file of Q4_K / Q6_K matrices.
 WIDE_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -81,7 +94,7 @@ def build_hf_model(variant: str, seed: int = 0):
     import transformers
 
     config_name, model_name, overrides = {**VARIANTS, **GEMMA3_VARIANTS, **QWEN3_VARIANTS, **DENSE_VARIANTS,
-                                          **WIDE_VARIANTS}[variant]
+                                          **WIDE_VARIANTS, **HYBRID_VARIANTS}[variant]
     kwargs = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         max_position_embeddings=256, rms_norm_eps=1e-6,

@@ -43,6 +43,9 @@ class ModelFamily:
     # llama.cpp's tensors that are not parameters -> the name the model's `extra_checkpoint_tensors` takes
     # them by (Phi-3's LongRoPE factors), beside `rope_freqs` which every family may have.
     gguf_extra_tensors: Mapping[str, str] = field(default_factory=dict)
+    # llama.cpp's model-wide tensors this family names otherwise than GGUF_GLOBAL_TENSORS does -> Hugging Face
+    # names (LFM2's final norm is `token_embd_norm`).
+    gguf_global_tensors: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

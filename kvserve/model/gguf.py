@@ -164,6 +164,8 @@ def _extra_tensors(arch: Architecture) -> dict[str, str]:
 
 def _hf_name(gguf_name: str, arch: Architecture) -> str | None:
     """The Hugging Face name of llama.cpp's tensor `gguf_name` in a model of `arch`; None if it has none."""
+    if gguf_name in arch.family.gguf_global_tensors:
+        return arch.family.gguf_global_tensors[gguf_name]
     if gguf_name in GGUF_GLOBAL_TENSORS:
         return GGUF_GLOBAL_TENSORS[gguf_name]
     layer_tensors = arch.family.gguf_layer_tensors
