@@ -73,14 +73,15 @@ QWEN3_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
 HYBRID_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {}
 # LFM2 (kvserve.model.lfm2): short-convolution layers around two attention layers; the MLP width derived from
 # block_ff_dim (128 -> 2/3 -> rounded up to 32: 96); tied embeddings, GQA. GGUF twin: tests/lfm2_gguf.py.
+# Weights of std 0.1, not 0.02: at 0.02 every greedy continuation is one token repeated.
 HYBRID_VARIANTS["lfm2"] = ("Lfm2Config", "Lfm2ForCausalLM", dict(
     num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, block_multiple_of=32, norm_eps=1e-5,
-    layer_types=["conv", "full_attention", "conv", "conv", "full_attention", "conv"]))
+    layer_types=["conv", "full_attention", "conv", "conv", "full_attention", "conv"], initializer_range=0.1))
 # ... with biases in the convolutions, a kernel of 4, the width as given, untied, MHA, attention first.
 HYBRID_VARIANTS["lfm2-bias"] = ("Lfm2Config", "Lfm2ForCausalLM", dict(
     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, block_auto_adjust_ff_dim=False,
     conv_bias=True, conv_L_cache=4, tie_word_embeddings=False,
-    layer_types=["full_attention", "conv", "conv", "full_attention"]))
+    layer_types=["full_attention", "conv", "conv", "full_attention"], initializer_range=0.1))
 
 
 # Widths K-quant super-blocks divide (256 inputs): a file of Q4_K / Q6_K matrices.
@@ -283,10 +284,14 @@ def paged_logits(model, token_ids: list[int], chunks: list[int], block_size: int
     """Run one sequence through the paged cache in steps of `chunks` tokens (then 1 per step).
 
     Each KV group's block table is a scrambled subset of the pool, disjoint from the other groups', so
-    wrong addressing cannot pass by luck. Returns the logits of every position, step by step.
+    wrong addressing cannot pass by luck. A hybrid model's recurrent layers keep their state in slot 1 of a
+    state cache between steps. Returns the logits of every position, step by step.
     """
     from kvserve.kv.attention import CpuAttentionBackend, SequenceSlice
     from kvserve.kv.cache.kv_spec import kv_spec
+    from kvserve.kv.state.context import StateSequence
+    from kvserve.kv.state.state_spec import state_spec
+    from kvserve.kv.state.storage import StateCache
 
     backend = CpuAttentionBackend()
     # The model's own windows (a test may give a layer one the config does not have).
@@ -302,12 +307,14 @@ def paged_logits(model, token_ids: list[int], chunks: list[int], block_size: int
         # Rows not yet written hold stale data (zeroed once, then reused blocks'
         # leftovers): large finite garbage that must never influence a result.
         tensor.fill_(1e4)
+    state_cache = StateCache(state_spec(model.config), 2) if model.has_recurrent_state else None
     rows, computed = [], 0
     steps = list(chunks) + [1] * (len(token_ids) - sum(chunks))
     for count in steps:
         context = backend.build_context(cache, [SequenceSlice(tables, computed, count)])
         ids = torch.tensor(token_ids[computed : computed + count])
-        rows.append(model(ids, torch.arange(computed, computed + count), context))
+        states = None if state_cache is None else state_cache.context([StateSequence(0, count, computed, 1)])
+        rows.append(model(ids, torch.arange(computed, computed + count), context, states=states))
         computed += count
     return torch.cat(rows)
 
