@@ -5,9 +5,10 @@ convolution of `kernel` taps (each channel its own filter over its last `kernel`
 out, and `out_proj` mixes it back. What a request carries from token to token is the convolution's window:
 each channel's last `kernel - 1` inputs (`[hidden, kernel - 1]`, float32), ModelConfig.recurrent_state.
 
-A segment of rows runs as one convolution over [its window ++ the rows]; a single row (decode) as the update
-step, one multiply-add over the window. Both give the outputs and window a whole sequence would, wherever it
-is split (scan_sequences splits it at snapshots).
+A segment of rows runs as one convolution over [its window ++ the rows] (`kernel` vectorized multiply-adds
+over the whole segment, no loop over tokens); a single row (decode) is the same computation on one row, the
+update step. Both give the outputs and window a whole sequence would, to the bit, wherever it is split
+(scan_sequences splits it at snapshots).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kv.state.context import LayerState, StateContext, scan_sequences
@@ -43,18 +43,22 @@ class CausalDepthwiseConv(nn.Module):
 
     def run(self, rows: torch.Tensor, state: LayerState | None) -> tuple[torch.Tensor, LayerState]:
         """One sequence's consecutive rows `[T, channels]` from its window (None: zeros) -> their outputs
-        `[T, channels]` and the window after them. A Recurrence for scan_sequences."""
-        channels, past = rows.shape[1], self.kernel - 1
-        inputs = rows.to(STATE_DTYPE).t()
-        window = inputs.new_zeros(channels, past) if state is None else state[0]
-        extended = torch.cat([window, inputs], dim=1)  # [channels, past + T]: a new tensor, the cache's untouched
-        if rows.shape[0] == 1:  # decode: the update step, no convolution set-up for one output
-            out = (extended * self.weight).sum(dim=1, keepdim=True)
-            if self.bias is not None:
-                out = out + self.bias[:, None]
-        else:
-            out = F.conv1d(extended[None], self.weight[:, None, :], self.bias, groups=channels)[0]
-        return out.t().to(rows.dtype), [extended[:, -past:]]
+        `[T, channels]` and the window after them. A Recurrence for scan_sequences.
+
+        The taps are summed element by element in a fixed order over [window ++ rows], not by a convolution
+        kernel whose summation order may depend on T: a row's output is then the same bits whether it came in
+        a prefill chunk, a batch or a decode step (README "Determinism"), at kernel multiply-adds per row.
+        """
+        past = self.kernel - 1
+        window = rows.new_zeros(past, rows.shape[1], dtype=STATE_DTYPE) if state is None else state[0].t()
+        extended = torch.cat([window, rows.to(STATE_DTYPE)])  # [past + T, channels]: new, the cache's untouched
+        count = rows.shape[0]
+        out = extended[0:count] * self.weight[:, 0]
+        for tap in range(1, self.kernel):
+            out = out + extended[tap : tap + count] * self.weight[:, tap]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(rows.dtype), [extended[-past:].t()]
 
 
 class ShortConv(nn.Module):
