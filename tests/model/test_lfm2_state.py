@@ -74,6 +74,9 @@ def test_batched_chunks_equal_whole_sequences():
             outputs[piece[0]].append(logits)
     for seq in (0, 1):
         assert_close(torch.cat(outputs[seq]), whole_logits(model, seq), f"sequence {seq}")
+        # ... and over the paged cache, the same bits as one forward of the whole sequence (README "Determinism")
+        alone = PagedHybrid(model).forward([(seq, 0, SEQUENCE_LEN, 0, ())])[0]
+        assert torch.equal(torch.cat(outputs[seq]), alone)
 
 
 def test_snapshots_hold_the_state_after_their_rows():
@@ -92,6 +95,7 @@ def test_snapshots_hold_the_state_after_their_rows():
 def test_resuming_from_a_snapshot_continues_exactly():
     model = load_model_in_process("lfm2")
     whole = whole_logits(model, 0)
+    paged_whole = PagedHybrid(model).forward([(0, 0, SEQUENCE_LEN, 0, ())])[0]
     run = PagedHybrid(model)
     run.forward([(0, 0, 14, 0, ((1, 1), (6, 2)))])
     # A later request shares the first 6 (or 1) tokens: it starts from a copy of the snapshot, and its
@@ -101,3 +105,4 @@ def test_resuming_from_a_snapshot_continues_exactly():
         resumed = run.forward([(0, rows, 4, live, ())])[0]
         resumed = torch.cat([resumed] + run.forward([(0, rows + 4, 1, live, ())]))  # then a decode step
         assert_close(resumed, whole[rows : rows + 5], f"resumed after {rows} rows")
+        assert torch.equal(resumed, paged_whole[rows : rows + 5])
