@@ -99,6 +99,14 @@ def test_gguf_matches_dequantized_reference(mix, tmp_path):
     assert greedy(loaded.model, TOKENS[:8], 20) == reference_greedy(hf_model, TOKENS[:8], 20)
 
 
+def test_a_quantized_files_linear_types_leave_out_the_convolution_kernels(tmp_path):
+    # The kernels stay F32 in a Q4_0 file (as llama.cpp keeps them); they are no linear layer's matrix, so they
+    # must not make the file's matrices look like some other type ("auto" weights: int4 for a Q4_0 file).
+    path = tmp_path / "tiny.gguf"
+    write_lfm2_gguf(build_hf_model("lfm2"), path, {"proj": "Q4_0", "feed_forward": "Q4_0"})
+    assert load_gguf(path).linear_types == {"Q4_0"}
+
+
 def gguf_meta(**changes) -> dict:
     meta = {"lfm2.embedding_length": 64, "lfm2.block_count": 4, "lfm2.feed_forward_length": 96,
             "lfm2.attention.head_count": 4, "lfm2.attention.head_count_kv": [0, 2, 0, 2],
