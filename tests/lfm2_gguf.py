@@ -20,8 +20,8 @@ _LAYER_NAMES = {
     "conv.conv.weight": "shortconv.conv.weight", "conv.in_proj.weight": "shortconv.in_proj.weight",
     "conv.out_proj.weight": "shortconv.out_proj.weight",
 }
-_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.embedding_norm.weight": "token_embd_norm.weight",
-                 "lm_head.weight": "output.weight"}
+_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
+                 "model.embedding_norm.weight": "token_embd_norm.weight", "lm_head.weight": "output.weight"}
 
 
 def write_lfm2_gguf(model, path: Path, quant_types: dict[str, str]) -> dict[str, torch.Tensor]:
