@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import replace
 
 from kvserve.config import EngineConfig
 from kvserve.engine.fair_share import FairShare, tenant_queues
@@ -105,9 +104,7 @@ class Scheduler:
         self.fair.share(queues, budget, serve, lambda r: r.num_tokens - r.num_computed_tokens,
                         refill=lambda: not first_tokens)
         for request_id, count in counts.items():
-            item = scheduled_request(self.requests[request_id], count, self.kv.take_block_updates(request_id))
-            state = self.kv.state_step(request_id, item.num_computed_tokens, count, item.num_speculative_tokens)
-            out.scheduled.append(item if state is None else replace(item, state=state))
+            out.scheduled.append(scheduled_request(self.requests[request_id], count, self.kv))
         return out
 
     def _give_running(self, request: Request, budget: int, out: SchedulerOutput, counts: dict[str, int]) -> int:
@@ -236,9 +233,8 @@ class Scheduler:
         request.num_tier_cached_tokens = num_tier_tokens
         self.prefix_cache_queries += request.num_prompt_tokens
         self.prefix_cache_hits += num_hit
-        if match is not None and match.num_attention_tokens > num_hit:
-            request.num_attention_cached_tokens = match.num_attention_tokens
         if match is not None and num_hit < request.num_prompt_tokens - 1:
+            request.num_attention_cached_tokens = match.num_attention_tokens  # past num_hit: the state cut it
             request.prefix_divergence = self.kv.find_divergence(request.all_token_ids, match)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:

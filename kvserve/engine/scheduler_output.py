@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvserve.engine.request import Request
 from kvserve.kv.pool.block_updates import BlockTableUpdate
 from kvserve.kv.context_shift import ShiftPlan
+from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.state.manager import StateStep
 from kvserve.kv.tiers.connector import TierLoad
 
@@ -58,9 +59,9 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-def scheduled_request(request: Request, count: int, block_update: BlockTableUpdate) -> ScheduledRequest:
+def scheduled_request(request: Request, count: int, kv: KVCacheManager) -> ScheduledRequest:
     """What the runner needs of a request given `count` tokens this step (it lays the batch out in its
-    backend's order)."""
+    backend's order): its tokens, its block table changes and (a hybrid model's) its state slots from `kv`."""
     start, drafts = request.num_computed_tokens, tuple(request.draft_token_ids)
     end = start + count - len(drafts)
     forced = tuple(request.forced_token_ids) if end > request.num_tokens else ()
@@ -69,8 +70,9 @@ def scheduled_request(request: Request, count: int, block_update: BlockTableUpda
         request.request_id,
         request.all_token_ids[start:end] + list(forced) + list(drafts),
         start,
-        block_update,
+        kv.take_block_updates(request.request_id),
         sample=end == request.num_tokens,
         forced_token_ids=forced,
         draft_token_ids=drafts,
+        state=kv.state_step(request.request_id, start, count, len(forced) + len(drafts)),
     )

@@ -27,6 +27,7 @@ from kvserve.kv.cache.storage import PagedKVCache
 from kvserve.kv.tiers.connector import TierConnector
 from kvserve.kv.tiers.disk import DiskTier
 from kvserve.kv.tiers.traffic import TierTraffic
+from kvserve.kv.state.manager import RecurrentStates
 from kvserve.kv.state.state_spec import StateSpec, state_spec
 from kvserve.kv.state.storage import StateCache
 from kvserve.model.loader import LoadedModel, load_model
@@ -83,9 +84,9 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None,
              if config.kv_disk_path is not None else None)
     kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=prefix_caching,
                                 max_pinned_fraction=config.max_pinned_fraction, clock=clock,
-                                group_windows=spec.layout.windows, tiers=tiers, state_slots=num_state_slots,
-                                snapshot_interval=config.state_snapshot_interval,
-                                state_slot_bytes=states.slot_bytes if states is not None else 0)
+                                group_windows=spec.layout.windows, tiers=tiers,
+                                states=RecurrentStates(num_state_slots, config.block_size, config.state_snapshot_interval,
+                                                       prefix_caching, states.slot_bytes) if states else None)
     tiering = TierTraffic(tiers, kv_manager, kv_cache) if tiers is not None else None
     parts = EngineParts(config, platform.device, loaded, max_model_len, spec, backend, kv_cache,
                         kv_manager, tiers, tiering, prefix_caching, state_cache)

@@ -11,7 +11,6 @@ and leaves the cache (kv/events/events.py).
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Callable, Sequence
 
 from kvserve.arith import cdiv
@@ -26,6 +25,7 @@ from kvserve.kv.prefix.pins import PinStats, PinTable
 from kvserve.kv.prefix.prefix_cache import Divergence, PrefixCache, PrefixMatch
 from kvserve.kv.tiers.connector import TierConnector, TierLoad
 from kvserve.kv.groups.window import SlidingWindowManager
+from kvserve.kv.manager_integrity import check_manager_integrity, check_request_tables
 from kvserve.kv.state.manager import RecurrentStates, StateStats, StateStep
 
 
@@ -33,20 +33,15 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_caching: bool = False,
                  max_pinned_fraction: float = 0.5, clock: Callable[[], float] | None = None,
                  group_windows: Sequence[int | None] = (None,), tiers: TierConnector | None = None,
-                 state_slots: int = 0, snapshot_interval: int = 8, state_slot_bytes: int = 0) -> None:
+                 states: RecurrentStates | None = None) -> None:
         """`group_windows`: each KV group's sliding window (None: full attention); one group by default.
-        `tiers`: lower tiers where a prefix match continues past the pool (one group only).
-        `state_slots`: a hybrid model's recurrent-state slots (kv/state/manager.py; 0: the model has none),
-        snapshotted every `snapshot_interval` blocks besides each request's tail."""
+        `tiers`: lower tiers where a prefix match continues past the pool (one group only). `states`: a
+        hybrid model's recurrent-state slots (kv/state/manager.py), a cache kind beside the groups."""
         if not group_windows:
             raise ValueError("a KV cache has at least one group")
-        if tiers is not None and len(group_windows) > 1:
-            raise ValueError("a lower tier holds the blocks of a single KV group")
-        if tiers is not None and state_slots:
-            raise ValueError("a lower tier holds K/V blocks, not the recurrent-state snapshots a hit also needs")
-        self.states = (RecurrentStates(state_slots, block_size, snapshot_interval, enable_caching)
-                       if state_slots else None)
-        self.state_slot_bytes = state_slot_bytes  # what one slot holds (reported only)
+        if tiers is not None and (len(group_windows) > 1 or states is not None):
+            raise ValueError("a lower tier holds the blocks of a single KV group (no recurrent-state snapshots)")
+        self.states = states
         self.tiers = tiers
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -58,6 +53,7 @@ class KVCacheManager:
             for group, window in enumerate(self.group_windows))
         self._windowed = tuple(group for group in self.groups if not group.keeps_whole_chains)
         self.prefix = PrefixCache(self.pool, block_size, enable_caching, self.groups, self.states)
+        self._cut_parts = (*self.groups, *([self.states] if self.states is not None else []))  # agree on a cut
         # Admissions keep this many blocks free, so running requests can grow
         # a little before anyone has to be preempted.
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 and num_blocks > 1 else 0
@@ -139,7 +135,7 @@ class KVCacheManager:
         `prefix` (only for a request that holds no blocks) shares the matched pool blocks instead; the
         blocks of its tier part are fresh ones, the request's own while they are loaded. New blocks count
         against `tenant`'s share, which decides whose cached blocks they may evict (kv/pool/tenant_quota.py)."""
-        length = self._length(request_id)
+        length = len(self.groups[0].tables.get(request_id, ()))
         hit = prefix if prefix is not None and not length and prefix.num_tokens else None
         if hit is not None:
             length = len(hit.tables[0])
@@ -178,10 +174,10 @@ class KVCacheManager:
         Returns the tokens the tables now cover: `num_tokens`, unless the cut falls inside a block other
         requests share (then that block's start) or before blocks a window freed (then 0); the caller
         recomputes from there."""
-        if not 0 <= num_tokens <= self._length(request_id) * self.block_size:
+        if not 0 <= num_tokens <= (held := len(self.groups[0].tables.get(request_id, ())) * self.block_size):
             raise ValueError(f"cannot truncate request {request_id} to {num_tokens} tokens: its tables hold "
-                             f"{self._length(request_id) * self.block_size}")
-        while (kept := min(self._resumable(request_id, num_tokens))) != num_tokens:
+                             f"{held}")
+        while (kept := min(part.resumable_tokens(request_id, num_tokens) for part in self._cut_parts)) != num_tokens:
             num_tokens = kept  # every group (and the recurrent state) agrees on a cut point, or it moves back
         if self.states is not None:
             self.states.cut(request_id, kept)
@@ -193,23 +189,12 @@ class KVCacheManager:
                 self._updates.changed(request_id)
         return kept
 
-    def _resumable(self, request_id: str, num_tokens: int) -> list[int]:
-        kept = [group.resumable_tokens(request_id, num_tokens) for group in self.groups]
-        if self.states is not None:
-            kept.append(self.states.resumable_tokens(request_id, num_tokens))
-        return kept
-
-    def state_step(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
-                   num_speculative_tokens: int) -> StateStep | None:
-        """A hybrid model's recurrent-state slots for the request's step (None for other models): which
-        slot is live, what to copy in first, where to keep snapshots (kv/state/manager.py)."""
-        if self.states is None:
-            return None
-        return self.states.plan_step(request_id, num_computed_tokens, num_new_tokens, num_speculative_tokens)
+    def state_step(self, request_id: str, start: int, count: int, num_speculative: int) -> StateStep | None:
+        """A hybrid model's state slots for a step (kv/state/manager.py); None for other models."""
+        return None if self.states is None else self.states.plan_step(request_id, start, count, num_speculative)
 
     def state_stats(self) -> StateStats | None:
-        """The recurrent-state slots (None for a model without recurrent layers)."""
-        return None if self.states is None else self.states.stats(self.state_slot_bytes)
+        return None if self.states is None else self.states.stats()
 
     def take_block_updates(self, request_id: str) -> BlockTableUpdate:
         """The request's tables as changed since the last call for it (kv/pool/block_updates.py)."""
@@ -220,8 +205,7 @@ class KVCacheManager:
         move `drop` positions earlier (kv/context_shift.py). Full attention only (one group, no window).
         None, and nothing changes, if the blocks it must copy do not fit in the free ones."""
         if self.group_windows != (None,) or self.states is not None:
-            raise ValueError("a context shift applies to full-attention models (one KV group, no window, "
-                             "no recurrent state)")
+            raise ValueError("a context shift applies to full-attention models (one group, no window or state)")
         plan = plan_shift(self.pool, self.groups[0].tables[request_id], keep, drop, num_computed_tokens)
         if plan is not None:
             self.prefix.never_cache_from(request_id, keep // self.block_size)
@@ -271,8 +255,7 @@ class KVCacheManager:
         return sum(self.blocks_held_by_group(request_id))
 
     def block_states(self) -> tuple[list[int], list[bool], dict[str, list[int]]]:
-        """Read-only view for the lab's block map: each block's ref count and whether it holds a
-        cached prefix (by block id), and each request's block ids. O(blocks + held blocks)."""
+        """The lab's block map: each block's ref count, whether it is cached, each request's block ids."""
         blocks = self.pool.blocks
         return ([block.ref_cnt for block in blocks], [block.block_hash is not None for block in blocks],
                 {request_id: [block.block_id for group in self.groups for block in group.tables[request_id]
@@ -287,37 +270,10 @@ class KVCacheManager:
         for group in self.groups:
             group.free(request_id)
 
-    def _length(self, request_id: str) -> int:
-        return len(self.groups[0].tables.get(request_id, ()))
-
     def check_integrity(self) -> None:
-        """free + used == total; every held block's ref_cnt equals the number of tables holding it.
-        Raises KVIntegrityError otherwise."""
-        self.pool.check_integrity()
-        self.pins.check_integrity()
-        if self.states is not None:
-            self.states.check_integrity()
-        holders = Counter(block.block_id for group in self.groups for table in group.tables.values()
-                          for block in table if block is not None)
-        for block in self.pool.blocks:
-            held_by = holders.get(block.block_id, 0)
-            if block.ref_cnt != held_by:
-                raise KVIntegrityError(f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {held_by} tables")
-        if self.num_free_blocks + len(holders) != self.num_blocks:
-            raise KVIntegrityError(f"{self.num_free_blocks} free + {len(holders)} held blocks != "
-                                   f"{self.num_blocks} in the pool")
+        """Block and state accounting hold (kv/manager_integrity.py); raises KVIntegrityError otherwise."""
+        check_manager_integrity(self)
 
     def check_tables(self, request_id: str, num_computed_tokens: int) -> None:
-        """A running request's tables are one length, cover its computed tokens and hold every block a
-        later query may read (windowed groups: from the window of position `num_computed_tokens` on).
-        Raises KVIntegrityError otherwise."""
-        lengths = {len(group.tables.get(request_id, ())) for group in self.groups}
-        if len(lengths) > 1:
-            raise KVIntegrityError(f"request {request_id}: its group tables differ in length")
-        if lengths.pop() * self.block_size < num_computed_tokens:
-            raise KVIntegrityError(f"request {request_id} holds {self._length(request_id)} blocks for "
-                                   f"{num_computed_tokens} computed tokens")
-        for group in self.groups:
-            group.check_table(request_id, num_computed_tokens)
-        if self.states is not None:
-            self.states.check_request(request_id, num_computed_tokens)
+        """A running request's tables (and state) fit its computed tokens (kv/manager_integrity.py)."""
+        check_request_tables(self, request_id, num_computed_tokens)

@@ -55,10 +55,13 @@ class StateStep:
 
 
 class RecurrentStates:
-    def __init__(self, num_slots: int, block_size: int, snapshot_interval: int, enable_caching: bool) -> None:
+    def __init__(self, num_slots: int, block_size: int, snapshot_interval: int, enable_caching: bool,
+                 slot_bytes: int = 0) -> None:
+        """`slot_bytes`: what one slot holds (StateSpec.slot_bytes), for the stats."""
         if snapshot_interval < 1:
             raise ValueError("the state snapshot interval is at least one block")
         self.slots = StateSlots(num_slots)
+        self.slot_bytes = slot_bytes
         self.block_size = block_size
         self.snapshot_interval = snapshot_interval
         self.enable_caching = enable_caching
@@ -225,12 +228,12 @@ class RecurrentStates:
                  *self._written.get(request_id, {}).values(), self._tail.get(request_id, (0, None))[1]]
         return [slot for slot in slots if slot is not None]
 
-    def stats(self, slot_bytes: int) -> StateStats:
+    def stats(self) -> StateStats:
         live = set(self._live.values())
         slots = self.slots
         kinds = tuple("live" if slot in live else "snapshot" if slots.key_of[slot] is not None
                       else "working" if slots.ref_cnt[slot] else "free" for slot in range(slots.num_slots))
-        return StateStats(slots.num_slots, slot_bytes, len(live), slots.num_held, slots.num_snapshots,
+        return StateStats(slots.num_slots, self.slot_bytes, len(live), slots.num_held, slots.num_snapshots,
                           slots.num_evicted, self.snapshot_interval, kinds)
 
     def check_request(self, request_id: str, num_computed_tokens: int) -> None:
