@@ -11,6 +11,7 @@ of a batch-1 decode step's overhead.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 from typing import NamedTuple
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.build import cpu_kernels as kernels  # the compiled kernels, or None
+from kvserve.kernels.gated_delta_torch import gated_delta_slots
 
 SILU, GELU_TANH = 0, 1  # gated_activation's activations (the C++ enum)
 # Cache dtypes the paged decode and the K/V store read and write (16-bit ones widened / narrowed per row).
@@ -227,3 +229,78 @@ def paged_decode_quant(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor, int
         open_blocks = (torch.empty(0, dtype=_F16, device=q.device), torch.empty(0, dtype=_F16, device=q.device), none)
     return ext.paged_decode_quant(q, k[0], k[1], k[2], v[0], v[1], v[2], group, *open_blocks, *rows, scale,
                                   split_blocks, _sinks(sinks, q))
+
+
+class DeltaSequences(NamedTuple):
+    """The sequences of one `gated_delta_rule_slots_` call (int64, CPU): sequence b's rows are
+    row_starts[b] .. row_starts[b + 1]; its state starts from slot read_slots[b] (-1: zeros) and ends in
+    write_slots[b]; snapshots `[S, 3]` (sequence, rows, slot), sorted: the state after that many of its rows
+    is also written to slot. A slot may be read and written by one sequence (in place), never written by
+    two, nor written by one and read by another."""
+
+    row_starts: torch.Tensor
+    read_slots: torch.Tensor
+    write_slots: torch.Tensor
+    snapshots: torch.Tensor
+
+    @classmethod
+    def of(cls, row_counts: list[int], read_slots: list[int], write_slots: list[int],
+           snapshots: list[tuple[int, int, int]] = ()) -> DeltaSequences:
+        starts = [0]
+        for count in row_counts:
+            starts.append(starts[-1] + count)
+        return cls(torch.tensor(starts, dtype=_LONG), torch.tensor(read_slots, dtype=_LONG),
+                   torch.tensor(write_slots, dtype=_LONG),
+                   torch.tensor(sorted(snapshots), dtype=_LONG).reshape(-1, 3))
+
+
+def gated_delta_isa() -> str | None:
+    """The instruction set the gated delta kernel runs on here ("avx512", "avx2", "portable"), or None."""
+    ext = kernels()
+    return None if ext is None else ext.gated_delta_isa()
+
+
+def gated_delta_rule_slots_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            states: torch.Tensor, sequences: DeltaSequences, read_states: torch.Tensor | None = None,
+                            normalize_qk: bool = True, scale: float | None = None, isa: int = -1) -> torch.Tensor:
+    """The gated delta rule (Gated DeltaNet; transformers' torch_recurrent_gated_delta_rule), token by token,
+    for a batch of sequences whose states live in slots of `states` `[slots, Hv, dk, dv]` fp32 (the state
+    cache's tensor, written in place; read from `read_states` where given): q, k `[N, Hk, dk]` (each key head
+    serves Hv / Hk consecutive value heads), v `[N, Hv, dv]`, g (log decay), beta `[N, Hv]` -> outputs
+    `[N, Hv, dv]` fp32. With `normalize_qk` q and k are l2-normalised here (eps 1e-6) as Qwen3.5 asks
+    (use_qk_l2norm_in_kernel); q is then scaled by `scale` (None: dk ** -0.5), as transformers always does.
+    A token's bits depend on its sequence's rows up to it alone: not on the batch, on where a segment
+    starts (a state resumed from a slot is the state the whole run held), nor on the threads. `isa`: -1 the
+    best this build has; 0 / 1 / 2 force portable / AVX2 / AVX-512 (tests). The C++ kernel where built and
+    every tensor is on the CPU in float32, else the same math in torch (gated_delta_torch.py)."""
+    read_states = states if read_states is None else read_states
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
+    out = torch.empty(v.shape, dtype=_F32, device=v.device)
+    ext = kernels()
+    if (ext is not None and all(_cpu_fp32(x) for x in (q, k, v, g, beta, states, read_states))
+            and all(x.is_cpu and x.dtype is _LONG for x in sequences)):
+        ext.gated_delta_rule_(q, k, v, g, beta, out, read_states, states, *sequences, normalize_qk, scale, isa)
+        return out
+    gated_delta_slots(q, k, v, g, beta, out, read_states, states, *(x.tolist() for x in sequences[:3]),
+                      [tuple(row) for row in sequences.snapshots.tolist()], normalize_qk, scale)
+    return out
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor | None = None, snapshot_rows: Sequence[int] = (), normalize_qk: bool = True,
+                     scale: float | None = None, isa: int = -1
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """`gated_delta_rule_slots_` for one sequence's rows (q, k `[T, Hk, dk]`, ...) from `state` `[Hv, dk, dv]`
+    (None: zeros; not changed) -> (outputs `[T, Hv, dv]`, the state after the last row, the states after
+    each of `snapshot_rows` rows (ascending, 0..T))."""
+    heads, key_dim, value_dim = v.shape[1], k.shape[-1], v.shape[-1]
+    rows = list(snapshot_rows)
+    written = torch.empty(1 + len(rows), heads, key_dim, value_dim, dtype=_F32, device=v.device)
+    if state is None:
+        read, read_slot = written, -1
+    else:
+        read, read_slot = state.to(_F32).contiguous().reshape(1, heads, key_dim, value_dim), 0
+    sequences = DeltaSequences.of([v.shape[0]], [read_slot], [0], [(0, done, 1 + i) for i, done in enumerate(rows)])
+    out = gated_delta_rule_slots_(q, k, v, g, beta, written, sequences, read, normalize_qk, scale, isa)
+    return out, written[0], list(written[1:].unbind(0))

@@ -11,5 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += delta; RMSNorm of the result");
   m.def("rope_", &rope_, "rotate-half RoPE in place on the first heads of each row");
   m.def("gated_activation", &gated_activation, "act(gate) * up");
+  m.def("gated_delta_rule_", &gated_delta_rule_, "the gated delta rule token by token over state slots");
+  m.def("gated_delta_isa", &gated_delta_isa, "the instruction set gated_delta_rule_ runs on this build");
   m.def("store_kv_", &store_kv_, "new tokens' K and V into float cache rows");
 }

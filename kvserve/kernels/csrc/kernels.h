@@ -1,6 +1,6 @@
 // The functions of kvserve's CPU kernels extension: declared once here, defined in paged_decode.cpp,
 // paged_decode_quant.cpp, quant_matmul.cpp,
-// kquant_matmul.cpp and fused_ops.cpp (the attention files share attend_blocks*.h
+// kquant_matmul.cpp, fused_ops.cpp and gated_delta.cpp (the attention files share attend_blocks*.h
 // and decode_splits.h), bound to Python in bindings.cpp. Python reaches them only through
 // kvserve/kernels/ops.py, which checks devices and dtypes before a call (a CUDA tensor here would be read
 // as host memory).
@@ -37,3 +37,12 @@ torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 torch::Tensor gated_activation(torch::Tensor x, int64_t activation);
 void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
+
+// gated_delta.cpp: the gated delta rule token by token for a batch of sequences (each its rows of q, k, v,
+// g, beta), each sequence's state read from a slot of read_states (-1: zeros) and written to a slot of
+// write_states, with snapshots (sequence, rows, slot) of the state after that many of its rows.
+void gated_delta_rule_(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
+                       torch::Tensor out, torch::Tensor read_states, torch::Tensor write_states,
+                       torch::Tensor row_starts, torch::Tensor read_slots, torch::Tensor write_slots,
+                       torch::Tensor snapshots, bool normalize_qk, double scale, int64_t isa);
+std::string gated_delta_isa();
