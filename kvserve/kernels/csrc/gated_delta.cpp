@@ -1,17 +1,19 @@
 // The gated delta rule (Gated DeltaNet: Qwen3.5's linear-attention layers), token by token. Per token t
 // and value head h, with the head's state S [dk, dv]:
 //   S *= exp(g[t, h]);  kv = S^T k_t;  delta = (v_t - kv) * beta[t, h];  S += k_t delta^T;  o_t = S^T q_t
-// (transformers' torch_recurrent_gated_delta_rule). kvserve runs this sequential form for every token,
-// prefill included: the chunked form's results depend on where chunks start, and "a cache hit changes the
-// cost, never the answer" needs a token's bits to be the same however a prompt is chunked, cached (resumed
-// from a snapshot), batched or drafted.
+// (transformers' torch_recurrent_gated_delta_rule; kv is computed as exp(g) (S^T k), so that a token writes
+// S once: within 1e-5 of it). kvserve runs this sequential form for every token, prefill included: the
+// chunked form's results depend on where chunks start, and "a cache hit changes the cost, never the
+// answer" needs a token's bits to be the same however a prompt is chunked, cached (resumed from a
+// snapshot), batched or drafted.
 //
 // How that holds: the columns of S (the dv axis) never mix, so a task is one (sequence, value head, tile
-// of 2 vectors of columns); it walks its sequence's tokens with the tile in L1 (dk x 32 fp32 = 16 KB on
-// AVX-512). A column's operations are the same whatever the batch, the segment or the tile it sits in:
-// each sum over dk runs in 4 partial sums (row i into partial i % 4, added (p0 + p1) + (p2 + p3)), fixed
-// by dk alone; q and k are normalised from an aligned copy. A segment resumed from a state reads exactly
-// the fp32 state the whole run held at that row.
+// of 2 vectors of columns); it walks its sequence's tokens with the tile in L1, copied out of the slot
+// (dk x 32 fp32 = 16 KB on AVX-512). A column's operations are the same whatever the batch, the segment
+// or the tile it sits in: each sum over dk runs in 4 partial sums (row i into partial i % 4, added
+// (p0 + p1) + (p2 + p3)), fixed by dk alone; q and k are normalised from an aligned copy. A segment
+// resumed from a state reads exactly the fp32 state the whole run held at that row. The thread count and
+// the split of tasks among threads change nothing either.
 //
 // The states are slots of one tensor [slots, Hv, dk, dv] (kvserve/kv/state/storage.py), read in place:
 // each sequence reads one slot (or starts from zeros) and writes its final state to another (or the same),
@@ -122,21 +124,29 @@ inline void prepare_row(const float* src, float* dst, int64_t dk, bool normalize
   for (int64_t i = 0; i < dk; ++i) dst[i] *= factor;
 }
 
-// Rows i = 0..dk-1, row i into partial i % kPartials, the same split for every dk of one call.
+// Rows i = 0..dk-1, row i into partial i % kPartials, the same split for every dk of one call. The
+// partial's index is a constant at every call of `body` (a variable one would keep the partial sums in
+// memory, not in registers).
 template <typename Body>
 inline void over_rows(int64_t dk, Body body) {
+  static_assert(kPartials == 4, "over_rows unrolls 4 partial sums");
   int64_t i = 0;
   for (; i + kPartials <= dk; i += kPartials) {
-    for (int p = 0; p < kPartials; ++p) body(i + p, p);
+    body(i, 0);
+    body(i + 1, 1);
+    body(i + 2, 2);
+    body(i + 3, 3);
   }
-  for (int p = 0; i < dk; ++i, ++p) body(i, p);
+  if (i < dk) body(i, 0);
+  if (i + 1 < dk) body(i + 1, 1);
+  if (i + 2 < dk) body(i + 2, 2);
 }
 
+// dk rows of NV vectors from src (rows `from` floats apart) to dst (rows `to` floats apart).
 template <class Ops, int NV>
-void copy_tile(const float* src, float* dst, int64_t dk, int64_t dv) {
-  if (src == dst) return;
+void copy_tile(const float* src, int64_t from, float* dst, int64_t to, int64_t dk) {
   for (int64_t i = 0; i < dk; ++i) {
-    for (int j = 0; j < NV; ++j) Ops::store(dst + i * dv + j * Ops::kLanes, Ops::load(src + i * dv + j * Ops::kLanes));
+    for (int j = 0; j < NV; ++j) Ops::store(dst + i * to + j * Ops::kLanes, Ops::load(src + i * from + j * Ops::kLanes));
   }
 }
 
@@ -146,19 +156,20 @@ void scan_task(const Problem& p, int64_t b, int64_t h, int64_t col0) {
   using V = typename Ops::V;
   constexpr int L = Ops::kLanes;
   const int64_t dk = p.dk, dv = p.dv, head = p.dk * p.dv;
-  float* S = p.write + (p.write_slots[b] * p.Hv + h) * head + col0;
+  // The tile is worked on in a contiguous copy: in the state's own rows (dv floats apart) its lines
+  // would fall in a few L1 sets and be evicted between the passes.
+  constexpr int64_t W = NV * L;
+  alignas(64) float S[kMaxHeadDim * W];
   if (p.read_slots[b] < 0) {
-    for (int64_t i = 0; i < dk; ++i) {
-      for (int j = 0; j < NV; ++j) Ops::store(S + i * dv + j * L, Ops::set1(0.f));
-    }
+    std::fill(S, S + dk * W, 0.f);
   } else {
-    copy_tile<Ops, NV>(p.read + (p.read_slots[b] * p.Hv + h) * head + col0, S, dk, dv);
+    copy_tile<Ops, NV>(p.read + (p.read_slots[b] * p.Hv + h) * head + col0, dv, S, W, dk);
   }
   int64_t snap = p.snapshot_first[b];
   const int64_t snap_end = p.snapshot_first[b + 1];
   auto take_snapshots = [&](int64_t done) {
     for (; snap < snap_end && p.snapshots[3 * snap + 1] == done; ++snap) {
-      copy_tile<Ops, NV>(S, p.write + (p.snapshots[3 * snap + 2] * p.Hv + h) * head + col0, dk, dv);
+      copy_tile<Ops, NV>(S, W, p.write + (p.snapshots[3 * snap + 2] * p.Hv + h) * head + col0, dv, dk);
     }
   };
   take_snapshots(0);
@@ -173,30 +184,25 @@ void scan_task(const Problem& p, int64_t b, int64_t h, int64_t col0) {
     for (int a = 0; a < kPartials; ++a) {
       for (int j = 0; j < NV; ++j) acc[a][j] = Ops::set1(0.f);
     }
-    // S *= decay; kv = S^T k
+    // kv = (decay S)^T k, as decay (S^T k): this pass only reads S
     over_rows(dk, [&](int64_t i, int part) {
       const V ki = Ops::set1(kn[i]);
-      for (int j = 0; j < NV; ++j) {
-        float* cell = S + i * dv + j * L;
-        const V s = Ops::mul(Ops::load(cell), decay);
-        Ops::store(cell, s);
-        acc[part][j] = Ops::fmadd(ki, s, acc[part][j]);
-      }
+      for (int j = 0; j < NV; ++j) acc[part][j] = Ops::fmadd(ki, Ops::load(S + i * W + j * L), acc[part][j]);
     });
     const V beta = Ops::set1(p.beta[t * p.beta_t + h * p.beta_h]);
     const float* vt = p.v + t * p.v_t + h * p.v_h + col0;
     V delta[NV];
     for (int j = 0; j < NV; ++j) {
-      const V kv = Ops::add(Ops::add(acc[0][j], acc[1][j]), Ops::add(acc[2][j], acc[3][j]));
+      const V kv = Ops::mul(Ops::add(Ops::add(acc[0][j], acc[1][j]), Ops::add(acc[2][j], acc[3][j])), decay);
       delta[j] = Ops::mul(Ops::sub(Ops::load(vt + j * L), kv), beta);
       for (int a = 0; a < kPartials; ++a) acc[a][j] = Ops::set1(0.f);
     }
-    // S += k delta^T; o = S^T q
+    // S = decay S + k delta^T; o = S^T q: one store of S per token
     over_rows(dk, [&](int64_t i, int part) {
       const V ki = Ops::set1(kn[i]), qi = Ops::set1(qn[i]);
       for (int j = 0; j < NV; ++j) {
-        float* cell = S + i * dv + j * L;
-        const V s = Ops::fmadd(ki, delta[j], Ops::load(cell));
+        float* cell = S + i * W + j * L;
+        const V s = Ops::fmadd(ki, delta[j], Ops::mul(Ops::load(cell), decay));
         Ops::store(cell, s);
         acc[part][j] = Ops::fmadd(qi, s, acc[part][j]);
       }
@@ -207,6 +213,7 @@ void scan_task(const Problem& p, int64_t b, int64_t h, int64_t col0) {
     }
     take_snapshots(t - first + 1);
   }
+  copy_tile<Ops, NV>(S, W, p.write + (p.write_slots[b] * p.Hv + h) * head + col0, dv, dk);
 }
 
 template <class Ops>
