@@ -5,7 +5,9 @@ the chunked form's results depend on where chunks start, and a token's bits must
 prompt was chunked or cached. This prints, per token, on one layer's shape (16 key heads, 16 value heads,
 dk = dv = 128, q and k l2-normalised in the rule):
 
-- the C++ kernel: a prefill segment of --rows tokens, and batched decodes of 1 and 8 sequences over state slots;
+- the C++ kernel: a prefill segment of --rows tokens, and batched decodes of 1 and 8 sequences over state slots,
+  on 1 thread and on torch's thread count (a decode's few microseconds of work per head can wait longer than
+  that for a second thread on a busy machine);
 - the same math in torch, token by token (kvserve's path without the kernel, kernels/gated_delta_torch.py);
 - transformers' torch_chunk_gated_delta_rule (chunk 64) and torch_recurrent_gated_delta_rule on the same input;
 - for scale, that layer's input projections: x [rows, 1024] @ W^T, W [6144 + 2048 + 32, 1024] fp32
@@ -19,6 +21,7 @@ Each figure is the best of --repeats runs (the machine may be shared).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 
@@ -63,19 +66,23 @@ def main() -> None:
     rows, repeats = args.rows, args.repeats
     gen = torch.Generator().manual_seed(0)
     q, k, v, g, beta = layer_inputs(rows, gen)
-    print(f"CPU: {describe_cpu()}; torch threads: {torch.get_num_threads()}; "
+    print(f"CPU: {describe_cpu()}; {os.cpu_count()} CPUs; torch threads: {torch.get_num_threads()}; "
           f"gated delta kernel: {ops.gated_delta_isa() or 'not built'}")
     print(f"layer: {HEADS} key / {HEADS} value heads, dk = dv = {HEAD_DIM}; prefill segment {rows} tokens")
     figures: list[tuple[str, float]] = []  # (what, microseconds per token)
-    if ops.available():
+    threads = torch.get_num_threads()
+    for count in sorted({1, threads}) if ops.available() else ():
+        torch.set_num_threads(count)
         seconds = best_seconds(lambda: ops.gated_delta_rule(q, k, v, g, beta), repeats)
-        figures.append((f"C++ kernel, prefill segment of {rows}", seconds / rows))
+        figures.append((f"C++ kernel, prefill segment of {rows}, {count} thread(s)", seconds / rows))
         for batch in (1, 8):
             cache = torch.randn(2 * batch, HEADS, HEAD_DIM, HEAD_DIM, generator=gen) * 0.1
             step = layer_inputs(batch, gen)
             sequences = ops.DeltaSequences.of([1] * batch, list(range(batch)), list(range(batch, 2 * batch)))
             seconds = best_seconds(lambda: ops.gated_delta_rule_slots_(*step, cache, sequences), 20 * repeats)
-            figures.append((f"C++ kernel, batched decode B={batch}", seconds / batch))
+            figures.append((f"C++ kernel, batched decode B={batch} (states read from / written to slots), "
+                            f"{count} thread(s)", seconds / batch))
+    torch.set_num_threads(threads)
     torch_rows = min(rows, 128)  # the torch loops cost ~ms a token: a shorter segment says the same per token
     part = (q[:torch_rows], k[:torch_rows], v[:torch_rows], g[:torch_rows], beta[:torch_rows])
     seconds = best_seconds(lambda: gated_delta_scan(*part, None, (), True, HEAD_DIM ** -0.5), max(1, repeats // 2))
