@@ -5,7 +5,9 @@ The same math as transformers' torch_recurrent_gated_delta_rule, one token at a 
 Every op runs on one token's tensors, whose shapes do not depend on the segment or the batch (even the
 exp of g and the norms of q and k: torch's vectorized loops finish a tensor's odd tail with scalar code,
 so an op over a whole segment would give a token's bits by where it sits), so a sequence run whole, split
-at any row and resumed from the state there, or beside others gives the same bits on this path too.
+at any row and resumed from the state there, or beside others gives the same bits on this path too. The
+per-head products are batched matrix products (bmm: no [Hv, dk, dv] temporary per product, ~10x faster
+than broadcast-and-sum).
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         if group > 1:  # each key head serves `group` consecutive value heads
             q_t, k_t = q_t.repeat_interleave(group, dim=0), k_t.repeat_interleave(group, dim=0)
         current = current * g[t].to(_F32).exp()[:, None, None]
-        kv_mem = (current * k_t[:, :, None]).sum(dim=-2)
+        kv_mem = torch.bmm(k_t[:, None, :], current)[:, 0]  # S^T k per head
         delta = (v[t].to(_F32) - kv_mem) * beta[t].to(_F32)[:, None]
-        current = current + k_t[:, :, None] * delta[:, None, :]
-        out[t] = (current * q_t[:, :, None]).sum(dim=-2)
+        current = torch.baddbmm(current, k_t[:, :, None], delta[:, None, :])  # S + k delta^T
+        out[t] = torch.bmm(q_t[:, None, :], current)[:, 0]
         snapshots.extend(current.clone() for done in wanted if done == t + 1)
     return out, current, snapshots
 
