@@ -254,6 +254,24 @@ class DeltaSequences(NamedTuple):
                    torch.tensor(sorted(snapshots), dtype=_LONG).reshape(-1, 3))
 
 
+MAX_KERNEL_KEY_DIM = 512  # the kernel's largest dk (gated_delta.cpp: its normalised q and k on the stack)
+
+
+def _check_delta_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        states: torch.Tensor, read_states: torch.Tensor) -> None:
+    rows, heads = v.shape[:2] if v.dim() == 3 else (-1, -1)
+    if (v.dim() != 3 or q.dim() != 3 or q.shape != k.shape or k.shape[0] != rows or heads % max(k.shape[1], 1)
+            or k.shape[1] == 0 or g.shape != (rows, heads) or beta.shape != (rows, heads)):
+        raise ValueError(f"gated delta rule: q, k [N, Hk, dk], v [N, Hv, dv] (Hv a multiple of Hk), g, beta [N, Hv]; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
+                         f"beta {tuple(beta.shape)}")
+    state_shape = (heads, k.shape[2], v.shape[2])
+    for name, tensor in (("states", states), ("read_states", read_states)):
+        if tensor.dim() != 4 or tuple(tensor.shape[1:]) != state_shape:
+            raise ValueError(f"gated delta rule: {name} must be [slots, {', '.join(map(str, state_shape))}], "
+                             f"got {tuple(tensor.shape)}")
+
+
 def gated_delta_isa() -> str | None:
     """The instruction set the gated delta kernel runs on here ("avx512", "avx2", "portable"), or None."""
     ext = kernels()
@@ -274,11 +292,13 @@ def gated_delta_rule_slots_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     best this build has; 0 / 1 / 2 force portable / AVX2 / AVX-512 (tests). The C++ kernel where built and
     every tensor is on the CPU in float32, else the same math in torch (gated_delta_torch.py)."""
     read_states = states if read_states is None else read_states
+    _check_delta_shapes(q, k, v, g, beta, states, read_states)
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
     out = torch.empty(v.shape, dtype=_F32, device=v.device)
     ext = kernels()
-    if (ext is not None and all(_cpu_fp32(x) for x in (q, k, v, g, beta, states, read_states))
+    if (ext is not None and k.shape[-1] <= MAX_KERNEL_KEY_DIM
+            and all(_cpu_fp32(x) for x in (q, k, v, g, beta, states, read_states))
             and all(x.is_cpu and x.dtype is _LONG for x in sequences)):
         ext.gated_delta_rule_(q, k, v, g, beta, out, read_states, states, *sequences, normalize_qk, scale, isa)
         return out

@@ -141,3 +141,28 @@ def test_the_kernel_refuses_slots_that_would_race():
     with pytest.raises(RuntimeError, match="a snapshot after 2 rows of a sequence of 1"):
         ops.gated_delta_rule_slots_(*rows, cache, ops.DeltaSequences.of([1, 1], [0, 1], [2, 3], [(0, 2, 0)]))
     assert torch.equal(cache, torch.zeros_like(cache))  # refused before anything was written
+
+
+@pytest.mark.skipif(not ops.available(), reason="the C++ kernels could not be built here")
+def test_the_thread_count_changes_nothing():
+    rows = inputs(37, key_heads=4, value_heads=8, key_dim=32, value_dim=64, seed=13)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.gated_delta_rule(*rows, snapshot_rows=[20])
+        torch.set_num_threads(max(2, threads))
+        many = ops.gated_delta_rule(*rows, snapshot_rows=[20])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip([one[0], one[1], *one[2]], [many[0], many[1], *many[2]]))
+
+
+@pytest.mark.parametrize("path_isa", PATHS, indirect=True)
+def test_mismatched_shapes_are_refused_by_name(path_isa):
+    q, k, v, g, beta = inputs(3)
+    with pytest.raises(ValueError, match="Hv a multiple of Hk"):
+        ops.gated_delta_rule(q, k, v[:, :3], g[:, :3], beta[:, :3], isa=path_isa)
+    with pytest.raises(ValueError, match="g, beta \\[N, Hv\\]"):
+        ops.gated_delta_rule(q, k, v, g[:2], beta, isa=path_isa)
+    with pytest.raises(ValueError, match="states must be \\[slots, 4, 16, 16\\], got \\(2, 4, 16, 8\\)"):
+        ops.gated_delta_rule_slots_(q, k, v, g, beta, torch.zeros(2, 4, 16, 8), ops.DeltaSequences.of([3], [-1], [0]))
