@@ -15,7 +15,7 @@ dk = dv = 128, q and k l2-normalised in the rule):
 
 Each figure is the best of --repeats runs (the machine may be shared).
 
-    PYTHONPATH=. .venv/bin/python bench/gated_delta.py [--rows 512] [--repeats 5]
+    PYTHONPATH=. .venv/bin/python bench/gated_delta.py [--rows 512] [--repeats 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -62,7 +62,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=512, help="prefill segment length")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads for every figure (0: torch's own)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows, repeats = args.rows, args.repeats
     gen = torch.Generator().manual_seed(0)
     q, k, v, g, beta = layer_inputs(rows, gen)

@@ -11,6 +11,7 @@ of a batch-1 decode step's overhead.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from types import ModuleType
 from typing import NamedTuple
@@ -249,9 +250,20 @@ class DeltaSequences(NamedTuple):
         starts = [0]
         for count in row_counts:
             starts.append(starts[-1] + count)
-        return cls(torch.tensor(starts, dtype=_LONG), torch.tensor(read_slots, dtype=_LONG),
-                   torch.tensor(write_slots, dtype=_LONG),
-                   torch.tensor(sorted(snapshots), dtype=_LONG).reshape(-1, 3))
+        # One tensor, four views of it: a decode step builds this once per layer.
+        values = torch.tensor([*starts, *read_slots, *write_slots, *(n for row in sorted(snapshots) for n in row)],
+                              dtype=_LONG)
+        count = len(row_counts)
+        return cls(values[: count + 1], values[count + 1 : 2 * count + 1], values[2 * count + 1 : 3 * count + 1],
+                   values[3 * count + 1 :].view(-1, 3))
+
+
+def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _cpu_long(x: torch.Tensor) -> bool:
+    return x.is_cpu and x.dtype is _LONG
 
 
 MAX_KERNEL_KEY_DIM = 512  # the kernel's largest dk (gated_delta.cpp: its normalised q and k on the stack)
@@ -260,14 +272,14 @@ MAX_KERNEL_KEY_DIM = 512  # the kernel's largest dk (gated_delta.cpp: its normal
 def _check_delta_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         states: torch.Tensor, read_states: torch.Tensor) -> None:
     rows, heads = v.shape[:2] if v.dim() == 3 else (-1, -1)
-    if (v.dim() != 3 or q.dim() != 3 or q.shape != k.shape or k.shape[0] != rows or heads % max(k.shape[1], 1)
-            or k.shape[1] == 0 or g.shape != (rows, heads) or beta.shape != (rows, heads)):
+    if (v.dim() != 3 or q.dim() != 3 or q.shape != k.shape or k.shape[0] != rows or k.shape[1] == 0
+            or heads % k.shape[1] or g.shape != (rows, heads) or beta.shape != (rows, heads)):
         raise ValueError(f"gated delta rule: q, k [N, Hk, dk], v [N, Hv, dv] (Hv a multiple of Hk), g, beta [N, Hv]; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
                          f"beta {tuple(beta.shape)}")
     state_shape = (heads, k.shape[2], v.shape[2])
     for name, tensor in (("states", states), ("read_states", read_states)):
-        if tensor.dim() != 4 or tuple(tensor.shape[1:]) != state_shape:
+        if tensor.dim() != 4 or tensor.shape[1:] != state_shape:
             raise ValueError(f"gated delta rule: {name} must be [slots, {', '.join(map(str, state_shape))}], "
                              f"got {tuple(tensor.shape)}")
 
@@ -294,13 +306,17 @@ def gated_delta_rule_slots_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     read_states = states if read_states is None else read_states
     _check_delta_shapes(q, k, v, g, beta, states, read_states)
     scale = k.shape[-1] ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
+    q, k, v, g, beta = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v), _last_contiguous(g), \
+        _last_contiguous(beta)
     out = torch.empty(v.shape, dtype=_F32, device=v.device)
     ext = kernels()
-    if (ext is not None and k.shape[-1] <= MAX_KERNEL_KEY_DIM
-            and all(_cpu_fp32(x) for x in (q, k, v, g, beta, states, read_states))
-            and all(x.is_cpu and x.dtype is _LONG for x in sequences)):
-        ext.gated_delta_rule_(q, k, v, g, beta, out, read_states, states, *sequences, normalize_qk, scale, isa)
+    # Plain attribute reads, no generators: this runs once per recurrent layer per step.
+    row_starts, read_slots, write_slots, snapshots = sequences
+    if (ext is not None and k.shape[-1] <= MAX_KERNEL_KEY_DIM and _cpu_fp32(q) and _cpu_fp32(k) and _cpu_fp32(v)
+            and _cpu_fp32(g) and _cpu_fp32(beta) and _cpu_fp32(states) and _cpu_fp32(read_states)
+            and _cpu_long(row_starts) and _cpu_long(read_slots) and _cpu_long(write_slots) and _cpu_long(snapshots)):
+        ext.gated_delta_rule_(q, k, v, g, beta, out, read_states, states, row_starts, read_slots, write_slots,
+                              snapshots, normalize_qk, scale, isa)
         return out
     gated_delta_slots(q, k, v, g, beta, out, read_states, states, *(x.tolist() for x in sequences[:3]),
                       [tuple(row) for row in sequences.snapshots.tolist()], normalize_qk, scale)
@@ -321,6 +337,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         read, read_slot = written, -1
     else:
         read, read_slot = state.to(_F32).contiguous().reshape(1, heads, key_dim, value_dim), 0
-    sequences = DeltaSequences.of([v.shape[0]], [read_slot], [0], [(0, done, 1 + i) for i, done in enumerate(rows)])
+    sequences = _one_sequence(v.shape[0], read_slot, tuple(rows))
     out = gated_delta_rule_slots_(q, k, v, g, beta, written, sequences, read, normalize_qk, scale, isa)
     return out, written[0], list(written[1:].unbind(0))
+
+
+@functools.lru_cache(maxsize=256)
+def _one_sequence(rows: int, read_slot: int, snapshot_rows: tuple[int, ...]) -> DeltaSequences:
+    """`gated_delta_rule`'s one sequence: its final state to slot 0, snapshots to 1.. (kept: the kernel only
+    reads them, and building them cost more than a decode's kernel call)."""
+    return DeltaSequences.of([rows], [read_slot], [0], [(0, done, 1 + i) for i, done in enumerate(snapshot_rows)])
