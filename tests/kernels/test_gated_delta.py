@@ -166,3 +166,17 @@ def test_mismatched_shapes_are_refused_by_name(path_isa):
         ops.gated_delta_rule(q, k, v, g[:2], beta, isa=path_isa)
     with pytest.raises(ValueError, match="states must be \\[slots, 4, 16, 16\\], got \\(2, 4, 16, 8\\)"):
         ops.gated_delta_rule_slots_(q, k, v, g, beta, torch.zeros(2, 4, 16, 8), ops.DeltaSequences.of([3], [-1], [0]))
+
+
+@pytest.mark.parametrize("path_isa", PATHS, indirect=True)
+@pytest.mark.parametrize("key_dim, value_dim", [(13, 20), (6, 24), (30, 40)])  # odd tails: rows % 4, columns % 8, % 16
+def test_odd_head_dims(path_isa, key_dim, value_dim):
+    q, k, v, g, beta = inputs(12, key_dim=key_dim, value_dim=value_dim, seed=key_dim)
+    expected, expected_state = torch_recurrent_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
+                                                                output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, final, _ = ops.gated_delta_rule(q, k, v, g, beta, isa=path_isa)
+    torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, expected_state[0], rtol=1e-5, atol=1e-5)
+    first, state, _ = ops.gated_delta_rule(q[:5], k[:5], v[:5], g[:5], beta[:5], isa=path_isa)
+    rest, state, _ = ops.gated_delta_rule(q[5:], k[5:], v[5:], g[5:], beta[5:], state, isa=path_isa)
+    assert torch.equal(torch.cat([first, rest]), out) and torch.equal(state, final)
