@@ -1,0 +1,173 @@
+"""Gated DeltaNet (Qwen3.5's linear attention): the math and the layer.
+
+Per value head h the layer keeps a matrix S (key_head_dim x value_head_dim) instead of a K/V cache. Each token
+decays it by exp(g) (g = -exp(A_log) * softplus(a + dt_bias), per head), then writes the part of v that S does
+not already predict from k (the delta rule, learning rate beta = sigmoid(b)), and reads it with q:
+
+    S = exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q        (q, k L2-normalised; q scaled by dk^-0.5)
+
+Before that a causal depthwise convolution (kernel_size taps, SiLU) mixes each q/k/v channel with its previous
+inputs, so a request's state is (the convolution's last kernel - 1 inputs, S per value head): ModelConfig's
+`recurrent_state`, kept in float32.
+
+A segment of several rows (a prefill chunk) runs the chunked form (`chunked_gated_delta_rule`): within each
+chunk of 64 tokens the updates are folded into a triangular solve and matmuls (the WY / UT form of the delta
+rule, as in flash-linear-attention and transformers' torch fallback), and only the chunks run in sequence. One
+row (decode) runs the step itself (`gated_delta_step`). Both give the same numbers to float32 rounding, and
+running a sequence whole or in pieces from the saved state gives the same outputs (tests/model/test_qwen35.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.config import GatedDeltaNetShape
+from kvserve.kv.state.context import LayerState, StateContext, scan_sequences
+from kvserve.model.layers import Linear, MergedLinear, RMSNorm, new_parameter
+
+CHUNK_SIZE = 64
+_L2_EPS = 1e-6  # as flash-linear-attention's l2norm
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dimension."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _L2_EPS)
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token: q, k `[H, Dk]`, v `[H, Dv]`, g (log decay), beta `[H]`, state `[H, Dk, Dv]` (None: zeros)
+    -> (out `[H, Dv]`, the new state). `state` is not changed."""
+    if state is None:
+        state = q.new_zeros(q.shape[0], q.shape[1], v.shape[1])
+    decayed = state * g.exp()[:, None, None]
+    predicted = torch.einsum("hk,hkv->hv", k, decayed)
+    correction = (v - predicted) * beta[:, None]
+    updated = decayed + k[:, :, None] * correction[:, None, :]
+    return torch.einsum("hk,hkv->hv", q, updated), updated
+
+
+def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                             state: torch.Tensor | None,
+                             chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """T tokens at once: q, k `[T, H, Dk]`, v `[T, H, Dv]`, g, beta `[T, H]`, state `[H, Dk, Dv]` (None: zeros)
+    -> (out `[T, H, Dv]`, the state after the last token); what T calls of `gated_delta_step` give."""
+    num_tokens, num_heads, key_dim = k.shape
+    value_dim = v.shape[-1]
+    size = min(chunk_size, num_tokens)
+    pad = -num_tokens % size
+    # [H, T, ...], padded with tokens that neither decay (g = 0) nor write (k = v = beta = 0) the state
+    q, k, v = (F.pad(t.transpose(0, 1), (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t.transpose(0, 1), (0, pad)) for t in (g, beta))
+    chunks = (num_tokens + pad) // size
+    q, k, v = (t.reshape(num_heads, chunks, size, -1) for t in (q, k, v))
+    g, beta = (t.reshape(num_heads, chunks, size) for t in (g, beta))
+
+    decay_in = g.cumsum(dim=-1)  # log of the decay from the chunk's start through each token
+    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    # decay[i, j]: from token j to token i of a chunk (j <= i), 0 above the diagonal
+    decay = (decay_in[..., :, None] - decay_in[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    # The chunk's updates as one unit lower-triangular system (I + strictly_lower(beta_i k_i.k_j decay_ij)):
+    # solved once for the values written and for the keys that read the chunk's incoming state.
+    system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(size, dtype=q.dtype, device=q.device)
+    written = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    reads_state = torch.linalg.solve_triangular(system, k_beta * decay_in.exp()[..., None], upper=False,
+                                                unitriangular=True)
+    within = (q @ k.transpose(-1, -2)) * decay  # each token's attention to the chunk's tokens up to itself
+    q_decayed = q * decay_in.exp()[..., None]
+    k_to_end = k * (decay_in[..., -1:] - decay_in).exp()[..., None]
+    chunk_decay = decay_in[..., -1].exp()
+
+    state = q.new_zeros(num_heads, key_dim, value_dim) if state is None else state
+    out = q.new_empty(num_heads, chunks, size, value_dim)
+    for c in range(chunks):
+        new_values = written[:, c] - reads_state[:, c] @ state
+        out[:, c] = q_decayed[:, c] @ state + within[:, c] @ new_values
+        state = state * chunk_decay[:, c, None, None] + k_to_end[:, c].transpose(-1, -2) @ new_values
+    out = out.reshape(num_heads, chunks * size, value_dim)[:, :num_tokens]
+    return out.transpose(0, 1), state
+
+
+class DepthwiseConv1d(nn.Module):
+    """Causal depthwise convolution over time with SiLU: each channel mixes its last `kernel_size` inputs.
+    Checkpoint name `weight` `[channels, 1, kernel_size]` (torch's Conv1d layout, as Hugging Face stores it)."""
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__()
+        self.weight = new_parameter(channels, 1, kernel_size)
+
+    def forward(self, x: torch.Tensor, history: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[T, C]`, history `[C, kernel - 1]` (the previous inputs; None: zeros) -> (outputs `[T, C]`, the
+        new history). `history` is not changed."""
+        channels, _, kernel = self.weight.shape
+        if history is None:
+            history = x.new_zeros(channels, kernel - 1)
+        window = torch.cat((history, x.T), dim=1)  # [C, kernel - 1 + T]
+        if x.shape[0] == 1:  # decode: one dot product per channel
+            mixed = (window * self.weight[:, 0]).sum(dim=-1)[None]
+        else:
+            mixed = F.conv1d(window[None], self.weight, groups=channels)[0].T
+        return F.silu(mixed), window[:, window.shape[1] - (kernel - 1):]
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's `linear_attn`: in-projections (q/k/v, the output gate z, beta's b and the decay's a, fused in
+    one GEMM as `in_proj`, shards 0-3), the convolution, the delta rule per sequence from its state, RMSNorm
+    of each head's output gated by SiLU(z), out-projection. Checkpoint names as Hugging Face's
+    Qwen3_5GatedDeltaNet: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, A_log, dt_bias, norm, out_proj."""
+
+    def __init__(self, shape: GatedDeltaNetShape, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.shape = shape
+        self.key_size = shape.num_key_heads * shape.key_head_dim
+        self.value_size = shape.num_value_heads * shape.value_head_dim
+        heads = shape.num_value_heads
+        self.in_proj = MergedLinear(hidden_size, [shape.conv_dim, self.value_size, heads, heads])
+        self.conv1d = DepthwiseConv1d(shape.conv_dim, shape.conv_kernel)
+        self.A_log = new_parameter(heads)
+        self.dt_bias = new_parameter(heads)
+        self.norm = RMSNorm(shape.value_head_dim, eps)
+        self.out_proj = Linear(self.value_size, hidden_size)
+
+    def forward(self, x: torch.Tensor, states: StateContext, layer: int) -> torch.Tensor:
+        """x `[N, hidden]` (the step's rows of every sequence) -> `[N, hidden]`; `layer`: the recurrent layer's
+        index among the model's, whose state each sequence reads and writes."""
+        shape = self.shape
+        heads = shape.num_value_heads
+        mixed, z, b, a = self.in_proj(x).split([shape.conv_dim, self.value_size, heads, heads], dim=-1)
+        g = -self.A_log.exp() * F.softplus(a + self.dt_bias)
+        per_row = torch.cat((mixed, g, b.sigmoid()), dim=-1)
+        core = scan_sequences(states, layer, per_row, self.recurrence)
+        gated = self.norm(core.reshape(-1, shape.value_head_dim)) * F.silu(z.reshape(-1, shape.value_head_dim))
+        return self.out_proj(gated.view(x.shape[0], self.value_size))
+
+    def recurrence(self, rows: torch.Tensor, state: LayerState | None) -> tuple[torch.Tensor, LayerState]:
+        """One sequence's consecutive rows (projected, `forward`'s per_row) from its state -> (each row's output
+        `[T, value heads * value_head_dim]`, the state after them)."""
+        shape = self.shape
+        num_rows = rows.shape[0]
+        heads = shape.num_value_heads
+        mixed, g, beta = rows.split([shape.conv_dim, heads, heads], dim=-1)
+        history, matrix = (None, None) if state is None else state
+        mixed, history = self.conv1d(mixed, history)
+        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        q = self._expand(l2_normalize(q.reshape(num_rows, shape.num_key_heads, shape.key_head_dim))
+                         * shape.key_head_dim**-0.5)
+        k = self._expand(l2_normalize(k.reshape(num_rows, shape.num_key_heads, shape.key_head_dim)))
+        v = v.reshape(num_rows, heads, shape.value_head_dim)
+        if num_rows == 1:
+            out, matrix = gated_delta_step(q[0], k[0], v[0], g[0], beta[0], matrix)
+            out = out[None]
+        else:
+            out, matrix = chunked_gated_delta_rule(q, k, v, g, beta, matrix)
+        return out.reshape(num_rows, self.value_size), [history, matrix]
+
+    def _expand(self, x: torch.Tensor) -> torch.Tensor:
+        """`[T, key heads, D]` -> `[T, value heads, D]`: each value head gets the key head it reads."""
+        repeats = self.shape.num_value_heads // self.shape.num_key_heads
+        if repeats == 1:
+            return x
+        return x.repeat(1, repeats, 1) if self.shape.value_heads_tiled else x.repeat_interleave(repeats, dim=1)

@@ -1,0 +1,239 @@
+"""Qwen3.5 text models (Qwen3_5ForCausalLM; GGUF `qwen35`) in PyTorch: a hybrid of Gated DeltaNet layers and
+full attention (three linear_attention layers, then one full_attention, by default).
+
+- Linear-attention layers: kvserve.model.gated_deltanet (a recurrent state per request, no K/V).
+- Full-attention layers: Qwen3's (q/k RMS-normalised over each head, GQA) with an output gate (q_proj yields,
+  per head, head_dim query channels then head_dim gate channels; the attention output is multiplied by
+  sigmoid(gate) before o_proj) and partial RoPE (the first head_dim * partial_rotary_factor channels; 1/4).
+- Every RMSNorm but the DeltaNet's gated one scales by (1 + w) (Hugging Face stores w; llama.cpp 1 + w).
+- RoPE: transformers runs Qwen3.5's multimodal RoPE (mrope_section: the rotated frequencies split between
+  temporal, height and width positions); for text the three positions are the token's position, so it is
+  plain 1-D RoPE, which is what runs here (positions are 1-D; images are not supported).
+
+The GGUF reader undoes what llama.cpp's converter did (convert_hf_to_gguf.py, Qwen3NextModel and
+_LinearAttentionVReorderBase): A_log stored as -exp(A_log) (`ssm_a`), dt_bias as `ssm_dt.bias`, the conv
+weight squeezed to [channels, kernel], 1 added to the (1 + w) norms; its reordering of value heads (tiled, not
+grouped by key head) is kept, and the layer reads it so (GatedDeltaNetShape.value_heads_tiled). The
+multi-token-prediction layers (mtp.*, `nextn`) and Qwen3.5-MoE are not supported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvserve.config import ATTENTION, RECURRENT, GatedDeltaNetShape, ModelConfig
+from kvserve.errors import ModelLoadError, UnsupportedModelError
+from kvserve.kernels import ops
+from kvserve.kv.attention import AttentionContext
+from kvserve.kv.state.context import StateContext
+from kvserve.model.causal_lm import CausalLM
+from kvserve.model.family import (GGUF, GGUF_PROJECTION_TENSORS, HF, Architecture, ModelFamily, gguf_config,
+                                  hf_rope)
+from kvserve.model.gated_deltanet import GatedDeltaNet
+from kvserve.model.layers import GatedMLP, Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding
+
+# (1 + w) norms: the weight as loaded is offset by 1 (kvserve.model.layers.RMSNorm), then runs like any other.
+_NORM_OFFSET = 1.0
+
+
+class GatedQKVLinear(QKVLinear):
+    """Q (with its output gate: 2 x head_dim rows per head), K and V in one GEMM; shards "q", "k", "v"."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int) -> None:
+        kv_size = num_kv_heads * head_dim
+        MergedLinear.__init__(self, hidden_size, [2 * num_heads * head_dim, kv_size, kv_size])
+
+
+class Qwen35Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.attention_scale
+        self.sliding_window = None
+        self.qkv_proj = GatedQKVLinear(config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads)
+        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, _NORM_OFFSET)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, _NORM_OFFSET)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: AttentionContext,
+                layer: int) -> torch.Tensor:
+        """`layer`: the attention layer's index in the KV cache (not its model layer)."""
+        num_tokens = x.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_and_gate, k, v = self.qkv_proj(x).split([2 * heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q_and_gate = q_and_gate.view(num_tokens, heads, 2 * dim)
+        gate = q_and_gate[..., dim:].reshape(num_tokens, heads * dim)
+        q = self.q_norm(q_and_gate[..., :dim].reshape(num_tokens * heads, dim))  # new contiguous tensors
+        k = self.k_norm(k.reshape(num_tokens * kv_heads, dim))
+        ops.rope_(q.view(num_tokens, heads * dim), cos, sin, heads, dim)
+        ops.rope_(k.view(num_tokens, kv_heads * dim), cos, sin, kv_heads, dim)
+        out = kv.attend(layer, q.view(num_tokens, heads, dim), k.view(num_tokens, kv_heads, dim),
+                        v.reshape(num_tokens, kv_heads, dim), self.scale)
+        return self.o_proj(out.reshape(num_tokens, heads * dim) * torch.sigmoid(gate))
+
+
+class Qwen35DecoderLayer(nn.Module):
+    """A full-attention layer (`self_attn`) or a Gated DeltaNet one (`linear_attn`), then the MLP."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        assert config.layer_kinds is not None and config.gated_deltanet is not None
+        self.attends = config.layer_kinds[layer_index] == ATTENTION
+        if self.attends:
+            self.self_attn = Qwen35Attention(config)
+            self.cache_layer = config.attention_layers.index(layer_index)  # its layer in the KV cache
+        else:
+            self.linear_attn = GatedDeltaNet(config.gated_deltanet, config.hidden_size, config.rms_norm_eps)
+            self.cache_layer = config.recurrent_layers.index(layer_index)  # its layer in the state cache
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, _NORM_OFFSET)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, _NORM_OFFSET)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: AttentionContext,
+                layer: int, states: StateContext) -> torch.Tensor:
+        """x, the residual stream, is updated in place (the model's own activations, nothing else's)."""
+        normed = self.input_layernorm(x)
+        if self.attends:
+            mixed = self.self_attn(normed, cos, sin, kv, self.cache_layer)
+        else:
+            mixed = self.linear_attn(normed, states, self.cache_layer)
+        normed = self.post_attention_layernorm.add_and_norm(x, mixed)
+        return x.add_(self.mlp(normed))
+
+
+class Qwen35ForCausalLM(CausalLM):
+    """Qwen3.5's hybrid decoder, driven by CausalLM's forward (with the step's recurrent-state context)."""
+
+    stacked_params = CausalLM.stacked_params + (
+        ("in_proj", "in_proj_qkv", 0), ("in_proj", "in_proj_z", 1), ("in_proj", "in_proj_b", 2),
+        ("in_proj", "in_proj_a", 3),
+    )
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.layers = nn.ModuleList(Qwen35DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, _NORM_OFFSET)
+        self.build_head()
+        self.rotary_emb = RotaryEmbedding.of(config)
+
+
+# --- config.json -----------------------------------------------------------------------------------------
+
+_LAYER_KINDS = {"linear_attention": RECURRENT, "full_attention": ATTENTION}
+
+
+def read_hf_config(cfg: dict[str, Any], arch: str) -> ModelConfig:
+    """A Qwen3_5ForCausalLM config.json (model_type qwen3_5_text)."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"activation {cfg['hidden_act']!r} is not supported (only silu)")
+    if cfg.get("attention_bias"):
+        raise UnsupportedModelError("Qwen3.5 with attention_bias=True is not supported")
+    num_layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types") or _interval_types(int(cfg.get("full_attention_interval", 4)), num_layers)
+    unknown = set(layer_types) - set(_LAYER_KINDS)
+    if unknown or len(layer_types) != num_layers:
+        raise UnsupportedModelError(f"Qwen3.5 layer_types must be {num_layers} of {sorted(_LAYER_KINDS)}, got "
+                                    f"{layer_types}")
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta, scaling = hf_rope(params, cfg.get("rope_theta", 10000.0))
+    rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))))
+    shape = GatedDeltaNetShape(
+        num_key_heads=int(cfg["linear_num_key_heads"]), num_value_heads=int(cfg["linear_num_value_heads"]),
+        key_head_dim=int(cfg["linear_key_head_dim"]), value_head_dim=int(cfg["linear_value_head_dim"]),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=head_dim,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rotary_dim=rotary_dim if rotary_dim < head_dim else None,
+        layer_kinds=tuple(_LAYER_KINDS[kind] for kind in layer_types),
+        recurrent_state=shape.state_shapes,
+        gated_deltanet=shape,
+    )
+
+
+def _interval_types(interval: int, num_layers: int) -> list[str]:
+    """Every `interval`-th layer full attention, the others linear (transformers' and llama.cpp's default)."""
+    if interval < 1:
+        raise UnsupportedModelError(f"full_attention_interval must be positive, got {interval}")
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+
+
+# --- GGUF ----------------------------------------------------------------------------------------------
+
+
+def read_gguf_config(meta: dict[str, Any], arch: str, vocab_rows: int) -> ModelConfig:
+    """Qwen3.5's shape from llama.cpp's `qwen35.*` metadata (its ssm.* keys name the DeltaNet's shape)."""
+    config = gguf_config(meta, arch, vocab_rows)
+
+    def get(key: str) -> int:
+        if f"{arch}.{key}" not in meta:
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+        return int(meta[f"{arch}.{key}"])
+
+    value_heads = get("ssm.time_step_rank")
+    inner = get("ssm.inner_size")
+    if inner % value_heads:
+        raise ModelLoadError(f"{arch}.ssm.inner_size ({inner}) is not a multiple of the value heads ({value_heads})")
+    shape = GatedDeltaNetShape(num_key_heads=get("ssm.group_count"), num_value_heads=value_heads,
+                               key_head_dim=get("ssm.state_size"), value_head_dim=inner // value_heads,
+                               conv_kernel=get("ssm.conv_kernel"), value_heads_tiled=True)
+    interval = int(meta.get(f"{arch}.full_attention_interval", 4))
+    kinds = tuple(_LAYER_KINDS[kind] for kind in _interval_types(interval, config.num_layers))
+    return replace(config, layer_kinds=kinds, recurrent_state=shape.state_shapes, gated_deltanet=shape)
+
+
+GGUF_LAYER_TENSORS: dict[str, str] = {
+    **GGUF_PROJECTION_TENSORS,
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+
+
+def undo_gguf_conversion(hf_name: str, value: torch.Tensor) -> torch.Tensor:
+    """A GGUF file's tensor as Hugging Face holds it: what convert_hf_to_gguf.py did to it, undone."""
+    if hf_name.endswith(".linear_attn.A_log"):
+        return torch.log(-value)  # stored as A = -exp(A_log)
+    if hf_name.endswith(".linear_attn.conv1d.weight"):
+        return value.unsqueeze(1) if value.dim() == 2 else value  # squeezed from [channels, 1, kernel]
+    if hf_name.endswith("norm.weight") and not hf_name.endswith(".linear_attn.norm.weight"):
+        return value - _NORM_OFFSET  # the (1 + w) norms, stored as 1 + w
+    return value
+
+
+FAMILY = ModelFamily(Qwen35ForCausalLM, read_hf_config, read_gguf_config, GGUF_LAYER_TENSORS,
+                     gguf_tensor_fix=undo_gguf_conversion)
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture("Qwen3_5ForCausalLM", HF, FAMILY),
+    Architecture("qwen35", GGUF, FAMILY),  # NEOX RoPE: stored unpermuted
+)
