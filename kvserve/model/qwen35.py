@@ -13,12 +13,16 @@ full attention (three linear_attention layers, then one full_attention, by defau
 The GGUF reader undoes what llama.cpp's converter did (convert_hf_to_gguf.py, Qwen3NextModel and
 _LinearAttentionVReorderBase): A_log stored as -exp(A_log) (`ssm_a`), dt_bias as `ssm_dt.bias`, the conv
 weight squeezed to [channels, kernel], 1 added to the (1 + w) norms; its reordering of value heads (tiled, not
-grouped by key head) is kept, and the layer reads it so (GatedDeltaNetShape.value_heads_tiled). The
-multi-token-prediction layers (mtp.*, `nextn`) and Qwen3.5-MoE are not supported.
+grouped by key head) is kept, and the layer reads it so (GatedDeltaNetShape.value_heads_tiled).
+
+The Hub's checkpoints are Qwen3_5ForConditionalGeneration: their language model loads and runs on text (token
+ids) alone. Not supported: images and video, the multi-token-prediction layers (mtp.*, GGUF `nextn`), and
+Qwen3.5-MoE.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -122,14 +126,38 @@ class Qwen35ForCausalLM(CausalLM):
         self.build_head()
         self.rotary_emb = RotaryEmbedding.of(config)
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A text-only checkpoint's names, or a Qwen3_5ForConditionalGeneration's (the Hub's Qwen3.5 files): its
+        language model's tensors under `model.language_model.`; its vision tower (`model.visual.`) and its
+        multi-token-prediction layers (`mtp.`) are not run, so not loaded."""
+        def text_weights() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if not name.startswith(_NOT_RUN):
+                    yield name.replace("model.language_model.", "model.", 1), tensor
+
+        super().load_weights(text_weights())
+
 
 # --- config.json -----------------------------------------------------------------------------------------
 
 _LAYER_KINDS = {"linear_attention": RECURRENT, "full_attention": ATTENTION}
+_CONDITIONAL = "Qwen3_5ForConditionalGeneration"
+_NOT_RUN = ("model.visual.", "mtp.")  # a checkpoint's vision tower and multi-token-prediction layers
 
 
 def read_hf_config(cfg: dict[str, Any], arch: str) -> ModelConfig:
-    """A Qwen3_5ForCausalLM config.json (model_type qwen3_5_text)."""
+    """A Qwen3_5ForCausalLM config.json (model_type qwen3_5_text), or a Qwen3_5ForConditionalGeneration's
+    (model_type qwen3_5): its `text_config`, run as text only."""
+    if arch == _CONDITIONAL:
+        if not isinstance(cfg.get("text_config"), dict):
+            raise ModelLoadError(f"a {_CONDITIONAL} config.json without its text_config")
+        # transformers ties the head by the outer config's flag, not the text config's
+        return _read_text_config({**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)},
+                                 arch)
+    return _read_text_config(cfg, arch)
+
+
+def _read_text_config(cfg: dict[str, Any], arch: str) -> ModelConfig:
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"activation {cfg['hidden_act']!r} is not supported (only silu)")
     if cfg.get("attention_bias"):
@@ -235,5 +263,6 @@ FAMILY = ModelFamily(Qwen35ForCausalLM, read_hf_config, read_gguf_config, GGUF_L
                      gguf_tensor_fix=undo_gguf_conversion)
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("Qwen3_5ForCausalLM", HF, FAMILY),
+    Architecture(_CONDITIONAL, HF, FAMILY),  # the language model alone: images and video are not supported
     Architecture("qwen35", GGUF, FAMILY),  # NEOX RoPE: stored unpermuted
 )

@@ -267,3 +267,29 @@ def test_layer_kinds_from_the_interval_and_the_state_shape(tmp_path):
     # q and k of 2 heads x 16, v of 4 heads x 16 through a 4-tap convolution; 4 value heads' 16 x 16 matrices
     assert config.recurrent_state == ((128, 3), (4, 16, 16))
     assert config.rotary_dim == 8  # partial_rotary_factor 0.5 of head_dim 16
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_hubs_conditional_generation_checkpoint_runs_its_language_model(tmp_path, tied):
+    # The Hub's Qwen3.5 files are Qwen3_5ForConditionalGeneration: text_config, model.language_model.*, a vision
+    # tower (model.visual.*, not loaded). On token ids alone it is the text model, positions 1-D.
+    import transformers
+
+    _, _, overrides = QWEN35_VARIANTS["qwen35"]
+    text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, max_position_embeddings=256, **overrides)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  num_position_embeddings=16)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    hf_model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    loaded = load_model(save_hf_model(hf_model, tmp_path))
+    assert loaded.config.architecture == "Qwen3_5ForConditionalGeneration"
+    assert loaded.config.tie_word_embeddings == tied
+    text_parameters = sum(p.numel() for n, p in hf_model.named_parameters() if not n.startswith("model.visual."))
+    assert loaded.model.num_parameters() == text_parameters
+    expected = reference_logits(hf_model, TOKENS)
+    assert (whole(loaded.model, TOKENS) - expected).abs().max().item() <= TOLERANCE

@@ -14,7 +14,7 @@ def test_lookups():
                                            "SmolLM3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
                                            "GraniteForCausalLM", "GraniteMoeHybridForCausalLM",
                                            "Ministral3ForCausalLM", "GptOssForCausalLM",
-                                           "Lfm2ForCausalLM", "Qwen3_5ForCausalLM"]
+                                           "Lfm2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"]
     assert supported_architectures(GGUF) == ["llama", "qwen2", "gemma3", "qwen3", "qwen3moe", "smollm3", "phi3",
                                              "olmo2", "granite", "mistral3", "gpt-oss",
                                              "lfm2", "qwen35"]
