@@ -133,6 +133,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # Qwen3.5-MoE: beside the routed experts, one shared expert (a gated MLP of this size) every token runs, its
+    # output weighted by sigmoid(shared_expert_gate(x)); 0: none.
+    shared_expert_intermediate_size: int = 0
     # Hybrid models (Qwen3.5's Gated DeltaNet, LFM2's short convolutions): each layer's kind, ATTENTION (keeps
     # K/V per token in the paged cache) or RECURRENT (keeps a fixed-size state per request); None: every layer
     # attends. `recurrent_state` is the shapes of the float32 tensors one recurrent layer keeps per request

@@ -25,6 +25,12 @@ QWEN35_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
         linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=8, linear_value_head_dim=12,
         linear_conv_kernel_dim=3, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1000.0})),
+    # Qwen3.5-MoE: every MLP 8 experts of 32 (the top 2, renormalised) and a shared expert of 64 behind its gate.
+    "qwen35-moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
 }
 
 
@@ -80,11 +86,18 @@ def write_qwen35_gguf(model, path: Path, quant_types: dict[str, str] | None = No
     from gguf.quants import dequantize, quantize
 
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen35")
+    moe = cfg.model_type == "qwen3_5_moe_text"
+    writer = gguf.GGUFWriter(str(path), "qwen35moe" if moe else "qwen35")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
+    if moe:
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    else:
+        writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_key_length(cfg.head_dim)
@@ -102,10 +115,21 @@ def write_qwen35_gguf(model, path: Path, quant_types: dict[str, str] | None = No
     writer.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
     interval = [kind == "full_attention" for kind in cfg.layer_types].index(True) + 1
     writer.add_full_attention_interval(interval)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, cfg.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35,
+                                     cfg.num_hidden_layers)
     reference: dict[str, torch.Tensor] = {}
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if ".mlp.experts." in hf_name:  # transformers' fused experts -> llama.cpp's stacked ones, kept F32
+            block = hf_name.split(".")[2]
+            if hf_name.endswith("gate_up_proj"):
+                gate, up = tensor.float().chunk(2, dim=1)
+                writer.add_tensor(f"blk.{block}.ffn_gate_exps.weight", gate.contiguous().numpy())
+                writer.add_tensor(f"blk.{block}.ffn_up_exps.weight", up.contiguous().numpy())
+            else:
+                writer.add_tensor(f"blk.{block}.ffn_down_exps.weight", tensor.float().contiguous().numpy())
+            reference[hf_name] = tensor.float().clone()
             continue
         name, stored = _converted(hf_name, tensor.float(), cfg)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))

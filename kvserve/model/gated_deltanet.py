@@ -42,11 +42,26 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     -> (out `[H, Dv]`, the new state). `state` is not changed."""
     if state is None:
         state = q.new_zeros(q.shape[0], q.shape[1], v.shape[1])
-    decayed = state * g.exp()[:, None, None]
-    predicted = torch.einsum("hk,hkv->hv", k, decayed)
+    decay = g.exp()
+    predicted = torch.bmm(k[:, None, :], state)[:, 0] * decay[:, None]  # k . (decayed S), without S decayed first
     correction = (v - predicted) * beta[:, None]
-    updated = decayed + k[:, :, None] * correction[:, None, :]
-    return torch.einsum("hk,hkv->hv", q, updated), updated
+    updated = torch.baddbmm(state * decay[:, None, None], k[:, :, None], correction[:, None, :])
+    return torch.bmm(q[:, None, :], updated)[:, 0], updated
+
+
+def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
+    """(I + lower)^-1 for strictly lower triangular `lower` `[..., n, n]`: I - L + L^2 - ... (L is nilpotent, so
+    the series ends at L^(n-1)), as the product (I - L)(I + L^2)(I + L^4)... in log2(n) squarings. Batched
+    matmuls: torch's batched triangular solve runs one small LAPACK call per matrix, 7x slower here."""
+    size = lower.shape[-1]
+    power = -lower
+    inverse = power + torch.eye(size, dtype=lower.dtype, device=lower.device)
+    covered = 2  # the powers 0 .. covered - 1 are summed
+    while covered < size:
+        power = power @ power
+        inverse = inverse + inverse @ power
+        covered *= 2
+    return inverse
 
 
 def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -71,11 +86,10 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     decay = (decay_in[..., :, None] - decay_in[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     k_beta = k * beta[..., None]
     # The chunk's updates as one unit lower-triangular system (I + strictly_lower(beta_i k_i.k_j decay_ij)):
-    # solved once for the values written and for the keys that read the chunk's incoming state.
-    system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(size, dtype=q.dtype, device=q.device)
-    written = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    reads_state = torch.linalg.solve_triangular(system, k_beta * decay_in.exp()[..., None], upper=False,
-                                                unitriangular=True)
+    # solved (its inverse, once) for the values written and for the keys that read the chunk's incoming state.
+    solve = unit_lower_inverse(((k_beta @ k.transpose(-1, -2)) * decay).tril(-1))
+    written = solve @ (v * beta[..., None])
+    reads_state = solve @ (k_beta * decay_in.exp()[..., None])
     within = (q @ k.transpose(-1, -2)) * decay  # each token's attention to the chunk's tokens up to itself
     q_decayed = q * decay_in.exp()[..., None]
     k_to_end = k * (decay_in[..., -1:] - decay_in).exp()[..., None]

@@ -1,5 +1,6 @@
-"""Qwen3.5 text models (Qwen3_5ForCausalLM; GGUF `qwen35`) in PyTorch: a hybrid of Gated DeltaNet layers and
-full attention (three linear_attention layers, then one full_attention, by default).
+"""Qwen3.5 text models (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM; GGUF `qwen35`, `qwen35moe`) in PyTorch: a
+hybrid of Gated DeltaNet layers and full attention (three linear_attention layers, then one full_attention,
+by default).
 
 - Linear-attention layers: kvserve.model.gated_deltanet (a recurrent state per request, no K/V).
 - Full-attention layers: Qwen3's (q/k RMS-normalised over each head, GQA) with an output gate (q_proj yields,
@@ -16,8 +17,10 @@ weight squeezed to [channels, kernel], 1 added to the (1 + w) norms; its reorder
 grouped by key head) is kept, and the layer reads it so (GatedDeltaNetShape.value_heads_tiled).
 
 The Hub's checkpoints are Qwen3_5ForConditionalGeneration: their language model loads and runs on text (token
-ids) alone. Not supported: images and video, the multi-token-prediction layers (mtp.*, GGUF `nextn`), and
-Qwen3.5-MoE.
+ids) alone. Not supported: images and video, the multi-token-prediction layers (mtp.*, GGUF `nextn`).
+
+Qwen3.5-MoE (Qwen3_5MoeForCausalLM; GGUF `qwen35moe`): every layer's MLP is routed experts (softmax, top-k
+renormalised) plus a shared expert weighted by sigmoid(shared_expert_gate(x)) (kvserve.model.moe.SharedExpertMoE).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from kvserve.model.family import (GGUF, GGUF_PROJECTION_TENSORS, HF, Architectur
                                   hf_rope)
 from kvserve.model.gated_deltanet import GatedDeltaNet
 from kvserve.model.layers import GatedMLP, Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding
+from kvserve.model.moe import SharedExpertMoE
 
 # (1 + w) norms: the weight as loaded is offset by 1 (kvserve.model.layers.RMSNorm), then runs like any other.
 _NORM_OFFSET = 1.0
@@ -97,7 +101,10 @@ class Qwen35DecoderLayer(nn.Module):
             self.cache_layer = config.recurrent_layers.index(layer_index)  # its layer in the state cache
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, _NORM_OFFSET)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, _NORM_OFFSET)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = (SharedExpertMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                                    config.num_experts_per_tok, config.norm_topk_prob,
+                                    config.shared_expert_intermediate_size)
+                    if config.num_experts else GatedMLP(config.hidden_size, config.intermediate_size))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: AttentionContext,
                 layer: int, states: StateContext) -> torch.Tensor:
@@ -141,16 +148,17 @@ class Qwen35ForCausalLM(CausalLM):
 # --- config.json -----------------------------------------------------------------------------------------
 
 _LAYER_KINDS = {"linear_attention": RECURRENT, "full_attention": ATTENTION}
-_CONDITIONAL = "Qwen3_5ForConditionalGeneration"
+_CONDITIONAL = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+_MOE = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 _NOT_RUN = ("model.visual.", "mtp.")  # a checkpoint's vision tower and multi-token-prediction layers
 
 
 def read_hf_config(cfg: dict[str, Any], arch: str) -> ModelConfig:
-    """A Qwen3_5ForCausalLM config.json (model_type qwen3_5_text), or a Qwen3_5ForConditionalGeneration's
-    (model_type qwen3_5): its `text_config`, run as text only."""
-    if arch == _CONDITIONAL:
+    """A Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM config.json (model_type qwen3_5_text / qwen3_5_moe_text), or
+    a ...ForConditionalGeneration's (model_type qwen3_5 / qwen3_5_moe): its `text_config`, run as text only."""
+    if arch in _CONDITIONAL:
         if not isinstance(cfg.get("text_config"), dict):
-            raise ModelLoadError(f"a {_CONDITIONAL} config.json without its text_config")
+            raise ModelLoadError(f"a {arch} config.json without its text_config")
         # transformers ties the head by the outer config's flag, not the text config's
         return _read_text_config({**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)},
                                  arch)
@@ -178,11 +186,16 @@ def _read_text_config(cfg: dict[str, Any], arch: str) -> ModelConfig:
         num_key_heads=int(cfg["linear_num_key_heads"]), num_value_heads=int(cfg["linear_num_value_heads"]),
         key_head_dim=int(cfg["linear_key_head_dim"]), value_head_dim=int(cfg["linear_value_head_dim"]),
         conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)))
+    moe: dict[str, Any] = {}
+    if arch in _MOE:  # every layer sparse; transformers always renormalises the top-k weights
+        moe = dict(num_experts=int(cfg["num_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                   moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=True,
+                   shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"]))
     return ModelConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
+        intermediate_size=int(cfg.get("intermediate_size") or 0),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -196,6 +209,7 @@ def _read_text_config(cfg: dict[str, Any], arch: str) -> ModelConfig:
         layer_kinds=tuple(_LAYER_KINDS[kind] for kind in layer_types),
         recurrent_state=shape.state_shapes,
         gated_deltanet=shape,
+        **moe,
     )
 
 
@@ -210,8 +224,11 @@ def _interval_types(interval: int, num_layers: int) -> list[str]:
 
 
 def read_gguf_config(meta: dict[str, Any], arch: str, vocab_rows: int) -> ModelConfig:
-    """Qwen3.5's shape from llama.cpp's `qwen35.*` metadata (its ssm.* keys name the DeltaNet's shape)."""
-    config = gguf_config(meta, arch, vocab_rows)
+    """Qwen3.5's shape from llama.cpp's `qwen35.*` / `qwen35moe.*` metadata (its ssm.* keys name the DeltaNet's
+    shape; a MoE file's expert_* keys its experts, whose top-k weights llama.cpp always renormalises)."""
+    moe = arch == "qwen35moe"
+    # A MoE file need not give a dense feed-forward length: none of its layers has one.
+    config = gguf_config({f"{arch}.feed_forward_length": 0, **meta} if moe else meta, arch, vocab_rows)
 
     def get(key: str) -> int:
         if f"{arch}.{key}" not in meta:
@@ -227,7 +244,12 @@ def read_gguf_config(meta: dict[str, Any], arch: str, vocab_rows: int) -> ModelC
                                conv_kernel=get("ssm.conv_kernel"), value_heads_tiled=True)
     interval = int(meta.get(f"{arch}.full_attention_interval", 4))
     kinds = tuple(_LAYER_KINDS[kind] for kind in _interval_types(interval, config.num_layers))
-    return replace(config, layer_kinds=kinds, recurrent_state=shape.state_shapes, gated_deltanet=shape)
+    experts = {}
+    if moe:
+        experts = dict(num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
+                       moe_intermediate_size=get("expert_feed_forward_length"), norm_topk_prob=True,
+                       shared_expert_intermediate_size=get("expert_shared_feed_forward_length"))
+    return replace(config, layer_kinds=kinds, recurrent_state=shape.state_shapes, gated_deltanet=shape, **experts)
 
 
 GGUF_LAYER_TENSORS: dict[str, str] = {
@@ -245,6 +267,15 @@ GGUF_LAYER_TENSORS: dict[str, str] = {
     "ssm_dt.bias": "linear_attn.dt_bias",
     "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
+    # qwen35moe: the router, the stacked routed experts (`{expert}`: kvserve.model.gguf), the shared expert
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.{expert}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{expert}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{expert}.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
 
 
@@ -252,6 +283,8 @@ def undo_gguf_conversion(hf_name: str, value: torch.Tensor) -> torch.Tensor:
     """A GGUF file's tensor as Hugging Face holds it: what convert_hf_to_gguf.py did to it, undone."""
     if hf_name.endswith(".linear_attn.A_log"):
         return torch.log(-value)  # stored as A = -exp(A_log)
+    if hf_name.endswith(".mlp.shared_expert_gate.weight"):
+        return value.reshape(1, -1)  # one output; a file may hold it as a vector
     if hf_name.endswith(".linear_attn.conv1d.weight"):
         return value.unsqueeze(1) if value.dim() == 2 else value  # squeezed from [channels, 1, kernel]
     if hf_name.endswith("norm.weight") and not hf_name.endswith(".linear_attn.norm.weight"):
@@ -263,6 +296,8 @@ FAMILY = ModelFamily(Qwen35ForCausalLM, read_hf_config, read_gguf_config, GGUF_L
                      gguf_tensor_fix=undo_gguf_conversion)
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("Qwen3_5ForCausalLM", HF, FAMILY),
-    Architecture(_CONDITIONAL, HF, FAMILY),  # the language model alone: images and video are not supported
+    Architecture("Qwen3_5MoeForCausalLM", HF, FAMILY),
+    *(Architecture(name, HF, FAMILY) for name in _CONDITIONAL),  # the language model alone: no images or video
     Architecture("qwen35", GGUF, FAMILY),  # NEOX RoPE: stored unpermuted
+    Architecture("qwen35moe", GGUF, FAMILY),
 )

@@ -196,12 +196,18 @@ def test_gguf_twin_matches_transformers(variant, mix, tmp_path):
     loaded = load_model(path)
     hf = hf_model.config
     shape = loaded.config.gated_deltanet
-    assert isinstance(loaded.model, Qwen35ForCausalLM) and loaded.config.architecture == "qwen35"
+    assert isinstance(loaded.model, Qwen35ForCausalLM)
+    assert loaded.config.architecture == ("qwen35moe" if hf.model_type == "qwen3_5_moe_text" else "qwen35")
     assert shape.value_heads_tiled and loaded.config.tie_word_embeddings == hf.tie_word_embeddings
     assert (shape.num_key_heads, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim, shape.conv_kernel) \
         == (hf.linear_num_key_heads, hf.linear_num_value_heads, hf.linear_key_head_dim, hf.linear_value_head_dim,
             hf.linear_conv_kernel_dim)
-    assert loaded.config.layer_kinds == read_config(save_hf_model(hf_model, tmp_path / "hf")).layer_kinds
+    from_hf = read_config(save_hf_model(hf_model, tmp_path / "hf"))
+    assert loaded.config.layer_kinds == from_hf.layer_kinds
+    assert (loaded.config.num_experts, loaded.config.num_experts_per_tok, loaded.config.moe_intermediate_size,
+            loaded.config.shared_expert_intermediate_size, loaded.config.norm_topk_prob) == \
+        (from_hf.num_experts, from_hf.num_experts_per_tok, from_hf.moe_intermediate_size,
+         from_hf.shared_expert_intermediate_size, from_hf.norm_topk_prob)
     expected = reference_logits(hf_model, TOKENS)
     assert (whole(loaded.model, TOKENS) - expected).abs().max().item() <= TOLERANCE
     assert cached_greedy(loaded.model, TOKENS[:8], 20) == reference_greedy(hf_model, TOKENS[:8], 20)
@@ -293,3 +299,18 @@ def test_the_hubs_conditional_generation_checkpoint_runs_its_language_model(tmp_
     assert loaded.model.num_parameters() == text_parameters
     expected = reference_logits(hf_model, TOKENS)
     assert (whole(loaded.model, TOKENS) - expected).abs().max().item() <= TOLERANCE
+
+
+def test_the_shared_expert_and_its_gate_change_the_logits(tmp_path):
+    # The MoE parity would prove little if the shared expert or its sigmoid gate made no difference here.
+    hf_model = build_hf_model("qwen35-moe")
+    model = load_model(save_hf_model(hf_model, tmp_path)).model
+    expected = reference_logits(hf_model, TOKENS)
+    assert (whole(model, TOKENS) - expected).abs().max().item() <= TOLERANCE
+    moe = model.layers[0].mlp
+    saved = moe.shared_expert_gate.weight.clone()
+    moe.shared_expert_gate.weight.fill_(0.5)
+    assert (whole(model, TOKENS) - expected).abs().max().item() > 100 * TOLERANCE
+    moe.shared_expert_gate.weight.copy_(saved)
+    moe.shared_expert.down_proj.weight.zero_()
+    assert (whole(model, TOKENS) - expected).abs().max().item() > 100 * TOLERANCE
