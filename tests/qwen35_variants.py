@@ -78,17 +78,21 @@ def _converted(name: str, tensor: torch.Tensor, cfg) -> tuple[str, torch.Tensor]
     return name, tensor
 
 
-def write_qwen35_gguf(model, path: Path, quant_types: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+def write_qwen35_gguf(model, path: Path, quant_types: dict[str, str] | None = None,
+                      prediction_blocks: int = 0) -> dict[str, torch.Tensor]:
     """Write a transformers Qwen3_5ForCausalLM as llama.cpp's converter would (`qwen35`). `quant_types`: a
-    substring of the HF name -> GGML type for 2-D weights (others F32). Returns the weights as the file holds
-    them, dequantized, in Hugging Face's terms and order (the reference)."""
+    substring of the HF name -> GGML type for 2-D weights (others F32); `prediction_blocks`: multi-token-
+    prediction blocks after the layers, as the converter appends a checkpoint's `mtp.*` (random here: they are
+    not run). Returns the weights as the file holds them, dequantized, in Hugging Face's terms (the reference)."""
     import gguf
     from gguf.quants import dequantize, quantize
 
     cfg = model.config
     moe = cfg.model_type == "qwen3_5_moe_text"
     writer = gguf.GGUFWriter(str(path), "qwen35moe" if moe else "qwen35")
-    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_block_count(cfg.num_hidden_layers + prediction_blocks)
+    if prediction_blocks:
+        writer.add_nextn_predict_layers(prediction_blocks)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     if moe:
@@ -145,6 +149,18 @@ def write_qwen35_gguf(model, path: Path, quant_types: dict[str, str] | None = No
             writer.add_tensor(gguf_name, packed, raw_dtype=ggml_type)
             held = torch.from_numpy(dequantize(packed, ggml_type).copy()).view(data.shape)
             reference[hf_name] = _grouped(hf_name, held, cfg)
+    hidden = cfg.hidden_size
+    last = cfg.num_hidden_layers - 1  # a full-attention layer: the prediction block's own layer is one
+    for block in range(cfg.num_hidden_layers, cfg.num_hidden_layers + prediction_blocks):
+        for name, tensor in model.state_dict().items():
+            if name.startswith(f"model.layers.{last}.") and ".mlp.experts." not in name:
+                renamed, stored = _converted(name, tensor.float(), cfg)
+                gguf_name = names.get_name(renamed, try_suffixes=(".weight", ".bias")).replace(f"blk.{last}.",
+                                                                                                f"blk.{block}.")
+                writer.add_tensor(gguf_name, np.ascontiguousarray(stored.numpy()))
+        writer.add_tensor(f"blk.{block}.nextn.eh_proj.weight", np.random.rand(hidden, 2 * hidden).astype(np.float32))
+        for norm in ("enorm", "hnorm", "shared_head_norm"):
+            writer.add_tensor(f"blk.{block}.nextn.{norm}.weight", np.ones(hidden, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

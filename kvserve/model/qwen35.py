@@ -139,10 +139,17 @@ class Qwen35ForCausalLM(CausalLM):
         multi-token-prediction layers (`mtp.`) are not run, so not loaded."""
         def text_weights() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                if not name.startswith(_NOT_RUN):
-                    yield name.replace("model.language_model.", "model.", 1), tensor
+                name = name.replace("model.language_model.", "model.", 1)
+                if not name.startswith(_NOT_RUN) and not self._beyond_the_layers(name):
+                    yield name, tensor
 
         super().load_weights(text_weights())
+
+    def _beyond_the_layers(self, name: str) -> bool:
+        """A GGUF file's multi-token-prediction blocks (`blk.N.nextn.*` and their attention and MLP) come after
+        the decoder's layers, as layers of their own."""
+        parts = name.split(".", 3)
+        return parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_layers
 
 
 # --- config.json -----------------------------------------------------------------------------------------
@@ -229,6 +236,11 @@ def read_gguf_config(meta: dict[str, Any], arch: str, vocab_rows: int) -> ModelC
     moe = arch == "qwen35moe"
     # A MoE file need not give a dense feed-forward length: none of its layers has one.
     config = gguf_config({f"{arch}.feed_forward_length": 0, **meta} if moe else meta, arch, vocab_rows)
+    # The converter counts the multi-token-prediction blocks (not run here) among the blocks, after the layers.
+    prediction_blocks = int(meta.get(f"{arch}.nextn_predict_layers", 0))
+    if not 0 <= prediction_blocks < config.num_layers:
+        raise ModelLoadError(f"{arch}.nextn_predict_layers ({prediction_blocks}) leaves no decoder layers")
+    config = replace(config, num_layers=config.num_layers - prediction_blocks)
 
     def get(key: str) -> int:
         if f"{arch}.{key}" not in meta:
@@ -276,6 +288,9 @@ GGUF_LAYER_TENSORS: dict[str, str] = {
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    # the multi-token-prediction blocks' own tensors (blocks past the layers: read, not loaded)
+    **{f"nextn.{name}.weight": f"mtp.{name}.weight"
+       for name in ("eh_proj", "embed_tokens", "enorm", "hnorm", "shared_head_head", "shared_head_norm")},
 }
 
 

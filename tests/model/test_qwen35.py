@@ -213,6 +213,17 @@ def test_gguf_twin_matches_transformers(variant, mix, tmp_path):
     assert cached_greedy(loaded.model, TOKENS[:8], 20) == reference_greedy(hf_model, TOKENS[:8], 20)
 
 
+def test_gguf_prediction_blocks_are_read_past(tmp_path):
+    # A converter that keeps the checkpoint's multi-token-prediction layer appends it as one more block (with its
+    # nextn.* tensors) and says so in nextn_predict_layers: the decoder is the blocks before it.
+    hf_model = build_hf_model("qwen35-moe")
+    path = tmp_path / "tiny.gguf"
+    hf_model.load_state_dict(write_qwen35_gguf(hf_model, path, prediction_blocks=1), strict=False)
+    loaded = load_model(path)
+    assert loaded.config.num_layers == hf_model.config.num_hidden_layers == len(loaded.model.layers)
+    assert (whole(loaded.model, TOKENS) - reference_logits(hf_model, TOKENS)).abs().max().item() <= TOLERANCE
+
+
 def test_the_value_head_order_matters(tmp_path):
     # The twin test would prove little if reading llama.cpp's tiled order as grouped changed nothing.
     hf_model = build_hf_model("qwen35")
