@@ -13,7 +13,7 @@ inputs, so a request's state is (the convolution's last kernel - 1 inputs, S per
 A segment of several rows (a prefill chunk) runs the chunked form (`chunked_gated_delta_rule`): within each
 chunk of 64 tokens the updates are folded into a triangular solve and matmuls (the WY / UT form of the delta
 rule, as in flash-linear-attention and transformers' torch fallback), and only the chunks run in sequence. One
-row (decode) runs the step itself (`gated_delta_step`). Both give the same numbers to float32 rounding, and
+row (decode) runs the step itself (`gated_delta_step`), a decode step's sequences batched in one call. Both give the same numbers to float32 rounding, and
 running a sequence whole or in pieces from the saved state gives the same outputs (tests/model/test_qwen35.py).
 """
 
@@ -25,15 +25,13 @@ from torch import nn
 
 from kvserve.config import GatedDeltaNetShape
 from kvserve.kv.state.context import LayerState, StateContext, scan_sequences
-from kvserve.model.layers import Linear, MergedLinear, RMSNorm, new_parameter
+from kvserve.model.layers import Linear, MergedLinear, RMSNorm, new_parameter, per_row
 
 CHUNK_SIZE = 64
 _L2_EPS = 1e-6  # as flash-linear-attention's l2norm
-
-
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dimension."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _L2_EPS)
+    """x `[N, ...]` / sqrt(sum(x^2) + eps) over the last dimension."""
+    return x * per_row(torch.rsqrt, (x * x).sum(dim=-1, keepdim=True) + _L2_EPS)
 
 
 def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -42,7 +40,7 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     -> (out `[H, Dv]`, the new state). `state` is not changed."""
     if state is None:
         state = q.new_zeros(q.shape[0], q.shape[1], v.shape[1])
-    decay = g.exp()
+    decay = per_row(torch.exp, g[:, None])[:, 0]  # one head per row: its own vector run, whatever the batch
     predicted = torch.bmm(k[:, None, :], state)[:, 0] * decay[:, None]  # k . (decayed S), without S decayed first
     correction = (v - predicted) * beta[:, None]
     updated = torch.baddbmm(state * decay[:, None, None], k[:, :, None], correction[:, None, :])
@@ -114,17 +112,20 @@ class DepthwiseConv1d(nn.Module):
         self.weight = new_parameter(channels, 1, kernel_size)
 
     def forward(self, x: torch.Tensor, history: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[T, C]`, history `[C, kernel - 1]` (the previous inputs; None: zeros) -> (outputs `[T, C]`, the
-        new history). `history` is not changed."""
+        """A segment: x `[T, C]` (one sequence's rows), history `[C, kernel - 1]` (its previous inputs; None:
+        zeros) -> (outputs `[T, C]`, the new history). `history` is not changed."""
         channels, _, kernel = self.weight.shape
         if history is None:
             history = x.new_zeros(channels, kernel - 1)
         window = torch.cat((history, x.T), dim=1)  # [C, kernel - 1 + T]
-        if x.shape[0] == 1:  # decode: one dot product per channel
-            mixed = (window * self.weight[:, 0]).sum(dim=-1)[None]
-        else:
-            mixed = F.conv1d(window[None], self.weight, groups=channels)[0].T
+        mixed = F.conv1d(window[None], self.weight, groups=channels)[0].T
         return F.silu(mixed), window[:, window.shape[1] - (kernel - 1):]
+
+    def step(self, x: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row of each of B sequences: x `[B, C]`, history `[B, C, kernel - 1]` -> (outputs `[B, C]`, the new
+        histories): one dot product per channel. `history` is not changed."""
+        window = torch.cat((history, x[:, :, None]), dim=2)  # [B, C, kernel]
+        return per_row(F.silu, (window * self.weight[:, 0]).sum(dim=-1)), window[:, :, 1:]
 
 
 class GatedDeltaNet(nn.Module):
@@ -152,32 +153,66 @@ class GatedDeltaNet(nn.Module):
         shape = self.shape
         heads = shape.num_value_heads
         mixed, z, b, a = self.in_proj(x).split([shape.conv_dim, self.value_size, heads, heads], dim=-1)
-        g = -self.A_log.exp() * F.softplus(a + self.dt_bias)
-        per_row = torch.cat((mixed, g, b.sigmoid()), dim=-1)
-        core = scan_sequences(states, layer, per_row, self.recurrence)
-        gated = self.norm(core.reshape(-1, shape.value_head_dim)) * F.silu(z.reshape(-1, shape.value_head_dim))
+        g = -self.A_log.exp() * per_row(F.softplus, a + self.dt_bias)
+        rows = torch.cat((mixed, g, per_row(torch.sigmoid, b)), dim=-1)
+        sequences = states.sequences
+        if all(sequence.num_rows == 1 and not sequence.snapshots for sequence in sequences):
+            core = self._decode(rows, states, layer)  # every sequence one row: one batched step
+        else:
+            core = scan_sequences(states, layer, rows, self.recurrence)
+        gate = per_row(F.silu, z).reshape(-1, shape.value_head_dim)
+        gated = self.norm(core.reshape(-1, shape.value_head_dim)) * gate
         return self.out_proj(gated.view(x.shape[0], self.value_size))
 
     def recurrence(self, rows: torch.Tensor, state: LayerState | None) -> tuple[torch.Tensor, LayerState]:
         """One sequence's consecutive rows (projected, `forward`'s per_row) from its state -> (each row's output
         `[T, value heads * value_head_dim]`, the state after them)."""
+        if rows.shape[0] == 1:  # the same computation as a decode batch's row
+            out, history, matrix = self._steps(rows, [state])
+            return out, [history[0], matrix[0]]
         shape = self.shape
-        num_rows = rows.shape[0]
         heads = shape.num_value_heads
         mixed, g, beta = rows.split([shape.conv_dim, heads, heads], dim=-1)
         history, matrix = (None, None) if state is None else state
         mixed, history = self.conv1d(mixed, history)
+        q, k, v = self._heads(mixed)
+        out, matrix = chunked_gated_delta_rule(q, k, v, g, beta, matrix)
+        return out.reshape(rows.shape[0], self.value_size), [history, matrix]
+
+    def _decode(self, per_row: torch.Tensor, states: StateContext, layer: int) -> torch.Tensor:
+        """Every sequence's one row at once from its state, each new state written back. (Sequences come in row
+        order, so with one row each, sequence i's row is row i.)"""
+        sequences = states.sequences
+        out, history, matrix = self._steps(per_row, [states.read(layer, sequence) for sequence in sequences])
+        for i, sequence in enumerate(sequences):
+            states.write(layer, sequence.slot, [history[i], matrix[i]])
+        return out
+
+    def _steps(self, rows: torch.Tensor, starts: list[LayerState | None]) -> tuple[torch.Tensor, ...]:
+        """One row of each of B sequences from their states -> (outputs `[B, value size]`, the conv histories
+        `[B, C, kernel - 1]`, the matrices `[B, heads, Dk, Dv]` after them)."""
+        shape = self.shape
+        heads, channels = shape.num_value_heads, shape.conv_dim
+        mixed, g, beta = rows.split([channels, heads, heads], dim=-1)
+        history = torch.stack([rows.new_zeros(channels, shape.conv_kernel - 1) if state is None else state[0]
+                               for state in starts])
+        matrix = torch.stack([rows.new_zeros(heads, shape.key_head_dim, shape.value_head_dim) if state is None
+                              else state[1] for state in starts])
+        mixed, history = self.conv1d.step(mixed, history)
+        q, k, v = self._heads(mixed)
+        out, matrix = gated_delta_step(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), g.flatten(),
+                                       beta.flatten(), matrix.flatten(0, 1))
+        return out.reshape(rows.shape[0], self.value_size), history, matrix.view(-1, heads, *matrix.shape[1:])
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's outputs `[N, C]` -> q, k (L2-normalised, q scaled by key_head_dim^-0.5), v
+        `[N, value heads, D]`, each value head beside the key head it reads."""
+        shape = self.shape
+        rows = mixed.shape[0]
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        q = self._expand(l2_normalize(q.reshape(num_rows, shape.num_key_heads, shape.key_head_dim))
-                         * shape.key_head_dim**-0.5)
-        k = self._expand(l2_normalize(k.reshape(num_rows, shape.num_key_heads, shape.key_head_dim)))
-        v = v.reshape(num_rows, heads, shape.value_head_dim)
-        if num_rows == 1:
-            out, matrix = gated_delta_step(q[0], k[0], v[0], g[0], beta[0], matrix)
-            out = out[None]
-        else:
-            out, matrix = chunked_gated_delta_rule(q, k, v, g, beta, matrix)
-        return out.reshape(num_rows, self.value_size), [history, matrix]
+        q = l2_normalize(q.reshape(rows, shape.num_key_heads, shape.key_head_dim)) * shape.key_head_dim**-0.5
+        k = l2_normalize(k.reshape(rows, shape.num_key_heads, shape.key_head_dim))
+        return self._expand(q), self._expand(k), v.reshape(rows, shape.num_value_heads, shape.value_head_dim)
 
     def _expand(self, x: torch.Tensor) -> torch.Tensor:
         """`[T, key heads, D]` -> `[T, value heads, D]`: each value head gets the key head it reads."""

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kvserve.kernels import ops
-from kvserve.model.layers import GatedActivation, GatedMLP, Linear
+from kvserve.model.layers import GatedActivation, GatedMLP, Linear, per_row
 
 
 class Router(Linear):
@@ -89,5 +89,5 @@ class SharedExpertMoE(SparseMoE):
         self.shared_expert_gate = Router(hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        shared = self.shared_expert(x) * per_row(torch.sigmoid, self.shared_expert_gate(x))
         return super().forward(x).add_(shared)

@@ -41,7 +41,7 @@ from kvserve.model.causal_lm import CausalLM
 from kvserve.model.family import (GGUF, GGUF_PROJECTION_TENSORS, HF, Architecture, ModelFamily, gguf_config,
                                   hf_rope)
 from kvserve.model.gated_deltanet import GatedDeltaNet
-from kvserve.model.layers import GatedMLP, Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding
+from kvserve.model.layers import GatedMLP, Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, per_row
 from kvserve.model.moe import SharedExpertMoE
 
 # (1 + w) norms: the weight as loaded is offset by 1 (kvserve.model.layers.RMSNorm), then runs like any other.
@@ -83,7 +83,7 @@ class Qwen35Attention(nn.Module):
         ops.rope_(k.view(num_tokens, kv_heads * dim), cos, sin, kv_heads, dim)
         out = kv.attend(layer, q.view(num_tokens, heads, dim), k.view(num_tokens, kv_heads, dim),
                         v.reshape(num_tokens, kv_heads, dim), self.scale)
-        return self.o_proj(out.reshape(num_tokens, heads * dim) * torch.sigmoid(gate))
+        return self.o_proj(out.reshape(num_tokens, heads * dim) * per_row(torch.sigmoid, gate))
 
 
 class Qwen35DecoderLayer(nn.Module):

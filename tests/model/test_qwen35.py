@@ -325,3 +325,19 @@ def test_the_shared_expert_and_its_gate_change_the_logits(tmp_path):
     moe.shared_expert_gate.weight.copy_(saved)
     moe.shared_expert.down_proj.weight.zero_()
     assert (whole(model, TOKENS) - expected).abs().max().item() > 100 * TOLERANCE
+
+
+def test_a_decode_batch_gives_each_request_what_it_gets_alone(hf_and_loaded):
+    # A decode step's sequences (one row each) run as one batched step: each row's numbers are its own, bit for
+    # bit (README, Determinism), and equal the one-row step inside a sequence's pieces.
+    _, model = hf_and_loaded
+    prompts = [TOKENS[:9], TOKENS[20:45], TOKENS[50:51]]
+    together, alone = HybridCache(model, num_requests=3), [HybridCache(model, num_requests=3) for _ in prompts]
+    together.forward([(r, p, 0, r, ()) for r, p in enumerate(prompts)])
+    for r, p in enumerate(prompts):
+        alone[r].forward([(r, p, 0, r, ())])
+    for step in range(3):
+        pieces = [(r, [TOKENS[60 + 3 * r + step]], len(p) + step, r, ()) for r, p in enumerate(prompts)]
+        batched = together.forward(pieces)
+        for r, piece in enumerate(pieces):
+            assert torch.equal(batched[r], alone[r].forward([piece])[0])
