@@ -139,7 +139,8 @@ def write_qwen35_gguf(model, path: Path, quant_types: dict[str, str] | None = No
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         data = stored.contiguous().numpy()
-        qtype = next((t for key, t in (quant_types or {}).items() if key in hf_name), "F32") if data.ndim == 2 else "F32"
+        qtype = "F32" if data.ndim != 2 else next(
+            (t for key, t in (quant_types or {}).items() if key in hf_name), "F32")
         if qtype == "F32":
             writer.add_tensor(gguf_name, np.ascontiguousarray(data))
             reference[hf_name] = tensor.float().clone()

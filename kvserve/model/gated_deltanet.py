@@ -13,8 +13,10 @@ inputs, so a request's state is (the convolution's last kernel - 1 inputs, S per
 A segment of several rows (a prefill chunk) runs the chunked form (`chunked_gated_delta_rule`): within each
 chunk of 64 tokens the updates are folded into a triangular solve and matmuls (the WY / UT form of the delta
 rule, as in flash-linear-attention and transformers' torch fallback), and only the chunks run in sequence. One
-row (decode) runs the step itself (`gated_delta_step`), a decode step's sequences batched in one call. Both give the same numbers to float32 rounding, and
-running a sequence whole or in pieces from the saved state gives the same outputs (tests/model/test_qwen35.py).
+row (decode) runs the step itself (`gated_delta_step`), a decode step's sequences batched in one call. The two
+agree to float32 rounding (not bit for bit), and a sequence run whole or in pieces from its saved state gives
+the same outputs to rounding (tests/model/test_qwen35.py); a row's numbers do not depend on the other requests
+beside it in a step, bit for bit.
 """
 
 from __future__ import annotations

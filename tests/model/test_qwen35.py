@@ -145,7 +145,8 @@ def test_a_read_state_is_never_changed_in_place(hf_and_loaded):
     cache.states.copy_slots([(1, 2)])
     cache.forward([(0, TOKENS[20:40], 20, 2, ())])  # reads slot 2, writes it back; slot 1 untouched
     cache.forward([(0, TOKENS[20:21], 20, 2, ())])
-    assert all(torch.equal(t[1], s) for layer, saved in zip(cache.states.layers, snapshot) for t, s in zip(layer, saved))
+    assert all(torch.equal(tensor[1], kept) for layer, saved in zip(cache.states.layers, snapshot)
+               for tensor, kept in zip(layer, saved))
 
 
 # --- the delta rule ----------------------------------------------------------------------------------------
