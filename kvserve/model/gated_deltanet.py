@@ -196,10 +196,13 @@ class GatedDeltaNet(nn.Module):
         shape = self.shape
         heads, channels = shape.num_value_heads, shape.conv_dim
         mixed, g, beta = rows.split([channels, heads, heads], dim=-1)
-        history = torch.stack([rows.new_zeros(channels, shape.conv_kernel - 1) if state is None else state[0]
-                               for state in starts])
-        matrix = torch.stack([rows.new_zeros(heads, shape.key_head_dim, shape.value_head_dim) if state is None
-                              else state[1] for state in starts])
+        if len(starts) == 1 and starts[0] is not None:  # one sequence: its state as it is (read, never written)
+            history, matrix = starts[0][0][None], starts[0][1][None]
+        else:
+            history = torch.stack([rows.new_zeros(channels, shape.conv_kernel - 1) if state is None else state[0]
+                                   for state in starts])
+            matrix = torch.stack([rows.new_zeros(heads, shape.key_head_dim, shape.value_head_dim) if state is None
+                                  else state[1] for state in starts])
         mixed, history = self.conv1d.step(mixed, history)
         q, k, v = self._heads(mixed)
         out, matrix = gated_delta_step(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), g.flatten(),
