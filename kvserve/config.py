@@ -40,6 +40,42 @@ class RopeScaling:
     attention_factor: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class GatedDeltaNetShape:
+    """The shape of a Gated DeltaNet layer (Qwen3.5's linear attention, kvserve.model.gated_deltanet):
+    `num_key_heads` query/key heads of `key_head_dim` serve `num_value_heads` value heads of `value_head_dim`,
+    after a causal depthwise convolution of `conv_kernel` taps over q, k and v."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    # Which key head a value head reads, when there are fewer key heads (r value heads each): Hugging Face
+    # groups a key head's value heads together (value head j reads key head j // r); llama.cpp's converter
+    # reorders them tiled (value head j reads key head j % num_key_heads). The layer runs either order, so a
+    # GGUF file's projections load as stored (their quantized rows and columns need no permuting).
+    value_heads_tiled: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"value heads ({self.num_value_heads}) must be a multiple of key heads "
+                             f"({self.num_key_heads})")
+        if self.conv_kernel < 2:
+            raise ValueError(f"a conv kernel has at least 2 taps, got {self.conv_kernel}")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the convolution runs over: q, k and v side by side."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """One layer's state: the convolution's last kernel - 1 inputs, the delta rule's matrix per value head."""
+        return ((self.conv_dim, self.conv_kernel - 1),
+                (self.num_value_heads, self.key_head_dim, self.value_head_dim))
+
+
 # Layer kinds of a hybrid model (ModelConfig.layer_kinds).
 ATTENTION = "attention"
 RECURRENT = "recurrent"
@@ -97,6 +133,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # Qwen3.5-MoE: beside the routed experts, one shared expert (a gated MLP of this size) every token runs, its
+    # output weighted by sigmoid(shared_expert_gate(x)); 0: none.
+    shared_expert_intermediate_size: int = 0
     # Hybrid models (Qwen3.5's Gated DeltaNet, LFM2's short convolutions): each layer's kind, ATTENTION (keeps
     # K/V per token in the paged cache) or RECURRENT (keeps a fixed-size state per request); None: every layer
     # attends. `recurrent_state` is the shapes of the float32 tensors one recurrent layer keeps per request
@@ -105,6 +144,8 @@ class ModelConfig:
     recurrent_state: tuple[tuple[int, ...], ...] = ()
     # LFM2: whether its short convolutions (in_proj, the convolution, out_proj) carry biases.
     conv_bias: bool = False
+    # Qwen3.5: the shape of its recurrent layers (Gated DeltaNet); None for a model without them.
+    gated_deltanet: GatedDeltaNetShape | None = None
 
     def __post_init__(self) -> None:
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):

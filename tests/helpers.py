@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from tests.dense_variants import DENSE_VARIANTS
+from tests.qwen35_variants import QWEN35_VARIANTS, write_qwen35_gguf  # noqa: F401 (exported for the tests)
 
 TINY_VOCAB = 160
 
@@ -82,6 +83,9 @@ HYBRID_VARIANTS["lfm2-bias"] = ("Lfm2Config", "Lfm2ForCausalLM", dict(
     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, block_auto_adjust_ff_dim=False,
     conv_bias=True, conv_L_cache=4, tie_word_embeddings=False,
     layer_types=["full_attention", "conv", "conv", "full_attention"], initializer_range=0.1))
+# Qwen3.5 and Qwen3.5-MoE (kvserve.model.qwen35): Gated DeltaNet layers beside gated full attention
+# (tests/qwen35_variants.py, with its GGUF twin writer).
+HYBRID_VARIANTS.update(QWEN35_VARIANTS)
 
 
 # Widths K-quant super-blocks divide (256 inputs): a file of Q4_K / Q6_K matrices.

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.model.causal_lm import CausalLM
+
+if TYPE_CHECKING:
+    import torch
 
 HF = "hf"
 GGUF = "gguf"
@@ -46,6 +49,10 @@ class ModelFamily:
     # llama.cpp's model-wide tensors this family names otherwise than GGUF_GLOBAL_TENSORS does -> Hugging Face
     # names (LFM2's final norm is `token_embd_norm`).
     gguf_global_tensors: Mapping[str, str] = field(default_factory=dict)
+    # (Hugging Face name, tensor as the file holds it) -> the tensor as Hugging Face holds it, for what llama.cpp's
+    # converter did to a family's own tensors beyond the shared transforms below (Qwen3.5's A_log stored as
+    # -exp(A_log)); None: nothing. Only tensors that are not linear layers' matrices (those load the file's codes).
+    gguf_tensor_fix: Callable[[str, torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,9 +32,10 @@ from kvserve.model.registry import GGUF, Architecture, find_architecture
 # llama.cpp's MoE router, which its quantizer leaves in F32: held in 8 bits whatever the file's type
 # (kvserve.model.moe.Router), so its type says nothing of how the file's matrices were quantized.
 _ROUTER = "ffn_gate_inp.weight"
-# 2-D tensors of a layer that are not linear layers' matrices: LFM2's convolution kernels [hidden, L] (held in
-# fp32 as the file gives them; llama.cpp keeps them F32 in quantized files).
-_NOT_LINEAR = ("shortconv.conv.weight",)
+_SHARED_EXPERT_GATE = "ffn_gate_inp_shexp.weight"  # likewise (kvserve.model.moe.SharedExpertMoE)
+# 2-D tensors of a layer that are not linear layers' matrices: LFM2's convolution kernels [hidden, L], Qwen3.5's
+# [channels, kernel] (held in fp32 as the file gives them; llama.cpp keeps them F32 in quantized files).
+_NOT_LINEAR = ("shortconv.conv.weight", "ssm_conv1d.weight")
 
 
 @dataclass
@@ -59,7 +60,7 @@ class GGUFModel:
         """The quantization types of the layers' matrices (what the linear layers are loaded from)."""
         return {ggml_type_name(t.ggml_type) for t in self.file.tensors
                 if t.name.startswith("blk.") and len(t.shape) in (2, 3)  # 3-D: stacked experts
-                and not t.name.endswith((_ROUTER, *_NOT_LINEAR))
+                and not t.name.endswith((_ROUTER, _SHARED_EXPERT_GATE, *_NOT_LINEAR))
                 and not t.name.endswith(".bias")}  # 2-D: stacked expert biases
 
     def weights(self, codes_held: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -72,6 +73,7 @@ class GGUFModel:
         1B-class file does not dequantize a billion weights only to drop them.
         """
         extras = _extra_tensors(self.architecture)
+        fix = self.architecture.family.gguf_tensor_fix
         for part in self._parts:
             tensor = part.tensor
             if (codes_held and part.expert is None and tensor.name.startswith("blk.") and len(tensor.shape) == 2
@@ -90,6 +92,8 @@ class GGUFModel:
                 value = unpermute_qk(value, self.config.num_heads)
             elif self.permuted_qk and ".k_proj." in hf_name:
                 value = unpermute_qk(value, self.config.num_kv_heads)
+            if fix is not None:
+                value = fix(hf_name, value)
             yield hf_name, value
 
     def group_codes(self, hf_name: str) -> GroupCodes | KQuantCodes | None:

@@ -182,6 +182,22 @@ class QKVLinear(MergedLinear):
 
 # --- embedding, normalization, MLP --------------------------------------------------------------------------
 
+# torch's elementwise CPU loops run two vectors (32 floats on AVX-512) at a time and the last few elements of a
+# tensor on a scalar path, whose exp / sigmoid / rsqrt can differ from the vector path's by an ulp (README,
+# Determinism): rows padded to whole runs of 32 always take the vector path, whatever rows are beside them.
+_VECTOR_RUN = 32
+
+
+def per_row(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """An elementwise `function` of x `[N, ...]` whose every row comes out the same bits whatever N is (a
+    request's numbers do not depend on the batch it runs in): each row padded to whole vector runs."""
+    flat = x.reshape(x.shape[0], -1)
+    width = flat.shape[1]
+    if width % _VECTOR_RUN == 0:
+        return function(x)
+    return function(F.pad(flat, (0, -width % _VECTOR_RUN)))[:, :width].reshape(x.shape)
+
+
 
 class VocabEmbedding(nn.Embedding):
     """Token embeddings: `nn.Embedding` without its random init, filled from the checkpoint."""

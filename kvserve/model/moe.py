@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kvserve.kernels import ops
-from kvserve.model.layers import GatedActivation, GatedMLP, Linear
+from kvserve.model.layers import GatedActivation, GatedMLP, Linear, per_row
 
 
 class Router(Linear):
@@ -75,3 +75,19 @@ class SparseMoE(nn.Module):
         for rank in range(1, k):  # a token's experts summed in rank order: independent of the batch
             out += routed[:, rank] * weights[:, rank : rank + 1]
         return out
+
+
+class SharedExpertMoE(SparseMoE):
+    """SparseMoE plus a shared expert every token runs (Qwen3.5-MoE, Qwen2-MoE): its output weighted by
+    sigmoid(shared_expert_gate(x)), a per-token scalar. Checkpoint names: SparseMoE's, `shared_expert.gate_proj`
+    / `up_proj` / `down_proj` and `shared_expert_gate.weight` (held in 8 bits like the router)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 shared_intermediate_size: int) -> None:
+        super().__init__(hidden_size, intermediate_size, num_experts, top_k, norm_topk_prob)
+        self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
+        self.shared_expert_gate = Router(hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(x) * per_row(torch.sigmoid, self.shared_expert_gate(x))
+        return super().forward(x).add_(shared)
