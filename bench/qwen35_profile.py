@@ -1,9 +1,8 @@
 """Where a Qwen3.5 step goes: one 512-token prefill and 32 decode steps of a Qwen3.5-0.8B-shaped model with random
 fp32 weights, through the paged KV cache and the state cache, timed by part.
 
-Parts: the Gated DeltaNet layers' in-projection (q/k/v, z, b, a in one GEMM), causal conv (+ SiLU), delta rule
-(chunked for the prefill, the step for decode; inside it the L2 norms and head expansion count as "recurrence
-rest"), out-projection and the rest (gated RMSNorm, decay/beta, per-sequence state reads and writes); the
+Parts: the Gated DeltaNet layers' in-projection (q/k/v, z, b, a in one GEMM), causal conv, delta rule (the
+token-by-token kernel, kvserve/kernels/csrc/gated_delta.cpp, for prefill and decode alike), out-projection and the rest (gated RMSNorm, decay/beta, per-sequence state reads and writes); the
 attention layers' projections and the rest (q/k norm, RoPE, attention, output gate); the MLPs; the head; and
 everything else (embedding, the residual norms). Each part is wall time inside its modules or functions, summed.
 
@@ -30,7 +29,8 @@ from kvserve.kv.cache.kv_spec import kv_spec
 from kvserve.kv.state.context import StateSequence
 from kvserve.kv.state.state_spec import state_spec
 from kvserve.kv.state.storage import StateCache
-from kvserve.model import gated_deltanet
+from kvserve.kernels import ops
+from kvserve.model.short_conv import CausalDepthwiseConv
 from kvserve.model.quantized_linear import convert_linear_weights
 from kvserve.model.qwen35 import Qwen35ForCausalLM
 
@@ -75,12 +75,12 @@ class PartTimer:
             else:
                 self._time(layer.linear_attn, "deltanet: rest")
                 self._time(layer.linear_attn.in_proj, "deltanet: in-projection")
-                self._time(layer.linear_attn.conv1d, "deltanet: causal conv")
                 self._time(layer.linear_attn.out_proj, "deltanet: out-projection")
             self._time(layer.mlp, "mlp")
         self._time(model.lm_head, "head")
-        for name in ("chunked_gated_delta_rule", "gated_delta_step"):
-            setattr(gated_deltanet, name, self._wrap(getattr(gated_deltanet, name), "deltanet: delta rule"))
+        for name in ("gated_delta_rule_slots_", "gated_delta_rule"):
+            setattr(ops, name, self._wrap(getattr(ops, name), "deltanet: delta rule"))
+        CausalDepthwiseConv.run = self._wrap(CausalDepthwiseConv.run, "deltanet: causal conv")
 
     def _time(self, module: torch.nn.Module, part: str) -> None:
         module.register_forward_pre_hook(lambda m, args: self._started.__setitem__(id(m), time.perf_counter()))

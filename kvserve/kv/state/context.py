@@ -59,6 +59,12 @@ class StateContext(ABC):
     def write(self, layer: int, slot: int, state: LayerState) -> None:
         """Store `state` in `slot` (the live slot, or a snapshot's)."""
 
+    def slot_tensors(self, layer: int) -> list[torch.Tensor] | None:
+        """The layer's state tensors over every slot (`[num_slots, *shape]` each), for a kernel that reads
+        and writes the slots itself (the sequences' `read_slot`, `slot` and snapshots); None where states
+        are not kept in slots (a contiguous context)."""
+        return None
+
 
 class ContiguousStateContext(StateContext):
     """The forward's rows are one whole sequence from position 0 and nothing is kept (tests, perplexity):

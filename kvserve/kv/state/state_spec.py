@@ -32,7 +32,7 @@ class StateSpec:
         return self.num_layers * self.bytes_per_layer
 
     def formula(self) -> str:
-        """e.g. '18 recurrent layers x (6,144 x 3 + 16 x 128 x 128) x 4 B = 19,202,048 bytes/request'."""
+        """e.g. '18 recurrent layers x (6,144 x 3 + 16 x 128 x 128) x 4 B = 20,201,472 bytes/state'."""
         tensors = " + ".join(" x ".join(f"{n:,}" for n in shape) for shape in self.shapes)
         return (f"{self.num_layers} recurrent layers x ({tensors}) x {STATE_DTYPE.itemsize} B "
                 f"= {self.slot_bytes:,} bytes/state")

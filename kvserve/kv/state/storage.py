@@ -60,3 +60,6 @@ class SlotStateContext(StateContext):
     def write(self, layer: int, slot: int, state: LayerState) -> None:
         for tensor, value in zip(self.cache.layers[layer], state):
             tensor[slot].copy_(value)
+
+    def slot_tensors(self, layer: int) -> list[torch.Tensor]:
+        return self.cache.layers[layer]
