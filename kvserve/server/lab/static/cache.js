@@ -213,6 +213,7 @@ function recordHistory(snapshot) {
 function apply(snapshot) {
   if (snapshot.blocks) setView(snapshot.blocks);
   drafts.showCounts(snapshot.drafts);
+  stateMap.show(snapshot.states);
   // A snapshot without a new block view is of the same blocks as the last one (the feed sends a view
   // only when it changed): cards and chart both read the view shown, never two different moments.
   const counts = state.view ? state.view.counts : null;
