@@ -31,8 +31,8 @@ class FeedSettings:
 
 
 def block_view_json(view: BlockView) -> dict:
-    """Compact: ref counts as a list, hashed flags as a '0'/'1' string, tables by request id, and the
-    draft slots the view's step wrote (None with drafting off)."""
+    """Compact: ref counts as a list, hashed flags as a '0'/'1' string, tables by request id, the draft
+    slots the view's step wrote (None with drafting off), and a hybrid model's state slots (else None)."""
     return {
         "step": view.num_steps,
         "ref": list(view.ref_counts),
@@ -40,6 +40,8 @@ def block_view_json(view: BlockView) -> dict:
         "tables": {request_id: list(block_ids) for request_id, block_ids in view.tables},
         "counts": view.state_counts(),
         "drafts": draft_slots_json(view.drafts) if view.drafts is not None else None,
+        # The recurrent-state slots at the view's step, so the page draws both kinds at one moment.
+        "states": state_slots_json(view.states) if view.states is not None else None,
     }
 
 

@@ -41,7 +41,9 @@ def test_info_and_feed_carry_the_state_slots(hybrid_app):
     assert idle["kinds"] == "f" * NUM_SLOTS
     body = {"prompt": "The capital is where the capital is, and the capital is", "max_tokens": 4, "temperature": 0}
     assert hybrid_app.post("/v1/completions", json=body).status_code == 200
-    after = hybrid_app.get("/lab/api/snapshot").json()["states"]
+    snapshot = hybrid_app.get("/lab/api/snapshot").json()
+    after = snapshot["states"]
+    assert snapshot["blocks"]["states"] == after  # the block view carries the slots at its own step
     kinds = Counter(after["kinds"])
     assert len(after["kinds"]) == NUM_SLOTS and set(kinds) <= set("lswf")
     assert kinds["l"] == after["live"] == 0 and kinds["s"] == after["snapshots"] > 0  # the prompt's snapshots

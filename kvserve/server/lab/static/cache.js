@@ -33,6 +33,7 @@ function setView(view) {
   lab.text("count-total", lab.int(view.ref.length));
   for (const key of ["free", "cached", "used", "shared"]) lab.text("count-" + key, lab.int(counts[key]));
   lab.text("view-step", lab.int(view.step));
+  stateMap.show(view.states); // the state slots at the same step as the blocks
   document.body.dataset.viewStep = view.step;
   drawMap();
 }
@@ -213,7 +214,6 @@ function recordHistory(snapshot) {
 function apply(snapshot) {
   if (snapshot.blocks) setView(snapshot.blocks);
   drafts.showCounts(snapshot.drafts);
-  stateMap.show(snapshot.states);
   // A snapshot without a new block view is of the same blocks as the last one (the feed sends a view
   // only when it changed): cards and chart both read the view shown, never two different moments.
   const counts = state.view ? state.view.counts : null;
