@@ -83,6 +83,7 @@ def test_state_strip_shows_live_slots_while_requests_run_and_snapshots_after(hyb
     assert idle["shown"] and idle["slots"] == NUM_SLOTS and idle["height"] > 0
     assert (idle["live"], idle["free"]) == (0, NUM_SLOTS)
     assert "32 slots of 768 bytes" in browser.text("state-about")
+    assert browser.text("model-info").endswith("· recurrent state 768 B/request")
     stop, statuses = threading.Event(), []
     threads = keep_busy(hybrid_server, stop, statuses)
     try:
