@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvserve.config import ATTENTION, RECURRENT, ModelConfig
-from kvserve.model import gemma3, gpt_oss
+from kvserve.model import gemma3, gpt_oss, lfm2
 
 
 def _shape(layers: int, heads: int, kv_heads: int, head_dim: int, hidden: int, intermediate: int, vocab: int,
@@ -31,11 +31,6 @@ def gated_deltanet_state(key_heads: int, value_heads: int, key_dim: int, value_d
     return (2 * key_heads * key_dim + value_heads * value_dim, kernel - 1), (value_heads, key_dim, value_dim)
 
 
-def short_conv_state(hidden: int, l_cache: int) -> tuple[tuple[int, ...], ...]:
-    """An LFM2 short-convolution layer's state: the last L_cache - 1 inputs of its hidden-wide conv."""
-    return ((hidden, l_cache - 1),)
-
-
 def _kinds(num_layers: int, attention: set[int]) -> tuple[str, ...]:
     return tuple(ATTENTION if layer in attention else RECURRENT for layer in range(num_layers))
 
@@ -49,12 +44,16 @@ def _qwen3_5(layers: int, heads: int, kv_heads: int, hidden: int, intermediate: 
                    recurrent_state=gated_deltanet_state(key_heads, value_heads, 128, 128, 4))
 
 
-def _lfm2(hidden: int, heads: int, intermediate: int) -> ModelConfig:
-    """LFM2 (350M, 1.2B): 16 layers, attention at 2, 5, 8, 10, 12, 14 (layer_types), short convs between
-    (conv_L_cache 3); 8 KV heads of 64. `intermediate` is the MLP's width after block_auto_adjust_ff_dim
-    (config.json's intermediate_size x 2/3, rounded up to a multiple of 256)."""
-    return replace(_shape(16, heads, 8, 64, hidden, intermediate, 65536, 128000, tied=True), architecture="lfm2",
-                   layer_kinds=_kinds(16, {2, 5, 8, 10, 12, 14}), recurrent_state=short_conv_state(hidden, 3))
+def _lfm2(hidden: int, heads: int, ff_dim: int) -> ModelConfig:
+    """LFM2 (350M, 1.2B) read by its own family from the published config.json's values: 16 layers, attention
+    at 2, 5, 8, 10, 12, 14 (layer_types), short convs between (conv_L_cache 3), 8 KV heads of 64; the MLP's
+    width is block_ff_dim cut to 2/3 and rounded up to 256 (block_auto_adjust_ff_dim)."""
+    layer_types = ["full_attention" if layer in (2, 5, 8, 10, 12, 14) else "conv" for layer in range(16)]
+    return lfm2.read_hf_config({
+        "num_hidden_layers": 16, "num_attention_heads": heads, "num_key_value_heads": 8, "hidden_size": hidden,
+        "block_ff_dim": ff_dim, "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0,
+        "block_multiple_of": 256, "vocab_size": 65536, "max_position_embeddings": 128000, "conv_L_cache": 3,
+        "layer_types": layer_types, "tie_embedding": True, "rope_theta": 1000000.0, "norm_eps": 1e-5}, "lfm2")
 
 
 KNOWN_MODELS: dict[str, ModelConfig] = {
@@ -95,8 +94,8 @@ KNOWN_MODELS: dict[str, ModelConfig] = {
     # Hybrid models: K/V for the attention layers only, plus one fixed-size recurrent state per request.
     "Qwen3.5-0.8B": _qwen3_5(24, 8, 2, 1024, 3584, key_heads=16, value_heads=16),
     "Qwen3.5-4B": _qwen3_5(32, 16, 4, 2560, 9216, key_heads=16, value_heads=32),
-    "LFM2-350M": _lfm2(1024, 16, 4608),  # intermediate_size 6656 in config.json
-    "LFM2-1.2B": _lfm2(2048, 32, 8192),  # intermediate_size 12288 in config.json
+    "LFM2-350M": _lfm2(1024, 16, 6656),  # an MLP of 4,608
+    "LFM2-1.2B": _lfm2(2048, 32, 12288),  # an MLP of 8,192
 }
 
 
