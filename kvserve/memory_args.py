@@ -10,7 +10,8 @@ from pathlib import Path
 from kvserve.config import parse_memory
 from kvserve.errors import KVServeError
 
-MEMORY_HELP = "plan memory: KV bytes per token, per request, per batch; weights; what fits"
+MEMORY_HELP = ("plan memory: KV bytes per token (and a hybrid model's recurrent state per request), per request, "
+               "per batch; weights; what fits")
 MEMORY_DESCRIPTION = ("Size the KV cache before serving: the engine's own bytes-per-token formula, weights and "
                       "overhead, and (with --memory) how many requests or how much context fit.")
 
@@ -49,10 +50,15 @@ def run_memory(args: argparse.Namespace) -> int:
     from kvserve.planner import describe, plan, resolve_model
 
     if args.list:
-        print(f"{'model':<15} {'layers':>6} {'heads':>5} {'KV heads':>8} {'head_dim':>8} {'attention':>9} {'context':>8}")
+        from kvserve.kv.state.state_spec import state_spec
+
+        print(f"{'model':<15} {'layers':>6} {'heads':>5} {'KV heads':>8} {'head_dim':>8} {'attention':>9} "
+              f"{'context':>8}  recurrent layers (state bytes/request)")
         for name, c in KNOWN_MODELS.items():
+            states = state_spec(c)
+            recurrent = f"{states.num_layers} ({states.slot_bytes:,})" if states is not None else "-"
             print(f"{name:<15} {c.num_layers:>6} {c.num_heads:>5} {c.num_kv_heads:>8} {c.head_dim:>8} "
-                  f"{c.attention_kind:>9} {c.max_position_embeddings:>8,}")
+                  f"{c.attention_kind:>9} {c.max_position_embeddings:>8,}  {recurrent}")
         return 0
     model = args.model
     if model is None and (args.layers, args.kv_heads, args.head_dim) == (None, None, None):

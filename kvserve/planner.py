@@ -15,6 +15,14 @@ int4 keys are encoded per channel over a whole block, so each request's block
 still being filled is kept in float16 beside the pool (kv/cache/open_blocks.py): the
 pool reserves one such block per request of a full batch (`max_num_seqs`) and
 KV group, counted here for `batch` requests (`KVSpec.open_blocks_bytes`).
+
+A hybrid model (Qwen3.5, LFM2) keeps K/V for its attention layers only, and
+for its recurrent layers one fixed-size float32 state per request, whatever its
+length (`StateSpec.slot_bytes`, the size of the engine's state slots). A request
+then costs its context's K/V plus one live state: that is what the batch, the
+requests that fit and the longest context that fits are counted with. (The
+engine keeps more slots than running requests, for snapshots that prefix hits
+resume from: `--state-cache-fraction` of its cache budget.)
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ from kvserve.arith import round_up
 from kvserve.config import WEIGHTS_DTYPES, ModelConfig, format_memory
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.cache.kv_spec import KVSpec, kv_spec
-from kvserve.model.catalog import KNOWN_MODELS, find_known_model, num_parameters
+from kvserve.kv.state.state_spec import state_spec
+from kvserve.model.catalog import KNOWN_MODELS, dense_parameters, find_known_model, num_parameters
 from kvserve.model.quantized_linear import held_weight_bytes, resolve_for_config
 
 # Bytes per parameter of formats other engines hold (kvserve's own dtypes are in ENGINE_WEIGHTS_DTYPES).
@@ -64,6 +73,13 @@ class MemoryPlan:
     max_context_for_batch: int | None = None  # per request, for `batch` requests, within `memory_bytes`
     context_capped_by_model: bool = False  # the budget holds more than the model's context per request
     max_requests_at_max_context: int | None = None  # of `max_context_for_batch` tokens, within `memory_bytes`
+    # The layers by kind, and a hybrid model's recurrent state (0 / "" for a model whose every layer attends):
+    attention_layers: int = 0  # the layers that keep K/V (`bytes_per_token` counts them)
+    recurrent_layers: int = 0  # the layers that keep a fixed-size state per request instead
+    state_bytes_per_request: int = 0  # one request's live state over every recurrent layer (float32)
+    state_formula: str = ""
+    state_bytes_total: int = 0  # `batch` live states (in `total_bytes`, beside `kv_bytes_total`)
+    bytes_per_request: int = 0  # what one request of `context` tokens holds: its K/V and its live state
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -115,37 +131,45 @@ def plan(name: str, config: ModelConfig, num_params: int, context: int, batch: i
     if not 0 <= overhead_fraction < 10:
         raise InvalidRequestError("overhead must be a fraction in [0, 10)")
     spec = kv_spec(config, kv_dtype, _linear_dtype(config, weights_dtype))
+    states = state_spec(config)
+    state_bytes = states.slot_bytes if states is not None else 0  # one live state per running request
     per_request = spec.request_bytes(context, block_size)
     open_blocks = spec.open_blocks_bytes(batch, block_size)
     kv_total = batch * per_request + open_blocks
+    state_total = batch * state_bytes
     weights = _weight_bytes(config, num_params, weights_dtype)
-    overhead = math.ceil((weights + kv_total) * overhead_fraction)
+    overhead = math.ceil((weights + kv_total + state_total) * overhead_fraction)
     result = MemoryPlan(
         model=name, context=context, batch=batch, kv_dtype=spec.dtype, block_size=block_size,
         bytes_per_token=spec.num_layers * spec.token_bytes_per_layer(block_size), formula=spec.formula(block_size), kv_bytes_per_request=per_request,
         kv_bytes_total=kv_total, num_parameters=num_params, weights_dtype=weights_dtype, weights_bytes=weights,
-        overhead_fraction=overhead_fraction, overhead_bytes=overhead, total_bytes=weights + kv_total + overhead,
+        overhead_fraction=overhead_fraction, overhead_bytes=overhead,
+        total_bytes=weights + kv_total + state_total + overhead,
         attention=config.attention_kind, model_max_context=config.max_position_embeddings,
         kv_groups=spec.layout.describe(),
         kv_bytes_per_request_unwindowed=round_up(context, block_size) * spec.token_bytes_per_layer(block_size)
         * spec.num_layers,
-        kv_open_blocks_bytes=open_blocks,
+        kv_open_blocks_bytes=open_blocks, attention_layers=spec.num_layers,
+        recurrent_layers=states.num_layers if states is not None else 0, state_bytes_per_request=state_bytes,
+        state_formula=states.formula() if states is not None else "", state_bytes_total=state_total,
+        bytes_per_request=per_request + state_bytes,
     )
     if memory_bytes is not None:
-        # (weights + kv) x (1 + overhead) <= memory  ->  kv <= memory / (1 + overhead) - weights
+        # (weights + kv + states) x (1 + overhead) <= memory  ->  kv + states <= memory / (1 + overhead) - weights
         kv_room = max(int(memory_bytes / (1 + overhead_fraction)) - weights, 0)
         result.memory_bytes = memory_bytes
         result.kv_room_bytes = kv_room
-        open_per_request = spec.open_blocks_bytes(1, block_size)  # each request's blocks being filled
-        result.max_concurrent_requests = kv_room // (per_request + open_per_request)
-        longest = _longest_context(spec, block_size, max(kv_room // batch - open_per_request, 0),
+        # Each request's blocks being filled, and its live state: both whatever its context.
+        fixed_per_request = spec.open_blocks_bytes(1, block_size) + state_bytes
+        result.max_concurrent_requests = kv_room // (per_request + fixed_per_request)
+        longest = _longest_context(spec, block_size, max(kv_room // batch - fixed_per_request, 0),
                                    config.max_position_embeddings)
         # A model runs at most its own context (serve refuses more without RoPE scaling); a custom shape's
         # context is the one asked for, not a limit, so it is not capped.
         if config.architecture != "custom" and 0 < config.max_position_embeddings < longest:
             longest, result.context_capped_by_model = config.max_position_embeddings, True
         result.max_context_for_batch = longest
-        result.max_requests_at_max_context = kv_room // (spec.request_bytes(longest, block_size) + open_per_request) \
+        result.max_requests_at_max_context = kv_room // (spec.request_bytes(longest, block_size) + fixed_per_request) \
             if longest else 0
     return result
 
@@ -188,23 +212,27 @@ def _linear_dtype(config: ModelConfig, weights_dtype: str) -> str:
 def _weight_bytes(config: ModelConfig, num_params: int, weights_dtype: str) -> int:
     """kvserve's dtypes: what the engine holds for this shape (scaled if `num_params` was given for a custom
     shape); other formats: bytes per parameter."""
-    if weights_dtype in ENGINE_WEIGHTS_DTYPES:
-        return math.ceil(held_weight_bytes(config, weights_dtype) * num_params / num_parameters(config))
+    if weights_dtype in ENGINE_WEIGHTS_DTYPES:  # held_weight_bytes counts every layer as attention: scaled
+        return math.ceil(held_weight_bytes(config, weights_dtype) * num_params / dense_parameters(config))
     return math.ceil(num_params * WEIGHT_BYTES[weights_dtype])
 
 
 def describe(p: MemoryPlan) -> str:
     lines = [
-        f"model: {p.model} ({p.attention}; {p.num_parameters / 1e9:.2f}B parameters; "
+        f"model: {p.model} ({p.attention}"
+        + (f" on {p.attention_layers} attention layers, {p.recurrent_layers} recurrent" if p.recurrent_layers else "")
+        + f"; {p.num_parameters / 1e9:.2f}B parameters; "
         f"context up to {p.model_max_context:,} tokens)",
-        f"KV bytes per token ({p.kv_dtype}): {p.formula}",
+        _bytes_per_token_line(p),
         f"KV per request ({p.context:,} tokens, blocks of {p.block_size}): {format_memory(p.kv_bytes_per_request)} "
         f"({p.kv_bytes_per_request:,} bytes)",
         f"KV for the batch ({p.batch} x): {format_memory(p.kv_bytes_total)} ({p.kv_bytes_total:,} bytes)"
         + (f", of which {format_memory(p.kv_open_blocks_bytes)} float16 blocks being filled (one per request and "
            f"KV group: int4 keys are encoded per block)" if p.kv_open_blocks_bytes else ""),
+        *_state_lines(p),
         f"weights ({p.weights_dtype}): {format_memory(p.weights_bytes)}",
-        f"overhead ({100 * p.overhead_fraction:g}% of weights + KV): {format_memory(p.overhead_bytes)}",
+        f"overhead ({100 * p.overhead_fraction:g}% of weights + {'KV + states' if p.recurrent_layers else 'KV'}): "
+        f"{format_memory(p.overhead_bytes)}",
         f"total: {format_memory(p.total_bytes)}",
     ]
     if p.kv_bytes_per_request != p.kv_bytes_per_request_unwindowed:
@@ -215,7 +243,8 @@ def describe(p: MemoryPlan) -> str:
     if p.memory_bytes is not None:
         fits = "fits" if p.total_bytes <= p.memory_bytes else "does NOT fit"
         lines += [
-            f"in {format_memory(p.memory_bytes)}: this plan {fits}; KV room {format_memory(p.kv_room_bytes)}",
+            f"in {format_memory(p.memory_bytes)}: this plan {fits}; "
+            f"{'room for K/V and states' if p.recurrent_layers else 'KV room'} {format_memory(p.kv_room_bytes)}",
             f"  concurrent requests of {p.context:,} tokens: {p.max_concurrent_requests:,}",
             f"  largest context for {p.batch} concurrent request(s): {p.max_context_for_batch:,} tokens",
         ]
@@ -223,3 +252,23 @@ def describe(p: MemoryPlan) -> str:
             lines[-1] += (f" (the model's context; the budget holds {p.max_requests_at_max_context:,} concurrent "
                           f"requests of {p.max_context_for_batch:,} tokens)")
     return "\n".join(lines)
+
+
+def _bytes_per_token_line(p: MemoryPlan) -> str:
+    """The K/V formula; for a hybrid model, both cache kinds side by side: per token and per request."""
+    if not p.recurrent_layers:
+        return f"KV bytes per token ({p.kv_dtype}): {p.formula}"
+    return (f"K/V ({p.kv_dtype}): {p.bytes_per_token:,} bytes/token for {p.attention_layers} attention layers "
+            f"({p.formula}) + recurrent state (float32): {p.state_bytes_per_request:,} bytes/request for "
+            f"{p.recurrent_layers} recurrent layers ({p.state_formula})")
+
+
+def _state_lines(p: MemoryPlan) -> list[str]:
+    """A hybrid model's live states for the batch, and a request's two kinds together; none otherwise."""
+    if not p.recurrent_layers:
+        return []
+    return [
+        f"recurrent state for the batch ({p.batch} x, one live state each): {format_memory(p.state_bytes_total)} "
+        f"({p.state_bytes_total:,} bytes); per request, K/V and state: {format_memory(p.bytes_per_request)} "
+        f"({p.bytes_per_request:,} bytes)",
+    ]

@@ -145,3 +145,91 @@ def test_the_largest_context_stops_at_the_models_and_the_rest_buys_requests(caps
     # A budget smaller than the model's context is not capped.
     tight = plan(name, config, params, context=8192, memory_bytes=400 * 2**20)
     assert 0 < tight.max_context_for_batch < 8192 and not tight.context_capped_by_model
+
+
+# Hybrid models: K/V for the attention layers only, plus one float32 recurrent state per request. Figures by hand
+# from each published config.json (float16 K/V; the state is float32, 4 B):
+#   Qwen3.5-0.8B: 24 layers, full attention every 4th -> 6 attention, 18 Gated DeltaNet; 2 KV heads of 256.
+#     K/V: 6 x 2 heads x 2 (K, V) x 256 x 2 B = 12,288 bytes/token.
+#     state: conv_dim = 2 x 16 key heads x 128 + 16 value heads x 128 = 6,144; conv window 6,144 x (4 - 1) = 18,432;
+#     per value head 128 x 128: 16 x 16,384 = 262,144; (18,432 + 262,144) x 4 B = 1,122,304 x 18 = 20,201,472.
+#   Qwen3.5-4B: 32 layers -> 8 attention, 24 recurrent; 4 KV heads of 256: 8 x 4 x 2 x 256 x 2 = 32,768.
+#     conv_dim = 2 x 16 x 128 + 32 x 128 = 8,192; 8,192 x 3 = 24,576; 32 x 128 x 128 = 524,288;
+#     (24,576 + 524,288) x 4 = 2,195,456 x 24 = 52,690,944.
+#   LFM2-350M: 16 layers, attention at 2, 5, 8, 10, 12, 14 -> 6 attention, 10 short convs; 8 KV heads of 64:
+#     6 x 8 x 2 x 64 x 2 = 12,288; conv state hidden 1,024 x (L_cache 3 - 1) x 4 B = 8,192 x 10 = 81,920.
+#   LFM2-1.2B: the same layers at hidden 2,048: 12,288 bytes/token; 2,048 x 2 x 4 = 16,384 x 10 = 163,840.
+HYBRIDS = {
+    "Qwen3.5-0.8B": (6, 12_288, 18, 20_201_472),
+    "Qwen3.5-4B": (8, 32_768, 24, 52_690_944),
+    "LFM2-350M": (6, 12_288, 10, 81_920),
+    "LFM2-1.2B": (6, 12_288, 10, 163_840),
+}
+
+
+@pytest.mark.parametrize("model", HYBRIDS)
+def test_hybrid_models_count_kv_per_token_and_state_per_request(model):
+    attention, per_token, recurrent, per_state = HYBRIDS[model]
+    name, config, params = resolve_model(model)
+    result = plan(name, config, params, context=8192, batch=3, kv_dtype="float16")
+    assert (result.attention_layers, result.bytes_per_token) == (attention, per_token)
+    assert (result.recurrent_layers, result.state_bytes_per_request) == (recurrent, per_state)
+    assert result.kv_bytes_per_request == 8192 * per_token
+    assert result.bytes_per_request == 8192 * per_token + per_state  # its context's K/V and one live state
+    assert result.state_bytes_total == 3 * per_state
+    assert result.total_bytes == result.weights_bytes + result.kv_bytes_total + 3 * per_state + result.overhead_bytes
+    line = (f"K/V (float16): {per_token:,} bytes/token for {attention} attention layers ({result.formula}) + "
+            f"recurrent state (float32): {per_state:,} bytes/request for {recurrent} recurrent layers "
+            f"({result.state_formula})")
+    assert line in describe(result).splitlines()
+    assert result.state_formula.endswith(f"= {per_state:,} bytes/state")
+
+
+def test_hybrid_parameters_count_the_recurrent_mixers():
+    # LFM2's published sizes: 354M and 1.17B (a short conv layer: in_proj 3 x hidden^2, out_proj hidden^2).
+    assert num_parameters(KNOWN_MODELS["LFM2-350M"]) / 1e9 == pytest.approx(0.354, abs=0.001)
+    assert num_parameters(KNOWN_MODELS["LFM2-1.2B"]) / 1e9 == pytest.approx(1.17, abs=0.01)
+
+
+def test_what_fits_a_budget_counts_each_requests_live_state():
+    name, config, params = resolve_model("Qwen3.5-0.8B")
+    budget = 4 * GiB
+    result = plan(name, config, params, context=32768, batch=4, memory_bytes=budget)
+    n = result.max_concurrent_requests
+    assert plan(name, config, params, context=32768, batch=n).total_bytes <= budget
+    assert plan(name, config, params, context=32768, batch=n + 1).total_bytes > budget
+    # Without the states (20 MB a request) more requests would seem to fit.
+    kv_only = result.kv_room_bytes // result.kv_bytes_per_request
+    assert n < kv_only and n == result.kv_room_bytes // result.bytes_per_request
+    longest = result.max_context_for_batch
+    assert plan(name, config, params, context=longest, batch=4).total_bytes <= budget
+    assert plan(name, config, params, context=longest + 16, batch=4).total_bytes > budget
+
+
+def test_cli_prints_and_jsons_the_state(capsys):
+    assert main(["memory", "LFM2-350M", "--context", "4096", "--batch", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["bytes_per_token"], out["state_bytes_per_request"], out["recurrent_layers"]) == (12_288, 81_920, 10)
+    assert out["state_formula"] == "10 recurrent layers x (1,024 x 2) x 4 B = 81,920 bytes/state"
+    assert out["bytes_per_request"] == 4096 * 12_288 + 81_920 and out["state_bytes_total"] == 2 * 81_920
+    assert main(["memory", "Qwen3.5-0.8B", "--context", "1024"]) == 0
+    text = capsys.readouterr().out
+    assert "+ recurrent state (float32): 20,201,472 bytes/request for 18 recurrent layers" in text
+    assert main(["memory", "--list"]) == 0
+    assert "18 (20,201,472)" in capsys.readouterr().out
+    # A model whose every layer attends prints as before: no state line.
+    assert main(["memory", "SmolLM2-135M", "--json"]) == 0
+    dense = json.loads(capsys.readouterr().out)
+    assert (dense["recurrent_layers"], dense["state_bytes_per_request"], dense["attention_layers"]) == (0, 0, 30)
+
+
+def test_planner_and_engine_agree_on_a_hybrid_model():
+    from tests.engine.test_hybrid_state import engine_for
+    from tests.toy_hybrid import toy_hybrid
+
+    loaded = toy_hybrid()
+    result = plan("toy", loaded.config, loaded.model.num_parameters(), context=64, kv_dtype="float32")
+    engine = engine_for(loaded)
+    assert engine.kv_spec.bytes_per_token == result.bytes_per_token == 2 * 2 * 2 * 8 * 4  # 2 attention layers
+    # Two toy recurrent layers of (32 x 2 + 32) float32: 2 x 96 x 4 = 768 bytes.
+    assert engine.stats().states.slot_bytes == result.state_bytes_per_request == 768

@@ -2,15 +2,16 @@
 
 Values from each model's published config.json. Only what sizing needs is
 meaningful here (layers, heads, KV heads, head_dim, hidden, intermediate,
-vocab, context); the rest are defaults.
+vocab, context; for a hybrid model its layer kinds and one recurrent layer's
+state shapes); the rest are defaults.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from kvserve.config import ModelConfig
-from kvserve.model import gemma3, gpt_oss
+from kvserve.config import ATTENTION, RECURRENT, ModelConfig
+from kvserve.model import gemma3, gpt_oss, lfm2
 
 
 def _shape(layers: int, heads: int, kv_heads: int, head_dim: int, hidden: int, intermediate: int, vocab: int,
@@ -20,6 +21,39 @@ def _shape(layers: int, heads: int, kv_heads: int, head_dim: int, hidden: int, i
         num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=context, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied,
     )
+
+
+def gated_deltanet_state(key_heads: int, value_heads: int, key_dim: int, value_dim: int,
+                         kernel: int) -> tuple[tuple[int, ...], ...]:
+    """A Gated DeltaNet layer's state (Qwen3.5's linear attention): the causal conv's last kernel - 1 inputs
+    over q, k and v (conv_dim = 2 x key_heads x key_dim + value_heads x value_dim), and the (key x value)
+    matrix each value head accumulates."""
+    return (2 * key_heads * key_dim + value_heads * value_dim, kernel - 1), (value_heads, key_dim, value_dim)
+
+
+def _kinds(num_layers: int, attention: set[int]) -> tuple[str, ...]:
+    return tuple(ATTENTION if layer in attention else RECURRENT for layer in range(num_layers))
+
+
+def _qwen3_5(layers: int, heads: int, kv_heads: int, hidden: int, intermediate: int, key_heads: int,
+             value_heads: int) -> ModelConfig:
+    """Qwen3.5 (text): full attention every 4th layer (full_attention_interval 4), Gated DeltaNet between
+    (linear_key_head_dim = linear_value_head_dim = 128, linear_conv_kernel_dim 4); head_dim 256."""
+    return replace(_shape(layers, heads, kv_heads, 256, hidden, intermediate, 248320, 262144, tied=True),
+                   architecture="qwen3_5", rms_norm_eps=1e-6, layer_kinds=_kinds(layers, set(range(3, layers, 4))),
+                   recurrent_state=gated_deltanet_state(key_heads, value_heads, 128, 128, 4))
+
+
+def _lfm2(hidden: int, heads: int, ff_dim: int) -> ModelConfig:
+    """LFM2 (350M, 1.2B) read by its own family from the published config.json's values: 16 layers, attention
+    at 2, 5, 8, 10, 12, 14 (layer_types), short convs between (conv_L_cache 3), 8 KV heads of 64; the MLP's
+    width is block_ff_dim cut to 2/3 and rounded up to 256 (block_auto_adjust_ff_dim)."""
+    layer_types = ["full_attention" if layer in (2, 5, 8, 10, 12, 14) else "conv" for layer in range(16)]
+    return lfm2.read_hf_config({
+        "num_hidden_layers": 16, "num_attention_heads": heads, "num_key_value_heads": 8, "hidden_size": hidden,
+        "block_ff_dim": ff_dim, "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0,
+        "block_multiple_of": 256, "vocab_size": 65536, "max_position_embeddings": 128000, "conv_L_cache": 3,
+        "layer_types": layer_types, "tie_embedding": True, "rope_theta": 1000000.0, "norm_eps": 1e-5}, "lfm2")
 
 
 KNOWN_MODELS: dict[str, ModelConfig] = {
@@ -57,6 +91,11 @@ KNOWN_MODELS: dict[str, ModelConfig] = {
         num_experts=experts, num_experts_per_tok=4, moe_intermediate_size=2880, sliding_window=128,
         layer_windows=gpt_oss.gguf_layer_windows(128, layers))
        for name, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128))},
+    # Hybrid models: K/V for the attention layers only, plus one fixed-size recurrent state per request.
+    "Qwen3.5-0.8B": _qwen3_5(24, 8, 2, 1024, 3584, key_heads=16, value_heads=16),
+    "Qwen3.5-4B": _qwen3_5(32, 16, 4, 2560, 9216, key_heads=16, value_heads=32),
+    "LFM2-350M": _lfm2(1024, 16, 6656),  # an MLP of 4,608
+    "LFM2-1.2B": _lfm2(2048, 32, 12288),  # an MLP of 8,192
 }
 
 
@@ -67,13 +106,41 @@ def find_known_model(name: str) -> ModelConfig | None:
 
 
 def num_parameters(config: ModelConfig) -> int:
-    """Weights of a Llama-family decoder from its shape (biases and norms included, rotary tables not; per-head
-    q/k norms, a few hundred per layer, not either)."""
+    """Weights of a decoder from its shape: `dense_parameters`, with a hybrid model's recurrent layers
+    counted as what they are (their mixer instead of attention)."""
+    recurrent = len(config.recurrent_layers)
+    if not recurrent:
+        return dense_parameters(config)
+    return (dense_parameters(config) - recurrent * _attention_parameters(config)
+            + recurrent * _recurrent_mixer_parameters(config))
+
+
+def _attention_parameters(config: ModelConfig) -> int:
     q = config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
-    attention = config.hidden_size * (q + 2 * kv) + q * config.hidden_size
-    if config.attention_bias:
-        attention += q + 2 * kv
+    return config.hidden_size * (q + 2 * kv) + q * config.hidden_size + ((q + 2 * kv) if config.attention_bias else 0)
+
+
+def _recurrent_mixer_parameters(config: ModelConfig) -> int:
+    """One recurrent layer's mixer, read off its state's shapes for the two kinds kvserve knows (a Gated
+    DeltaNet keeps a conv window and a per-head matrix, a short conv its window alone); 0 for another kind.
+    Qwen3.5's attention output gate and q/k norms are not counted (a few percent of its weights)."""
+    hidden, shapes = config.hidden_size, config.recurrent_state
+    if len(shapes) == 2 and len(shapes[1]) == 3:  # Gated DeltaNet: in_proj qkv, z, a, b; conv; out_proj
+        (conv_dim, window), (value_heads, _, value_dim) = shapes
+        value = value_heads * value_dim
+        return (hidden * (conv_dim + value + 2 * value_heads) + conv_dim * (window + 1) + 2 * value_heads
+                + value_dim + value * hidden)
+    if len(shapes) == 1 and len(shapes[0]) == 2:  # short conv: in_proj (B, C, x), conv, out_proj
+        width, window = shapes[0]
+        return 3 * width * hidden + width * (window + 1) + width * hidden
+    return 0
+
+
+def dense_parameters(config: ModelConfig) -> int:
+    """Weights of a Llama-family decoder from its shape, every layer attending (biases and norms included,
+    rotary tables not; per-head q/k norms, a few hundred per layer, not either)."""
+    attention = _attention_parameters(config)
     mlp = 3 * config.hidden_size * config.intermediate_size
     if config.num_experts:  # every expert (a token runs num_experts_per_tok of them), and the router
         mlp = config.num_experts * (3 * config.moe_intermediate_size + 1) * config.hidden_size

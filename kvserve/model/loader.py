@@ -17,6 +17,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError, TokenizerUnavailableError
 from kvserve.kv.cache.kv_spec import kv_spec
+from kvserve.kv.state.state_spec import state_spec
 from kvserve.model.causal_lm import CausalLM
 from kvserve.model.checkpoint import load_checkpoint
 from kvserve.model.gguf import load_gguf
@@ -120,8 +121,18 @@ class LoadedModel:
             f"  parameters {self.model.num_parameters() / 1e6:.1f}M, linear layers {self.linear_dtype}, "
             f"weights held {_describe_bytes(self.weight_bytes)}",
             f"  KV cache ({spec.dtype}): {spec.formula()}",
+            *_state_summary(cfg, spec.num_layers),
             f"  tokenizer: {'yes' if self.tokenizer else 'none (token ids only)'}",
         ])
+
+
+def _state_summary(config: ModelConfig, attention_layers: int) -> list[str]:
+    """A hybrid model's second cache kind beside its K/V: what one request's recurrent state takes."""
+    states = state_spec(config)
+    if states is None:
+        return []
+    return [f"  hybrid: K/V per token for {attention_layers} attention layers (above) + recurrent state per "
+            f"request for {states.num_layers} recurrent layers (float32): {states.formula()}"]
 
 
 def load_model(path: str | Path | None = None, cache_dtype: str = "auto",

@@ -64,6 +64,7 @@ class BlockView:
     hashed: tuple[bool, ...]  # by block id: holds a reusable prefix (in use or free)
     tables: tuple[tuple[str, tuple[int, ...]], ...]  # (request id, its block ids)
     drafts: StepDrafts | None = None  # the draft slots step `num_steps` wrote and rolled back (None: drafting off)
+    states: StateStats | None = None  # a hybrid model's state slots after the same step (drawn beside the blocks)
 
     def state_counts(self) -> dict[str, int]:
         """Blocks per state: free, cached (free but still holding a prefix), used (one holder), shared (several)."""
@@ -77,7 +78,7 @@ class BlockView:
 def take_block_view(kv: KVCacheManager, num_steps: int, drafts: StepDrafts | None = None) -> BlockView:
     ref_counts, hashed, tables = kv.block_states()
     return BlockView(num_steps, tuple(ref_counts), tuple(hashed),
-                     tuple((request_id, tuple(ids)) for request_id, ids in tables.items()), drafts)
+                     tuple((request_id, tuple(ids)) for request_id, ids in tables.items()), drafts, kv.state_stats())
 
 
 @dataclass(frozen=True, slots=True)

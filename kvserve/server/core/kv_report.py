@@ -2,27 +2,30 @@
 
 Who sees what (README, "Tenants"): the admin key, or anyone on a server without tenant keys, sees
 the whole report. A tenant sees
-- the pool's geometry (blocks, block size, bytes per token, dtype, KV groups): the server's
-  configuration, the same for everyone;
-- the pool's occupancy now (used / free / cached blocks, requests running / waiting) and the
-  integrity check: the load every client meets anyway as latency and 429s, and what a client
-  waits on before a benchmark; a sum over everyone, with no request or tenant in it;
+- the pool's geometry (blocks, block size, bytes per token, dtype, KV groups; a hybrid model's
+  recurrent-state slots and their size): the server's configuration, the same for everyone;
+- the pool's occupancy now (used / free / cached blocks, live / snapshot state slots, requests
+  running / waiting) and the integrity check: the load every client meets anyway as latency and
+  429s, and what a client waits on before a benchmark; a sum over everyone, with no request or
+  tenant in it;
 - its own pins (key, blocks, expiry), their count and blocks, and the pool's pin cap;
 - its own usage (`tenants`: its requests, the blocks it owns against its fair share, tokens scheduled),
   never another tenant's.
 It does not see another tenant's pins, nor the pool's counters since start (prefix-cache queries
 and hits, preemptions, steps, pins created / refreshed / expired / lapsed, cache writes, the disk
-tier's traffic): those add up everyone's history, and a tenant polling them around its own
-requests would read off how much the others send and reuse. They stay on /metrics (see
+tier's traffic, state snapshots evicted): those add up everyone's history, and a tenant polling
+them around its own requests would read off how much the others send and reuse. They stay on /metrics (see
 --metrics-key) and in the admin's report.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from kvserve.engine.engine import Engine
 from kvserve.errors import KVIntegrityError
+from kvserve.kv.state.state_spec import state_spec
 from kvserve.server.core.pin_owners import PinOwners
 
 TENANT_FIELDS = (
@@ -57,6 +60,22 @@ def kv_cache_report(engine: Engine) -> dict:
         "tier": dataclasses.asdict(stats.tier) if stats.tier is not None else None,
         "pins": dataclasses.asdict(stats.pins) if stats.pins is not None else None,
         "tenants": [dataclasses.asdict(entry) for entry in stats.tenants],
+        "recurrent_state": recurrent_state_report(engine),
+    }
+
+
+def recurrent_state_report(engine: Engine) -> dict | None:
+    """A hybrid model's recurrent-state slots beside the K/V pool (None for a model whose every layer attends):
+    their count and size, how many hold live states and findable snapshots now, evictions, and the formula."""
+    states = engine.stats().states
+    if states is None:
+        return None
+    kinds = Counter(states.slot_kinds)
+    return {
+        "slots": states.num_slots, "slot_bytes": states.slot_bytes, "live": states.num_live,
+        "snapshots": states.num_snapshots, "working": kinds["working"], "free": kinds["free"],
+        "held": states.num_held, "evicted": states.num_evicted, "snapshot_interval": states.snapshot_interval,
+        "formula": state_spec(engine.loaded.config).formula(),
     }
 
 
@@ -71,4 +90,6 @@ def tenant_view(report: dict, tenant: str, owners: PinOwners) -> dict:
                 "max_pinned_blocks": pins["max_pinned_blocks"], "pins": own}
     view["pins"] = pins
     view["tenants"] = [entry for entry in report["tenants"] if entry["tenant"] == tenant]  # its own usage only
+    states = report["recurrent_state"]  # the slots' geometry and occupancy; evictions are everyone's history
+    view["recurrent_state"] = {k: v for k, v in states.items() if k != "evicted"} if states is not None else None
     return view

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter as Tally
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -19,6 +20,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.sample.constrained import StructuredOutputStats
 from kvserve.engine.output.types import RequestDelta
 from kvserve.engine.spec_decode.counters import SpecDecodeStats
+from kvserve.kv.state.manager import StateStats
 from kvserve.kv.tiers.stats import LOAD_SECONDS_BUCKETS
 
 log = logging.getLogger("kvserve.requests")
@@ -71,6 +73,7 @@ class _EngineCollector:
         yield from _spec_decode_metrics(stats.spec_decode, labels)
         yield from _structured_metrics(stats.structured, labels)
         yield from _tenant_metrics(stats.tenants, self.model_name, self.tenant_labels)
+        yield from _state_metrics(stats.states, labels)
         pins = stats.pins
         if pins is not None:
             yield gauge("kvserve:kv_pins", "Live pinned prefixes (cache breakpoints with a TTL).", pins.num_pins)
@@ -137,6 +140,35 @@ def _tenant_metrics(tenants, model_name: str, tenant_labels: dict):
     for entry in tenants:
         family.add_metric([model_name, tenant_labels.get(entry.tenant, "anonymous")], entry.num_scheduled_tokens)
     yield family
+
+
+STATE_SLOT_KINDS = ("live", "snapshot", "working", "free")  # StateStats.slot_kinds' values
+
+
+def _state_metrics(states: StateStats | None, labels: list[str]):
+    """A hybrid model's recurrent-state slots (none for other models): by kind, their size, and the snapshots
+    given up for a slot, the state kind's evictions."""
+    if states is None:
+        return
+    family = GaugeMetricFamily("kvserve:state_slots", "Recurrent-state slots by kind: live (a running request's "
+                               "state), snapshot (kept for prefix hits), working (read or written by a step), "
+                               "free.", labels=["model_name", "kind"])
+    counts = Tally(states.slot_kinds)
+    for kind in STATE_SLOT_KINDS:
+        family.add_metric([*labels, kind], counts[kind])
+    yield family
+    for name, doc, value in (
+        ("state_slots_total", "Recurrent-state slots in the pool (one request's state each).", states.num_slots),
+        ("state_slot_bytes", "Bytes of one recurrent-state slot (every recurrent layer's state, float32).",
+         states.slot_bytes),
+    ):
+        gauge = GaugeMetricFamily(f"kvserve:{name}", doc, labels=["model_name"])
+        gauge.add_metric(labels, value)
+        yield gauge
+    evicted = CounterMetricFamily("kvserve:state_snapshots_evicted", "Recurrent-state snapshots given up for a slot.",
+                                  labels=["model_name"])
+    evicted.add_metric(labels, states.num_evicted)
+    yield evicted
 
 
 def _spec_decode_metrics(spec: SpecDecodeStats | None, labels: list[str]):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.spec_decode.slots import StepDrafts
 from kvserve.engine.observe.stats import BlockView, EngineStats, RequestStats
+from kvserve.kv.state.manager import StateStats
 
 FEED_INTERVAL_S = 0.25  # four updates a second: live to the eye, a rounding error for the engine
 _FRESH_POLLS = 1000  # x 10 ms: longer than any step; past it the newest snapshot is returned as it is
@@ -30,8 +31,8 @@ class FeedSettings:
 
 
 def block_view_json(view: BlockView) -> dict:
-    """Compact: ref counts as a list, hashed flags as a '0'/'1' string, tables by request id, and the
-    draft slots the view's step wrote (None with drafting off)."""
+    """Compact: ref counts as a list, hashed flags as a '0'/'1' string, tables by request id, the draft
+    slots the view's step wrote (None with drafting off), and a hybrid model's state slots (else None)."""
     return {
         "step": view.num_steps,
         "ref": list(view.ref_counts),
@@ -39,6 +40,8 @@ def block_view_json(view: BlockView) -> dict:
         "tables": {request_id: list(block_ids) for request_id, block_ids in view.tables},
         "counts": view.state_counts(),
         "drafts": draft_slots_json(view.drafts) if view.drafts is not None else None,
+        # The recurrent-state slots at the view's step, so the page draws both kinds at one moment.
+        "states": state_slots_json(view.states) if view.states is not None else None,
     }
 
 
@@ -71,6 +74,20 @@ def _request_json(r: RequestStats) -> dict:
     }
 
 
+STATE_KIND_LETTERS = {"live": "l", "snapshot": "s", "working": "w", "free": "f"}
+
+
+def state_slots_json(states: StateStats) -> dict:
+    """A hybrid model's recurrent-state slots: counts, and each slot's kind as one letter (l: live, s: snapshot,
+    w: working, f: free) in slot order. Sent with every snapshot: there are far fewer slots than blocks."""
+    return {
+        "slots": states.num_slots, "slot_bytes": states.slot_bytes, "live": states.num_live,
+        "held": states.num_held, "snapshots": states.num_snapshots, "evicted": states.num_evicted,
+        "snapshot_interval": states.snapshot_interval,
+        "kinds": "".join(STATE_KIND_LETTERS[kind] for kind in states.slot_kinds),
+    }
+
+
 def snapshot_json(stats: EngineStats, include_blocks: bool = True) -> dict:
     """One snapshot as the lab's pages read it."""
     return {
@@ -90,6 +107,7 @@ def snapshot_json(stats: EngineStats, include_blocks: bool = True) -> dict:
         "waiting": [_request_json(r) for r in stats.waiting],
         "blocks": block_view_json(stats.blocks) if include_blocks and stats.blocks is not None else None,
         "drafts": draft_counts_json(stats.draft_slots) if stats.draft_slots is not None else None,
+        "states": state_slots_json(stats.states) if stats.states is not None else None,  # None: no recurrent layers
         # Per-tenant usage (the lab is the admin's: every tenant, by its id, never its key).
         "tenants": [{"tenant": t.tenant, "weight": t.weight, "running": t.num_running, "waiting": t.num_waiting,
                      "blocks": t.num_blocks, "cached_free": t.num_cached_free_blocks, "share": t.share_blocks,

@@ -63,7 +63,8 @@ def catalog(served: ServedModel) -> dict:
 def _model_json(name: str, c: ModelConfig) -> dict:
     return {"name": name, "layers": c.num_layers, "heads": c.num_heads, "kv_heads": c.num_kv_heads,
             "head_dim": c.head_dim, "context": c.max_position_embeddings, "params": num_parameters(c),
-            "attention": c.attention_kind}
+            "attention": c.attention_kind, "attention_layers": len(c.attention_layers),
+            "recurrent_layers": len(c.recurrent_layers)}
 
 
 def memory_plan(query: MemoryQuery, served: ServedModel) -> dict:
@@ -80,7 +81,8 @@ def memory_plan(query: MemoryQuery, served: ServedModel) -> dict:
 
 def _display(p: MemoryPlan) -> dict:
     sizes = {key: format_memory(getattr(p, key)) for key in
-             ("kv_bytes_per_request", "kv_bytes_total", "weights_bytes", "overhead_bytes", "total_bytes")}
+             ("kv_bytes_per_request", "kv_bytes_total", "weights_bytes", "overhead_bytes", "total_bytes",
+              "state_bytes_per_request", "state_bytes_total", "bytes_per_request")}
     if p.memory_bytes is not None:
         sizes["memory_bytes"] = format_memory(p.memory_bytes)
         sizes["kv_room_bytes"] = format_memory(p.kv_room_bytes)

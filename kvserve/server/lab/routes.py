@@ -10,7 +10,9 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
+from kvserve.config import ModelConfig
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.kv.state.state_spec import state_spec
 from kvserve.server.core.errors import APIError, RETRY_AFTER_S, bad_request
 from kvserve.server.core.serving import Serving
 from kvserve.server.lab.access import LabAccess
@@ -66,6 +68,9 @@ def lab_router(async_engine: AsyncEngine, serving: Serving, access: LabAccess, r
             "steps": {"max_prompt_tokens": steps.limits.max_prompt_tokens,
                       "max_new_tokens": steps.limits.max_new_tokens},
             "feed_interval_s": feed.interval_s,
+            "kv_formula": engine.kv_spec.formula(stats.block_size),
+            "attention_layers": engine.kv_spec.num_layers,
+            "recurrent_state": _recurrent_state_info(engine.loaded.config),
         }
 
     @api.get("/snapshot")
@@ -137,6 +142,14 @@ def lab_router(async_engine: AsyncEngine, serving: Serving, access: LabAccess, r
 
     router.include_router(api)
     return router
+
+
+def _recurrent_state_info(config: ModelConfig) -> dict | None:
+    """A hybrid model's state kind for the pages: its layers, one request's bytes and the formula."""
+    states = state_spec(config)
+    if states is None:
+        return None
+    return {"layers": states.num_layers, "slot_bytes": states.slot_bytes, "formula": states.formula()}
 
 
 def _page(filename: str):

@@ -27,6 +27,7 @@ from kvserve.arith import cdiv
 from kvserve.engine.engine import Engine
 from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
+from kvserve.kv.state.state_spec import state_spec
 from kvserve.platform import compute_executor
 
 MODES = ("cached", "recompute")  # with the KV cache, and with enable_kv_cache=False
@@ -127,12 +128,17 @@ class StepsRunner:
             block_size = base.block_size
             tokens = self.limits.max_prompt_tokens + self.limits.max_new_tokens
             pool_bytes = (cdiv(tokens, block_size) + 1) * block_size * self.serving_engine.kv_spec.bytes_per_token
+            # A hybrid model's one request also needs its recurrent states: a live one, one to step into, and
+            # one for a snapshot, beside the K/V (the serving engine's share would not fit in so small a pool).
+            states = state_spec(self.serving_engine.loaded.config)
+            state_bytes = 3 * states.slot_bytes if states is not None else 0
+            state_share = {"state_cache_fraction": state_bytes / (pool_bytes + state_bytes)} if states else {}
             # One request, one step per token, and no prefix cache: step 0 always computes the whole prompt.
             # No disk tier either: these engines share nothing, and a tier needs prefix caching. No drafting:
             # a verify step computes several tokens, and the page shows one token per step.
-            small = replace(base, kv_cache_memory=pool_bytes, max_num_seqs=1, enable_prefix_caching=False,
-                            max_num_batched_tokens=max(base.max_num_batched_tokens, tokens), kv_disk_path=None,
-                            speculative="off")
+            small = replace(base, kv_cache_memory=pool_bytes + state_bytes, max_num_seqs=1,
+                            enable_prefix_caching=False, max_num_batched_tokens=max(base.max_num_batched_tokens, tokens),
+                            kv_disk_path=None, speculative="off", **state_share)
             loaded = self.serving_engine.loaded
             self._engines = {"cached": Engine(small, loaded=loaded),
                              "recompute": Engine(replace(small, enable_kv_cache=False), loaded=loaded)}

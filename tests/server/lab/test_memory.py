@@ -23,6 +23,9 @@ CASES = [
       "batch": 3, "kv_dtype": "int8/int4", "memory": "4GiB"},
      ["--layers", "24", "--kv-heads", "2", "--head-dim", "64", "--heads", "14", "--params", "5e8", "--context",
       "4096", "--batch", "3", "--kv-dtype", "int8/int4", "--memory", "4GiB"]),
+    # A hybrid model: K/V per token for 6 attention layers, a 20,201,472-byte state per request for 18 others.
+    ({"model": "Qwen3.5-0.8B", "context": 65536, "batch": 4, "memory": "16GiB"},
+     ["Qwen3.5-0.8B", "--context", "65536", "--batch", "4", "--memory", "16GiB"]),
 ]
 
 

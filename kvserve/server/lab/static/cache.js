@@ -33,6 +33,7 @@ function setView(view) {
   lab.text("count-total", lab.int(view.ref.length));
   for (const key of ["free", "cached", "used", "shared"]) lab.text("count-" + key, lab.int(counts[key]));
   lab.text("view-step", lab.int(view.step));
+  stateMap.show(view.states); // the state slots at the same step as the blocks
   document.body.dataset.viewStep = view.step;
   drawMap();
 }

@@ -153,6 +153,7 @@ lab.lineChart = (canvas, series, options) => {
 lab.loadInfo = async () => {
   const info = await lab.fetchJSON("/lab/api/info");
   lab.text("model-info", `${info.model} · ${lab.int(info.num_blocks)} blocks × ${info.block_size} tokens · ` +
-    `KV ${info.kv_dtype}, ${lab.int(info.bytes_per_token)} B/token`);
+    `KV ${info.kv_dtype}, ${lab.int(info.bytes_per_token)} B/token` +
+    (info.recurrent_state ? ` · recurrent state ${lab.int(info.recurrent_state.slot_bytes)} B/request` : ""));
   return info;
 };

@@ -107,6 +107,7 @@ function show(p, d) {
   lab.el("bar-weights").style.width = (100 * p.weights_bytes / scale) + "%";
   lab.el("bar-kv").style.width = (100 * p.kv_bytes_total / scale) + "%";
   lab.el("bar-overhead").style.width = (100 * p.overhead_bytes / scale) + "%";
+  showStates(p, d, scale);
   const hasMemory = p.memory_bytes !== null;
   lab.el("device-line").style.display = lab.el("device-label").style.display = hasMemory ? "" : "none";
   lab.el("fit-facts").style.display = hasMemory ? "" : "none";
@@ -126,6 +127,27 @@ function show(p, d) {
   } else fits.textContent = "";
 }
 
+// A hybrid model's second cache kind: K/V per token for its attention layers, a state per request for the rest.
+function showStates(p, d, scale) {
+  const hybrid = p.recurrent_layers > 0;
+  lab.el("hybrid-kinds").style.display = lab.el("state-legend").style.display = hybrid ? "" : "none";
+  lab.el("bar-state").style.width = hybrid ? (100 * p.state_bytes_total / scale) + "%" : "0";
+  lab.text("total-parts", hybrid ? "Weights + KV + recurrent states + overhead" : "Weights + KV + overhead");
+  lab.text("room-label", hybrid ? "room for KV and recurrent states after weights and overhead"
+    : "room for KV after weights and overhead");
+  lab.text("formula-title", hybrid ? "Bytes per token of KV, bytes per request of recurrent state" : "Bytes per token of KV");
+  if (!hybrid) return;
+  lab.text("attention-layers", p.attention_layers);
+  lab.text("recurrent-layers", p.recurrent_layers);
+  lab.text("kv-per-token", lab.int(p.bytes_per_token));
+  lab.text("state-per-request", lab.int(p.state_bytes_per_request));
+  lab.text("state-formula", p.state_formula);
+  lab.text("state-total", d.state_bytes_total);
+  lab.text("state-total-bytes", lab.int(p.state_bytes_total) + " bytes");
+  lab.text("per-request", d.bytes_per_request);
+  lab.text("per-request-bytes", lab.int(p.bytes_per_request) + " bytes");
+}
+
 function syncFromSlider(slider, input, transform) {
   lab.el(slider).addEventListener("input", () => { lab.el(input).value = transform(lab.el(slider).value); update(); });
   lab.el(input).addEventListener("input", () => update());
@@ -139,7 +161,8 @@ function syncFromSlider(slider, input, transform) {
   DEFAULTS.model = catalog.served;
   for (const m of catalog.models) {
     option(lab.el("model"), m.name, `${m.name}${m.name === catalog.served ? ", served" : ""} ` +
-      `(${m.attention}, ${m.layers} layers, ${m.kv_heads} KV heads)`);
+      `(${m.attention}, ${m.layers} layers${m.recurrent_layers ? `: ${m.attention_layers} attention, ` +
+        `${m.recurrent_layers} recurrent` : ""}, ${m.kv_heads} KV heads)`);
   }
   option(lab.el("model"), "custom", "Custom shape…");
   for (const d of catalog.kv_dtypes) option(lab.el("kv_dtype"), d);
