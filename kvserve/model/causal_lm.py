@@ -94,12 +94,12 @@ class CausalLM(nn.Module):
         """input_ids/positions `[N]` -> logits `[N, vocab]` (or only the rows in `logits_indices`)."""
         if kv is None:
             kv = ContiguousContext(positions, self.layer_windows)
-            if states is None and self.has_recurrent_state:
-                states = ContiguousStateContext(input_ids.shape[0])
         if states is not None and not self.has_recurrent_state:
             raise ValueError("this model keeps no recurrent state: its forward takes no state context")
         if states is None and self.has_recurrent_state:
-            raise ValueError("a hybrid model's forward over a KV cache needs its recurrent-state context")
+            if not isinstance(kv, ContiguousContext):
+                raise ValueError("a hybrid model's forward over a KV cache needs its recurrent-state context")
+            states = ContiguousStateContext(input_ids.shape[0])  # one whole sequence, as its attention
         x = self.embed(input_ids)
         for index, (layer, (cos, sin)) in enumerate(zip(self.layers, self.rope_tables(positions))):
             x = layer(x, cos, sin, kv, index) if states is None else layer(x, cos, sin, kv, index, states)

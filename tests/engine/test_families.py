@@ -14,6 +14,7 @@ from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import ConfigError
 from kvserve.kv.attention.contiguous import ContiguousContext
 from kvserve.kv.cache.kv_spec import kv_spec
+from kvserve.kv.state.state_spec import state_spec
 from kvserve.structured.params import StructuredOutputsParams as Spec
 from tests.engine.spec_decode.test_drafting import OracleProposer
 from tests.helpers import TINY_VOCAB, run_to_finals
@@ -21,14 +22,20 @@ from tests.server.inprocess import with_tiny_tokenizer
 
 # One tiny variant per family (tests/helpers.py, tests/dense_variants.py).
 FAMILY_VARIANTS = ["llama-gqa", "gemma3", "qwen3", "qwen3-moe", "smollm3", "phi4-mini-longrope", "olmo2", "granite", "granite4-dense",
-                   "ministral3"]
+                   "ministral3", "qwen35", "lfm2"]
+STATE_SLOTS = 32  # a hybrid model's recurrent states, beside the blocks
 BLOCK = 4
 
 
 def make_engine(loaded, blocks: int = 128, disk=None, proposer=None, **config) -> Engine:
     per_token = kv_spec(loaded.config).bytes_per_token
-    config = {"block_size": BLOCK, "kv_cache_memory": blocks * BLOCK * per_token, "weights_dtype": "float32",
-              "speculative": "off", **config}
+    states = state_spec(loaded.config)
+    state_bytes = STATE_SLOTS * states.slot_bytes if states is not None else 0
+    memory = blocks * BLOCK * per_token + state_bytes
+    # (a byte more, so that rounding gives exactly STATE_SLOTS and the blocks the rest)
+    fraction = (state_bytes + 1) / memory if states is not None else 0.5
+    config = {"block_size": BLOCK, "kv_cache_memory": memory, "weights_dtype": "float32",
+              "speculative": "off", "state_cache_fraction": fraction, **config}
     return Engine(EngineConfig(kv_disk_path=str(disk) if disk else None, **config), loaded=loaded,
                   proposer=proposer, num_speculative_tokens=4 if proposer else None)
 
@@ -85,7 +92,8 @@ def test_cache_hits_chunks_drafts_and_preemption_keep_the_greedy_tokens(tiny_mod
     drafting = make_engine(loaded, speculative="ngram", proposer=oracle)
     assert run(drafting, workload()) == cold[variant]
     assert 0 < drafting.stats().spec_decode.num_accepted_tokens < drafting.stats().spec_decode.num_draft_tokens
-    preempting = smallest_engine(loaded, workload())
+    # (a hybrid model's requests share no blocks until a fork snapshot exists: two must fit to run together)
+    preempting = make_engine(loaded, blocks=24) if loaded.model.has_recurrent_state else smallest_engine(loaded, workload())
     assert run(preempting, workload()) == cold[variant]
     # (a windowed model's requests free their blocks behind the window and fit this pool side by side)
     assert preempting.scheduler.num_preemptions > 0 or any(loaded.model.layer_windows)
@@ -125,13 +133,14 @@ def test_context_shift(tiny_models, variant):
     early, late = KeyRecorder(torch.arange(8), model.layer_windows), KeyRecorder(torch.arange(8), model.layer_windows)
     model(tokens, torch.arange(8), early)
     model(tokens, torch.arange(8) + delta, late)
-    for layer in range(len(model.layers)):
+    for layer in range(len(model.layer_windows)):  # the attention layers (a hybrid model's recurrent ones keep no keys)
         torch.testing.assert_close(model.shift_key_positions(layer, early.keys[layer], delta), late.keys[layer],
                                    atol=1e-4, rtol=1e-4)
     # and the engine generates past its context, shifting, with its blocks accounted for at every step (a model
-    # with windowed layers is refused: its windows bound what those layers hold already)
-    if any(model.layer_windows):
-        with pytest.raises(ConfigError, match="sliding-window"):
+    # with windowed layers is refused: its windows bound what those layers hold already; a hybrid model too: its
+    # recurrent state has every dropped token folded in)
+    if any(model.layer_windows) or model.has_recurrent_state:
+        with pytest.raises(ConfigError, match="sliding-window|recurrent state"):
             make_engine(loaded, max_model_len=24, context_overflow="shift")
         return
     engine = make_engine(loaded, max_model_len=24, context_overflow="shift", keep_tokens=4)
@@ -143,8 +152,8 @@ def test_context_shift(tiny_models, variant):
 @pytest.mark.parametrize("variant", FAMILY_VARIANTS)
 def test_disk_tier_gives_the_tokens_of_a_recompute(tiny_models, tmp_path, variant):
     loaded = tiny_models(variant)
-    if any(loaded.model.layer_windows):  # the tier holds full-attention prefixes only: refused, by name
-        with pytest.raises(ConfigError, match="sliding-window"):
+    if any(loaded.model.layer_windows) or loaded.model.has_recurrent_state:  # full-attention prefixes only
+        with pytest.raises(ConfigError, match="sliding-window|recurrent-state snapshot"):
             make_engine(loaded, disk=tmp_path)
         return
     rng = np.random.default_rng(7)
