@@ -2,7 +2,7 @@
 
 A recurrent layer's state is fixed-size per request, overwritten at every token, so a prefix hit needs a
 snapshot of it exactly where the hit ends (kv/state/manager.py). kvserve keeps one at every
-`state_snapshot_interval` blocks of a sequence (the grid), at the last block boundary of each step (a
+`state_snapshot_tokens` tokens of a sequence, in whole blocks (the grid), at the last block boundary of each step (a
 request's tail: the next chat turn resumes there) and where a hit's attention blocks went past the last
 snapshot (a fork). This runs two workloads through the real engine for several intervals and prints, per
 interval: the prompt tokens served from the cache, the snapshots kept at the end, the most held at once,
@@ -44,7 +44,7 @@ def engine_for(loaded, interval: int, slots: int) -> Engine:
     kv = 8192 * kv_spec(loaded.config).bytes_per_token
     memory = kv + slots * per_state
     return Engine(EngineConfig(block_size=BLOCK, kv_cache_memory=memory, weights_dtype="float32", speculative="off",
-                               state_cache_fraction=slots * per_state / memory, state_snapshot_interval=interval,
+                               state_cache_fraction=slots * per_state / memory, state_snapshot_tokens=interval * BLOCK,
                                max_num_batched_tokens=512), loaded=loaded)
 
 

@@ -337,9 +337,10 @@ class EngineConfig:
         "a hybrid model's (Qwen3.5, LFM2) share of {kv_cache_memory} for recurrent states: each running "
         "request's live state and the snapshots prefix hits resume from (the rest holds the attention layers' "
         "K/V blocks; ignored for other models)", check=fraction))
-    state_snapshot_interval: int = field(default=8, metadata=engine_arg(
-        "a hybrid model's recurrent state is snapshotted every this many blocks along a sequence (besides the "
-        "end of each step and where a hit's blocks fork), for prefix hits", check=positive_int))
+    state_snapshot_tokens: int = field(default=128, metadata=engine_arg(
+        "a hybrid model's recurrent state is snapshotted every this many tokens along a sequence (rounded down to "
+        "whole blocks, at least one; besides the end of each step and where a hit's blocks fork), for prefix hits",
+        check=positive_int))
     speculative: str = field(default="auto", metadata=engine_arg(
         "speculative decoding without a draft model, verified exactly (greedy output unchanged, sampling "
         "distribution unchanged): ngram (prompt lookup: drafts copied from the request's own tokens), suffix "

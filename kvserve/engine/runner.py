@@ -215,11 +215,10 @@ class ModelRunner:
         logits_rows = torch.cat([self._tensor(inputs.sample_rows)]
                                 + [torch.arange(row, row + count, device=self.device)
                                    for _, _, row, count in inputs.prompt_rows])
-        states = None
-        if self.states is not None:
-            states = self.states.context(sorted(inputs.states, key=lambda sequence: sequence.first_row))
-        return self.model(self._tensor(inputs.input_ids), torch.cat(inputs.positions), context, logits_rows,
-                          states=states)
+        args = (self._tensor(inputs.input_ids), torch.cat(inputs.positions), context, logits_rows)
+        if self.states is None:
+            return self.model(*args)
+        return self.model(*args, states=self.states.context(sorted(inputs.states, key=lambda seq: seq.first_row)))
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -85,7 +85,7 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None,
     kv_manager = KVCacheManager(num_blocks, config.block_size, enable_caching=prefix_caching,
                                 max_pinned_fraction=config.max_pinned_fraction, clock=clock,
                                 group_windows=spec.layout.windows, tiers=tiers,
-                                states=RecurrentStates(num_state_slots, config.block_size, config.state_snapshot_interval,
+                                states=RecurrentStates(num_state_slots, config.block_size, snapshot_blocks(config),
                                                        prefix_caching, states.slot_bytes) if states else None)
     tiering = TierTraffic(tiers, kv_manager, kv_cache) if tiers is not None else None
     parts = EngineParts(config, platform.device, loaded, max_model_len, spec, backend, kv_cache,
@@ -166,6 +166,11 @@ def check_hybrid(config: EngineConfig) -> None:
                           "every dropped token folded in and cannot drop them")
 
 
+def snapshot_blocks(config: EngineConfig) -> int:
+    """Blocks between a hybrid model's grid snapshots: `state_snapshot_tokens` in whole blocks, at least one."""
+    return max(1, config.state_snapshot_tokens // config.block_size)
+
+
 def state_slots(config: EngineConfig, spec: StateSpec | None) -> int:
     """How many recurrent-state slots `state_cache_fraction` of the budget holds (0 for a model without
     recurrent layers): each running request holds one, the rest keep snapshots for prefix hits."""
@@ -217,7 +222,7 @@ def log_startup(parts: EngineParts) -> None:
         states = parts.state_cache.spec
         log.info("recurrent state: %d slots of %s bytes (%s), %.1f MiB: one per running request, the rest "
                  "snapshots every %d blocks for prefix hits", parts.state_cache.num_slots, f"{states.slot_bytes:,}",
-                 states.formula(), parts.state_cache.nbytes / 2**20, config.state_snapshot_interval)
+                 states.formula(), parts.state_cache.nbytes / 2**20, snapshot_blocks(config))
     if spec.k_codec.is_fp8 or spec.v_codec.is_fp8:
         log.warning("%s KV cache: this CPU has no fp8 arithmetic, so every read converts the gathered blocks "
                     "to float32 in software (works; int8 is as small and faster here)", spec.dtype)

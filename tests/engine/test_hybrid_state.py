@@ -31,7 +31,7 @@ def engine_for(loaded, blocks: int = 128, proposer=None, **config) -> Engine:
     memory = blocks * BLOCK * per_token + slots * state_spec(loaded.config).slot_bytes
     config = {"block_size": BLOCK, "kv_cache_memory": memory, "weights_dtype": "float32", "speculative": "off",
               "state_cache_fraction": slots * state_spec(loaded.config).slot_bytes / memory,
-              "state_snapshot_interval": 2, **config}
+              "state_snapshot_tokens": 2 * BLOCK, **config}
     return Engine(EngineConfig(**config), loaded=loaded, proposer=proposer,
                   num_speculative_tokens=4 if proposer else None)
 
@@ -80,7 +80,7 @@ def test_a_chat_turn_resumes_where_the_last_one_ended(toy):
     past the last grid point."""
     rng = np.random.default_rng(3)
     first = rng.integers(1, 160, 13).tolist()
-    engine = engine_for(toy, state_snapshot_interval=64)  # no grid point within these lengths
+    engine = engine_for(toy, state_snapshot_tokens=64 * BLOCK)  # no grid point within these lengths
     request = engine.add_request(first, greedy(10))
     answer = list(run_to_finals(engine)[request].outputs[0].token_ids)
     second = first + answer + rng.integers(1, 160, 5).tolist()
@@ -109,7 +109,7 @@ def test_the_disk_tier_and_context_shift_are_refused_for_hybrid_models(toy, tmp_
 def test_a_hit_cut_short_by_the_state_is_explained_and_the_next_one_is_whole(toy):
     rng = np.random.default_rng(5)
     shared = rng.integers(1, 160, 22).tolist()
-    engine = engine_for(toy, state_snapshot_interval=4)  # grid every 16 tokens
+    engine = engine_for(toy, state_snapshot_tokens=4 * BLOCK)  # grid every 16 tokens
     run(engine, [shared + rng.integers(1, 160, 6).tolist()], max_tokens=2)  # blocks to 28; snapshots at 16, 28
     report = engine.explain_prompt(shared + rng.integers(1, 160, 6).tolist())
     assert report.num_cached_tokens == 16

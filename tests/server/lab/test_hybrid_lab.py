@@ -20,8 +20,8 @@ KV_MEMORY = 4 * 2**20
 
 
 def hybrid_options() -> dict:
-    """4 MiB, of which 32 state slots (the rest K/V), snapshots every 2 blocks."""
-    return {"state_cache_fraction": NUM_SLOTS * SLOT_BYTES / KV_MEMORY, "state_snapshot_interval": 2,
+    """4 MiB, of which 32 state slots (the rest K/V), snapshots every 2 blocks (of the default 16 tokens)."""
+    return {"state_cache_fraction": NUM_SLOTS * SLOT_BYTES / KV_MEMORY, "state_snapshot_tokens": 32,
             "weights_dtype": "float32"}
 
 
