@@ -91,7 +91,8 @@ class Qwen35DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        assert config.layer_kinds is not None and config.gated_deltanet is not None
+        if config.layer_kinds is None or config.gated_deltanet is None:
+            raise ModelLoadError("a Qwen3.5 config names its layer kinds and its Gated DeltaNet shape")
         self.attends = config.layer_kinds[layer_index] == ATTENTION
         if self.attends:
             self.self_attn = Qwen35Attention(config)
