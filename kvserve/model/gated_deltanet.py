@@ -90,12 +90,7 @@ class GatedDeltaNet(nn.Module):
         tensors = states.slot_tensors(layer)
         if tensors is None:  # one whole sequence, nothing kept
             return ops.gated_delta_rule(q, k, v, g, beta)[0]
-        sequences = states.sequences
-        plan = ops.DeltaSequences.of(
-            [sequence.num_rows for sequence in sequences],
-            [sequence.read_slot if sequence.start else -1 for sequence in sequences],
-            [sequence.slot for sequence in sequences],
-            [(index, count, slot) for index, sequence in enumerate(sequences) for count, slot in sequence.snapshots])
+        plan = states.shared("delta_sequences", lambda: _plan(states))  # built once per step, not per layer
         return ops.gated_delta_rule_slots_(q, k, v, g, beta, tensors[1], plan)
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,3 +109,13 @@ class GatedDeltaNet(nn.Module):
         if repeats == 1:
             return x
         return x.repeat(1, repeats, 1) if self.shape.value_heads_tiled else x.repeat_interleave(repeats, dim=1)
+
+
+def _plan(states: StateContext) -> ops.DeltaSequences:
+    """The kernel's view of a step's sequences: the same for every Gated DeltaNet layer of the step."""
+    sequences = states.sequences
+    return ops.DeltaSequences.of(
+        [sequence.num_rows for sequence in sequences],
+        [sequence.read_slot if sequence.start else -1 for sequence in sequences],
+        [sequence.slot for sequence in sequences],
+        [(index, count, slot) for index, sequence in enumerate(sequences) for count, slot in sequence.snapshots])

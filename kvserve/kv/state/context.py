@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,6 +52,16 @@ class StateContext(ABC):
 
     sequences: Sequence[StateSequence]
 
+    def __init__(self) -> None:
+        self._shared: dict[str, Any] = {}
+
+    def shared(self, key: str, build: Callable[[], Any]) -> Any:
+        """What every recurrent layer of this forward would build the same (a kernel's per-step index
+        tensors): built by the first layer that asks, then reused."""
+        if key not in self._shared:
+            self._shared[key] = build()
+        return self._shared[key]
+
     @abstractmethod
     def read(self, layer: int, sequence: StateSequence) -> LayerState | None:
         """The state `sequence` starts from (None: fresh). The tensors are the cache's own: never changed in place."""
@@ -71,6 +82,7 @@ class ContiguousStateContext(StateContext):
     the state context of a forward without a KV cache."""
 
     def __init__(self, num_rows: int) -> None:
+        super().__init__()
         self.sequences = (StateSequence(0, num_rows, 0, -1),)
 
     def read(self, layer: int, sequence: StateSequence) -> LayerState | None:

@@ -49,6 +49,7 @@ class SlotStateContext(StateContext):
     """One forward's sequences over the cache's slots."""
 
     def __init__(self, cache: StateCache, sequences: Sequence[StateSequence]) -> None:
+        super().__init__()
         self.cache = cache
         self.sequences = tuple(sequences)
 
