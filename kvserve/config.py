@@ -146,6 +146,16 @@ class ModelConfig:
     conv_bias: bool = False
     # Qwen3.5: the shape of its recurrent layers (Gated DeltaNet); None for a model without them.
     gated_deltanet: GatedDeltaNetShape | None = None
+    # Gemma 4: attention layers whose K/V differ from one another. Each is indexed as the KV cache numbers its
+    # layers (attention layer i, `kv.attend(i, ...)`); None: every attention layer is alike.
+    # `layer_kv_shapes[i]` = (KV heads, head dim) of attention layer i (None: num_kv_heads, head_dim).
+    # `layer_k_eq_v[i]`: its keys are derived from its values (one projection, kv/attention/base.py
+    # KeysFromValues), so the cache keeps V alone. `kv_source_layers[i]`: the attention layer whose cache layer i
+    # reads (i itself where it stores its own; an earlier layer of the same window and shape where it
+    # computes no K/V: Gemma 4's num_kv_shared_layers).
+    layer_kv_shapes: tuple[tuple[int, int], ...] | None = None
+    layer_k_eq_v: tuple[bool, ...] | None = None
+    kv_source_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
@@ -169,8 +179,47 @@ class ModelConfig:
                 raise ValueError(f"a layer kind is {ATTENTION!r} or {RECURRENT!r}, got {self.layer_kinds}")
             if RECURRENT in self.layer_kinds and not self.recurrent_state:
                 raise ValueError("recurrent layers need their state's shapes (recurrent_state)")
+        self._check_kv_layers()
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok must be 1..{self.num_experts}, got {self.num_experts_per_tok}")
+
+    def _check_kv_layers(self) -> None:
+        count = len(self.attention_layers)
+        for name in ("layer_kv_shapes", "layer_k_eq_v", "kv_source_layers"):
+            value = getattr(self, name)
+            if value is not None and len(value) != count:
+                raise ValueError(f"{name} has {len(value)} entries for {count} attention layers")
+        for layer in range(count):
+            kv_heads, _ = self.kv_shape_of(layer)
+            if self.num_heads % kv_heads:
+                raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of attention layer {layer}'s "
+                                 f"KV heads ({kv_heads})")
+            source = self.kv_source_of(layer)
+            if source != layer and not (0 <= source < layer and self.kv_source_of(source) == source
+                                        and self.kv_shape_of(source) == self.kv_shape_of(layer)
+                                        and self.k_eq_v_of(source) == self.k_eq_v_of(layer)
+                                        and self.window_for_layer(self.attention_layers[source])
+                                        == self.window_for_layer(self.attention_layers[layer])):
+                raise ValueError(f"attention layer {layer} reads layer {source}'s cache: the source must be an "
+                                 f"earlier layer that stores its own, of the same shape, K = V and window")
+
+    def kv_shape_of(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head dim) of attention layer `layer`."""
+        shape = self.layer_kv_shapes[layer] if self.layer_kv_shapes is not None else None
+        return shape if shape is not None else (self.num_kv_heads, self.head_dim)
+
+    def k_eq_v_of(self, layer: int) -> bool:
+        """Whether attention layer `layer` derives its keys from its values (the cache keeps V alone)."""
+        return self.layer_k_eq_v is not None and self.layer_k_eq_v[layer]
+
+    def kv_source_of(self, layer: int) -> int:
+        """The attention layer whose cache attention layer `layer` reads (itself unless it shares another's)."""
+        return layer if self.kv_source_layers is None else self.kv_source_layers[layer]
+
+    @property
+    def kv_storing_layers(self) -> tuple[int, ...]:
+        """The attention layers that store K/V of their own (every one, but for layers that read another's)."""
+        return tuple(layer for layer in range(len(self.attention_layers)) if self.kv_source_of(layer) == layer)
 
     @property
     def attention_layers(self) -> tuple[int, ...]:

@@ -93,7 +93,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids/positions `[N]` -> logits `[N, vocab]` (or only the rows in `logits_indices`)."""
         if kv is None:
-            kv = ContiguousContext(positions, self.layer_windows)
+            kv = ContiguousContext(positions, self.layer_windows, self.config.kv_source_layers)
         if states is not None and not self.has_recurrent_state:
             raise ValueError("this model keeps no recurrent state: its forward takes no state context")
         if states is None and self.has_recurrent_state:

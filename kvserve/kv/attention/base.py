@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import torch
 
@@ -41,6 +41,12 @@ class SequenceSlice:
     num_new_tokens: int
 
 
+# A K = V layer's keys from its values (Gemma 4's global layers: one projection, V its norm, K that times the key
+# norm's weight, rotated): values `[T, KVH, D]` at positions `[T]` -> keys `[T, KVH, D]`. The cache keeps V alone
+# and derives the keys of every token it attends over, new ones too, so a cached key is the same bits as a new one.
+KeysFromValues = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class AttentionContext(ABC):
     """What the model's attention layers see for one forward.
 
@@ -48,11 +54,15 @@ class AttentionContext(ABC):
     """
 
     @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
+               sinks: torch.Tensor | None = None, keys_from_values: KeysFromValues | None = None) -> torch.Tensor:
         """The forward's N new tokens of `layer`: q `[N, H, D]`, k/v `[N, KVH, D]` (RoPE applied) -> `[N, H * D]`.
         `sinks` `[H]` (gpt-oss): each head's learned logit in its softmax denominator (kv/attention/reference.py);
         a context that cannot take them raises rather than attend without them.
+
+        A K = V layer (ModelConfig.layer_k_eq_v) passes k=None, its values and `keys_from_values`; a layer
+        that reads another's cache (ModelConfig.kv_source_layers) passes k=v=None and attends over its
+        source's K/V, which the source stored earlier in the same forward.
 
         Stores the new K/V wherever the backend keeps them (if anywhere), then
         attends each token over its own sequence's keys up to and including its
