@@ -22,6 +22,7 @@ from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvserve.kv.attention import AttentionBackend, SequenceSlice
 from kvserve.kv.context_shift import ShiftPlan, TokenMoves
+from kvserve.kv.cache.packing import pack_tokens, unpack_tokens
 from kvserve.kv.cache.storage import PagedKVCache
 from kvserve.kv.state.context import StateSequence
 from kvserve.kv.state.storage import StateCache
@@ -154,8 +155,23 @@ class ModelRunner:
         for layer in range(cache.spec.num_layers):
             k, v = cache.read_rows(layer, src)  # every source row is read before any is written
             if delta:
-                k = self.model.shift_key_positions(layer, k, delta)
+                k, v = self._shifted(layer, k, v, delta)
             cache.write(layer, dst, k, v)
+
+    def _shifted(self, layer: int, k: torch.Tensor, v: torch.Tensor, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored layer `layer`'s rows with their keys re-rotated `delta` positions on. A packed layer is
+        unpacked to its heads and packed back; a K = V layer keeps no keys (they are derived from the values
+        at each token's position as it is read), so it moves as it is."""
+        spec = self.kv_cache.spec
+        attention_layer = spec.layer_sources.index(layer) if spec.layer_sources else layer
+        packed = spec.packed(layer)
+        if packed is None:
+            return self.model.shift_key_positions(attention_layer, k, delta), v
+        if packed.k_eq_v:
+            return k, v
+        keys, values = unpack_tokens(packed, spec.head_dim, k, v)
+        keys = self.model.shift_key_positions(attention_layer, keys, delta)
+        return pack_tokens(packed, spec.num_kv_heads, spec.head_dim, keys, values)
 
     def _prepare_inputs(self, out: SchedulerOutput) -> _StepInputs:
         """Flatten the scheduled requests, in the attention backend's batch order, into one forward's rows."""

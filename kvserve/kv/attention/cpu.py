@@ -23,11 +23,13 @@ from typing import Callable, Sequence
 import torch
 
 from kvserve.kernels import ops
-from kvserve.kv.attention.base import AttentionBackend, AttentionContext, SequenceSlice
+from kvserve.kv.attention.base import AttentionBackend, AttentionContext, KeysFromValues, SequenceSlice
 from kvserve.kv.attention.cpu_decode import cpp_decode, cpp_decode_reads, split_kv_decode, union_decode
 from kvserve.kv.attention.cpu_metadata import (UNION_SHARING_FACTOR, AttentionMetadata, DecodeMetadata,
                                                PrefillMetadata, build_attention_metadata)
+from kvserve.kv.attention.cpu_packed import MaterializedLayer, StepRows, attend_materialized, materialize
 from kvserve.kv.attention.cpu_prefill import open_block_prefill, prefill_attention
+from kvserve.kv.cache.packing import pack_tokens
 from kvserve.kv.cache.quant import OPEN_BLOCK_DTYPE
 from kvserve.kv.cache.storage import PagedKVCache
 
@@ -46,25 +48,72 @@ class PagedKVContext(AttentionContext):
     """The paged cache plus this step's metadata, one `AttentionMetadata` per KV group."""
 
     def __init__(self, cache: PagedKVCache, group_metadata: Sequence[AttentionMetadata],
-                 decode_kernel: Callable[..., torch.Tensor] | None = None) -> None:
+                 decode_kernel: Callable[..., torch.Tensor] | None = None, rows_kernel: bool = False) -> None:
         self.cache = cache
         self.group_metadata = group_metadata
         self.layer_group = cache.spec.layout.layer_group
         # `cpp_decode`: reads the blocks in place; None: gather, then the torch kernels.
         self.decode_kernel = decode_kernel
+        # Whether packed layers' materialized blocks run in the C++ kernel (cpu_packed.py).
+        self.rows_kernel = rows_kernel
         heads, block_size = cache.spec.num_kv_heads, cache.block_size
         # Per group: the flat rows its new tokens are written to.
         self._slots = [slot_indices(m.slot_blocks, m.slot_rows, heads, block_size) for m in group_metadata]
+        self._written: set[int] = set()  # stored layers this forward has written (their readers follow)
+        self._step_rows: dict[int, StepRows] = {}  # per group, for packed layers
+        self._materialized: dict[int, MaterializedLayer] = {}  # per packed stored layer, for its readers
+        self._open_rows: dict[int, tuple] = {}  # per stored layer with open blocks: (rows before, new K, new V)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
+               sinks: torch.Tensor | None = None, keys_from_values: KeysFromValues | None = None) -> torch.Tensor:
+        stored = self.cache.spec.stored_layer(layer)
+        reads_another = k is None and v is None
+        if reads_another and stored not in self._written:
+            raise ValueError(f"attention layer {layer} reads stored layer {stored}, which this forward has not written")
+        if self.cache.spec.packed(stored) is not None:
+            return self._attend_packed(stored, q, k, v, scale, sinks, keys_from_values, reads_another)
+        if k is None and not reads_another:
+            raise ValueError(f"attention layer {layer} is stored with keys of its own: it passes them")
+        return self._attend_plain(stored, q, k, v, scale, sinks)
+
+    def _attend_packed(self, stored: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                       scale: float, sinks: torch.Tensor | None, keys_from_values: KeysFromValues | None,
+                       reads_another: bool) -> torch.Tensor:
+        spec, group = self.cache.spec, self.layer_group[stored]
+        layer_kv = spec.packed(stored)
+        if not reads_another:
+            if layer_kv.k_eq_v != (k is None):
+                raise ValueError(f"stored layer {stored} is {'' if layer_kv.k_eq_v else 'not '}K = V")
+            self.cache.write(stored, self._slots[group], *pack_tokens(layer_kv, spec.num_kv_heads, spec.head_dim, k, v))
+            self._written.add(stored)
+        meta = self.group_metadata[group]
+        step = self._step_rows.get(group)
+        if step is None:
+            step = self._step_rows[group] = StepRows.of(meta, self.cache.block_size)
+        blocks = self._materialized.get(stored)
+        if blocks is None:
+            blocks = self._materialized[stored] = materialize(self.cache, stored, layer_kv, step, keys_from_values)
+        out = attend_materialized(q, blocks, step, scale, meta.sliding_window, SPLIT_BLOCKS, sinks, self.rows_kernel)
+        return out.to(q.dtype)
+
+    def _attend_plain(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                      scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+        """A stored layer read in place (`layer` is its index in the pool); k = v = None: a layer that reads it."""
         group = self.layer_group[layer]
         meta = self.group_metadata[group]
         cache = self.cache
-        # With open blocks, a chunk's queries see their own block in float16: the rows of it cached before the
-        # chunk are read now, while the block is still open (the write may encode it).
-        before = [self._rows_before(layer, p) for p in meta.prefills] if cache.open_blocks is not None else None
-        cache.write(layer, self._slots[group], k, v)
+        before = None
+        if k is None:  # a layer reading this one's cache: what its writer saw of the open blocks
+            if cache.open_blocks is not None:
+                before, k, v = self._open_rows[layer]
+        else:
+            # With open blocks, a chunk's queries see their own block in float16: the rows of it cached before
+            # the chunk are read now, while the block is still open (the write may encode it).
+            if cache.open_blocks is not None:
+                before = [self._rows_before(layer, p) for p in meta.prefills]
+                self._open_rows[layer] = (before, k, v)
+            cache.write(layer, self._slots[group], k, v)
+            self._written.add(layer)
         outputs = []
         if meta.decode is not None:
             queries = q[: meta.num_decode_tokens]
@@ -149,7 +198,8 @@ class CpuAttentionBackend(AttentionBackend):
                                                                union_factor=factor, is_decode=self.is_decode,
                                                                device=cache.device, tokens_as_rows=as_rows,
                                                                block_lists=kernel is None)
-                                      for index, group in enumerate(groups)], kernel)
+                                      for index, group in enumerate(groups)], kernel,
+                              rows_kernel=self.use_cpp_kernels and cache.device.type == "cpu")
 
 
 class TorchCpuAttentionBackend(CpuAttentionBackend):
