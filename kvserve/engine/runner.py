@@ -152,11 +152,16 @@ class ModelRunner:
         cache.initialize_blocks_through(max(moves.dst_blocks))
         src = backend.token_slots(cache, self._tensor(moves.src_blocks), self._tensor(moves.src_rows))
         dst = backend.token_slots(cache, self._tensor(moves.dst_blocks), self._tensor(moves.dst_rows))
-        for layer in range(cache.spec.num_layers):
-            k, v = cache.read_rows(layer, src)  # every source row is read before any is written
+        spec = cache.spec
+        for layer in range(spec.num_stored_layers):
+            slots = spec.slots_of(layer)
+            # every source row is read before any is written; a packed layer's slots side by side
+            parts = [cache.read_rows(slot, src) for slot in slots]
+            k, v = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
             if delta:
                 k, v = self._shifted(layer, k, v, delta)
-            cache.write(layer, dst, k, v)
+            for slot, k_part, v_part in zip(slots, k.split(spec.num_kv_heads, 1), v.split(spec.num_kv_heads, 1)):
+                cache.write(slot, dst, k_part.contiguous(), v_part.contiguous())
 
     def _shifted(self, layer: int, k: torch.Tensor, v: torch.Tensor, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored layer `layer`'s rows with their keys re-rotated `delta` positions on. A packed layer is
@@ -171,7 +176,7 @@ class ModelRunner:
             return k, v
         keys, values = unpack_tokens(packed, spec.head_dim, k, v)
         keys = self.model.shift_key_positions(attention_layer, keys, delta)
-        return pack_tokens(packed, spec.num_kv_heads, spec.head_dim, keys, values)
+        return pack_tokens(packed, k.shape[1], spec.head_dim, keys, values)
 
     def _prepare_inputs(self, out: SchedulerOutput) -> _StepInputs:
         """Flatten the scheduled requests, in the attention backend's batch order, into one forward's rows."""

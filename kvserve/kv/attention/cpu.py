@@ -66,39 +66,52 @@ class PagedKVContext(AttentionContext):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
                sinks: torch.Tensor | None = None, keys_from_values: KeysFromValues | None = None) -> torch.Tensor:
-        stored = self.cache.spec.stored_layer(layer)
+        spec = self.cache.spec
+        stored = spec.stored_layer(layer)
         reads_another = k is None and v is None
         if reads_another and stored not in self._written:
             raise ValueError(f"attention layer {layer} reads stored layer {stored}, which this forward has not written")
-        if self.cache.spec.packed(stored) is not None:
+        if not reads_another:
+            self._written.add(stored)
+        if spec.packed(stored) is not None:
             return self._attend_packed(stored, q, k, v, scale, sinks, keys_from_values, reads_another)
         if k is None and not reads_another:
             raise ValueError(f"attention layer {layer} is stored with keys of its own: it passes them")
-        return self._attend_plain(stored, q, k, v, scale, sinks)
+        return self._attend_plain(spec.slots_of(stored)[0], q, k, v, scale, sinks)
 
     def _attend_packed(self, stored: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                        scale: float, sinks: torch.Tensor | None, keys_from_values: KeysFromValues | None,
                        reads_another: bool) -> torch.Tensor:
-        spec, group = self.cache.spec, self.layer_group[stored]
-        layer_kv = spec.packed(stored)
+        spec = self.cache.spec
+        layer_kv, slots = spec.packed(stored), spec.slots_of(stored)
+        # A layer's slots share its window but may lie in different KV groups (each with its own pages): each
+        # slot is written and read at its own group's blocks, which hold the same positions.
+        groups = [self.layer_group[slot] for slot in slots]
         if not reads_another:
             if layer_kv.k_eq_v != (k is None):
                 raise ValueError(f"stored layer {stored} is {'' if layer_kv.k_eq_v else 'not '}K = V")
-            self.cache.write(stored, self._slots[group], *pack_tokens(layer_kv, spec.num_kv_heads, spec.head_dim, k, v))
-            self._written.add(stored)
-        meta = self.group_metadata[group]
-        step = self._step_rows.get(group)
-        if step is None:
-            step = self._step_rows[group] = StepRows.of(meta, self.cache.block_size)
+            k_rows, v_rows = pack_tokens(layer_kv, spec.num_kv_heads * len(slots), spec.head_dim, k, v)
+            for slot, group, k_part, v_part in zip(slots, groups, k_rows.split(spec.num_kv_heads, 1),
+                                                   v_rows.split(spec.num_kv_heads, 1)):
+                self.cache.write(slot, self._slots[group], k_part.contiguous(), v_part.contiguous())
+        steps = [self._step_rows_of(group) for group in groups]
         blocks = self._materialized.get(stored)
         if blocks is None:
-            blocks = self._materialized[stored] = materialize(self.cache, stored, layer_kv, step, keys_from_values)
-        out = attend_materialized(q, blocks, step, scale, meta.sliding_window, SPLIT_BLOCKS, sinks, self.rows_kernel)
+            blocks = self._materialized[stored] = materialize(self.cache, list(zip(slots, steps)), layer_kv,
+                                                              keys_from_values)
+        window = self.group_metadata[groups[0]].sliding_window
+        out = attend_materialized(q, blocks, steps[0], scale, window, SPLIT_BLOCKS, sinks, self.rows_kernel)
         return out.to(q.dtype)
+
+    def _step_rows_of(self, group: int) -> StepRows:
+        step = self._step_rows.get(group)
+        if step is None:
+            step = self._step_rows[group] = StepRows.of(self.group_metadata[group], self.cache.block_size)
+        return step
 
     def _attend_plain(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                       scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
-        """A stored layer read in place (`layer` is its index in the pool); k = v = None: a layer that reads it."""
+        """A plain stored layer read in place (`layer`: its slot of the pool); k = v = None: a layer reading it."""
         group = self.layer_group[layer]
         meta = self.group_metadata[group]
         cache = self.cache
@@ -113,7 +126,6 @@ class PagedKVContext(AttentionContext):
                 before = [self._rows_before(layer, p) for p in meta.prefills]
                 self._open_rows[layer] = (before, k, v)
             cache.write(layer, self._slots[group], k, v)
-            self._written.add(layer)
         outputs = []
         if meta.decode is not None:
             queries = q[: meta.num_decode_tokens]

@@ -73,12 +73,15 @@ class MaterializedLayer:
     tables: torch.Tensor
 
 
-def materialize(cache: PagedKVCache, stored: int, layer: LayerKV, step: StepRows,
+def materialize(cache: PagedKVCache, slots: list[tuple[int, StepRows]], layer: LayerKV,
                 keys_from_values: KeysFromValues | None) -> MaterializedLayer:
-    """Read, unpack and (K = V) derive the keys of the blocks `step`'s rows read of stored layer `stored`."""
+    """Read, unpack and (K = V) derive the keys of the blocks a step's rows read of the layer in `slots`: each
+    slot with its KV group's rows (the tables of one window: the same entries, each group's own blocks)."""
     block_size = cache.block_size
-    local: dict[int, int] = {}  # pool block id -> materialized index
-    block_index: list[int] = []  # materialized index -> the block's place in its tables (its positions)
+    step = slots[0][1]
+    local: dict[int, int] = {}  # the first slot's block id -> materialized index
+    entries: list[int] = []  # materialized index -> its entry in the tables (the same in every group's)
+    block_index: list[int] = []  # materialized index -> the block's place in its table (its positions)
     remapped = [-1] * len(step.tables)
     for first, count, start in step.runs:
         low = min(step.row_low[first : first + count]) // block_size
@@ -89,15 +92,21 @@ def materialize(cache: PagedKVCache, stored: int, layer: LayerKV, step: StepRows
                 raise ValueError(f"a query would read a freed block (table index {j})")
             if block not in local:
                 local[block] = len(block_index)
+                entries.append(start + j)
                 block_index.append(j)
             elif block_index[local[block]] != j:
                 raise ValueError(f"block {block} is read at two positions in one step")
             remapped[start + j] = local[block]
     dummy = len(block_index)
     tables = torch.tensor([dummy if index < 0 else index for index in remapped], dtype=torch.long)
-    ids = torch.tensor(list(local), dtype=torch.long, device=cache.device)
-    gathered = cache.gather(stored, ids, torch.float32)
-    k, v = unpack_blocks(layer, cache.spec.head_dim, gathered.k.float(), gathered.v.float())
+    parts = []  # [U, rows, block_size, width] per slot, read at its own group's blocks
+    for slot, rows in slots:
+        if len(rows.tables) != len(step.tables):
+            raise ValueError("a layer's slots have tables of different lengths")
+        ids = torch.tensor([rows.tables[entry] for entry in entries], dtype=torch.long, device=cache.device)
+        parts.append(cache.gather(slot, ids, torch.float32))
+    k, v = unpack_blocks(layer, cache.spec.head_dim, torch.cat([part.k.float() for part in parts], dim=1),
+                         torch.cat([part.v.float() for part in parts], dim=1))
     if k is None:
         if keys_from_values is None:
             raise ValueError("a K = V layer attends with keys_from_values")

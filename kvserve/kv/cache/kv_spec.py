@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kvserve.config import ModelConfig
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.groups.layout import KVGroupLayout, blocks_held, kv_group_layout
-from kvserve.kv.cache.packing import LayerKV, is_plain, row_geometry
+from kvserve.kv.cache.packing import LayerKV, is_plain, row_geometry, side_rows, slots_needed
 from kvserve.kv.cache.quant import CODECS, OPEN_BLOCK_DTYPE, PARAM_DTYPE, REFERENCE_BLOCK, KVCodec, key_codec
 
 # User-facing aliases ("auto" is resolved by `auto_cache_dtype`).
@@ -62,16 +62,26 @@ class KVSpec:
     dtype: str  # canonical: "int8", or "int8/int4" for different K and V dtypes
     # Each layer's sliding window (None = full attention); empty: every layer full.
     layer_windows: tuple[int | None, ...] = ()
-    # Where layers differ in K/V shape (Gemma 4; kv/cache/packing.py): each stored layer's own shape, the pool
-    # holding `num_kv_heads` rows of `head_dim` per side for every one; empty: every layer is plain.
+    # Where layers differ in K/V shape (Gemma 4; kv/cache/packing.py), `num_layers` counts the pool's slots
+    # (each `num_kv_heads` rows of `head_dim` per side, one window each) and these say what is in them: each
+    # stored layer's own shape and its first slot (it spans `slots_needed`); empty: every layer is plain, one
+    # slot each.
     layer_kv: tuple[LayerKV, ...] = ()
+    layer_first_slot: tuple[int, ...] = ()
     # Attention layer -> the stored layer it reads (layers that share another's cache store none); empty:
     # attention layer i is stored layer i.
     layer_sources: tuple[int, ...] = ()
 
     def stored_layer(self, attention_layer: int) -> int:
-        """The stored layer (of the pool) attention layer `attention_layer` writes or reads."""
+        """The stored layer attention layer `attention_layer` writes or reads."""
         return self.layer_sources[attention_layer] if self.layer_sources else attention_layer
+
+    def slots_of(self, layer: int) -> range:
+        """The pool slots stored layer `layer` spans."""
+        if not self.layer_kv:
+            return range(layer, layer + 1)
+        first = self.layer_first_slot[layer]
+        return range(first, first + slots_needed(self.layer_kv[layer], self.num_kv_heads, self.head_dim))
 
     def packed(self, layer: int) -> LayerKV | None:
         """Stored layer `layer`'s own shape where it is packed into the pool's rows; None where it is plain."""
@@ -80,8 +90,12 @@ class KVSpec:
         return self.layer_kv[layer]
 
     @property
+    def num_stored_layers(self) -> int:
+        return len(self.layer_kv) if self.layer_kv else self.num_layers
+
+    @property
     def num_attention_layers(self) -> int:
-        return len(self.layer_sources) if self.layer_sources else self.num_layers
+        return len(self.layer_sources) if self.layer_sources else self.num_stored_layers
 
     @property
     def layout(self) -> KVGroupLayout:
@@ -170,18 +184,18 @@ class KVSpec:
         total = f"{self.num_layers * self.token_bytes_per_layer(block_size):,} bytes/token"
         if not self.layer_kv:
             return f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {layout} = {total}"
-        shared = self.num_attention_layers - self.num_layers
-        layers = f"{self.num_layers} stored layers" + (f" ({shared} more read another's)" if shared else "")
+        shared = self.num_attention_layers - self.num_stored_layers
+        layers = f"{self.num_stored_layers} stored layers" + (f" ({shared} more read another's)" if shared else "")
         k_eq_v = sum(layer.k_eq_v for layer in self.layer_kv)
-        kinds = f"; {k_eq_v} of them K = V, V alone" if k_eq_v else ""
-        return f"{layers} x {self.num_kv_heads} rows x {layout}{kinds} = {total}"
+        kinds = f", {k_eq_v} of them K = V (V alone)" if k_eq_v else ""
+        return (f"{layers}{kinds} in {self.num_layers} slots x {self.num_kv_heads} rows of "
+                f"{layout} = {total}")
 
     def padding_bytes_per_token(self, block_size: int = REFERENCE_BLOCK) -> int:
         """Bytes per token the uniform rows hold beyond what each stored layer fills (kv/cache/packing.py)."""
         row_bytes = self.token_bytes_per_layer(block_size) // (2 * self.num_kv_heads)
-        used = sum((layer.elements if layer.k_eq_v else 2 * layer.elements) // self.head_dim
-                   for layer in self.layer_kv)
-        return (2 * self.num_kv_heads * len(self.layer_kv) - used) * row_bytes if self.layer_kv else 0
+        used = sum(sum(side_rows(layer, self.head_dim)) for layer in self.layer_kv)
+        return (2 * self.num_kv_heads * self.num_layers - used) * row_bytes if self.layer_kv else 0
 
 
 def kv_spec(config: ModelConfig, dtype: str = "auto", linear_dtype: str = "float32") -> KVSpec:
@@ -195,8 +209,13 @@ def kv_spec(config: ModelConfig, dtype: str = "auto", linear_dtype: str = "float
         return KVSpec(len(stored), config.num_kv_heads, config.head_dim, dtype, windows)
     layer_kv = tuple(LayerKV(*config.kv_shape_of(layer), config.k_eq_v_of(layer)) for layer in stored)
     rows, width = row_geometry(layer_kv)
+    first_slots, slot_windows = [], []
+    for layer, shape in zip(stored, layer_kv):
+        first_slots.append(len(slot_windows))
+        slot_windows += [config.window_for_layer(attention[layer])] * slots_needed(shape, rows, width)
+    windows = tuple(slot_windows) if any(window is not None for window in slot_windows) else ()
     sources = tuple(stored.index(config.kv_source_of(layer)) for layer in range(len(attention)))
-    return KVSpec(len(stored), rows, width, dtype, windows, layer_kv, sources)
+    return KVSpec(len(slot_windows), rows, width, dtype, windows, layer_kv, tuple(first_slots), sources)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: str = "auto", linear_dtype: str = "float32") -> int:

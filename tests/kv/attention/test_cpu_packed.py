@@ -1,7 +1,8 @@
-"""Layers of different K/V shapes in one paged pool (kv/cache/packing.py, kv/attention/cpu_packed.py): a
-windowed layer of two 8-wide KV heads, a full K = V layer of one 16-wide head (packed into the pool's rows),
-and two layers that read those caches. Paged attention equals the contiguous context's, and a packed
-layer's rows are the same bits however the sequence is chunked."""
+"""Layers of different K/V shapes in one paged pool (kv/cache/packing.py, kv/attention/cpu_packed.py): two
+windowed layers of two 8-wide KV heads (plain: a slot holds one), a full K = V layer of one 16-wide head
+(packed into one slot, half of it padding), a full layer of two 16-wide heads (spanning two slots), and three
+layers that read those caches. Paged attention equals the contiguous context's, and a packed layer's rows
+are the same bits however the sequence is chunked."""
 
 import pytest
 import torch
@@ -11,12 +12,14 @@ from kvserve.kv.attention import ContiguousContext
 from kvserve.kv.attention.base import SequenceSlice
 from kvserve.kv.attention.cpu import CpuAttentionBackend, TorchCpuAttentionBackend
 from kvserve.kv.cache.kv_spec import kv_spec
-from kvserve.kv.cache.packing import LayerKV, pack_tokens, row_geometry, unpack_blocks, unpack_tokens
+from kvserve.kv.cache.packing import LayerKV, pack_tokens, row_geometry, slots_needed, unpack_blocks, unpack_tokens
 
 WINDOW, BLOCK, HEADS, TOKENS = 6, 4, 4, 19
-SHAPES = ((2, 8), (1, 16), (2, 8), (1, 16))
-CONFIG = ModelConfig("test", 32, 32, 32, 4, HEADS, 2, 8, 64, 1e-6, 1e4, layer_windows=(WINDOW, None, WINDOW, None),
-                     layer_kv_shapes=SHAPES, layer_k_eq_v=(False, True, False, True), kv_source_layers=(0, 1, 0, 1))
+SHAPES = ((2, 8), (2, 8), (1, 16), (2, 16), (2, 8), (1, 16), (2, 16))
+CONFIG = ModelConfig("test", 32, 32, 32, 7, HEADS, 2, 8, 64, 1e-6, 1e4,
+                     layer_windows=(WINDOW, WINDOW, None, None, WINDOW, None, None), layer_kv_shapes=SHAPES,
+                     layer_k_eq_v=(False, False, True, False, False, True, False),
+                     kv_source_layers=(0, 1, 2, 3, 1, 2, 3))
 
 
 def keys_from_values(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -51,9 +54,10 @@ def contiguous_outputs():
 
 def paged_outputs(backend, chunks, dtype="float32"):
     spec = kv_spec(CONFIG, dtype)
-    cache = backend.allocate_kv_cache(spec, 16, BLOCK)
-    cache.initialize_blocks_through(15)
-    tables = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]  # one table per KV group (windowed, full)
+    cache = backend.allocate_kv_cache(spec, 32, BLOCK)
+    cache.initialize_blocks_through(31)
+    groups = spec.layout.num_groups
+    tables = [list(range(5 * group, 5 * group + 5)) for group in range(groups)]  # one table per KV group
     inputs, outputs, start = layer_inputs(), [[] for _ in SHAPES], 0
     for count in chunks:
         context = backend.build_context(cache, [SequenceSlice(tables, start, count)])
@@ -65,13 +69,17 @@ def paged_outputs(backend, chunks, dtype="float32"):
 
 
 def test_row_geometry_holds_the_largest_layer_and_packs_k_eq_v_over_both_sides():
-    assert row_geometry([LayerKV(2, 8), LayerKV(1, 16, k_eq_v=True)]) == (2, 8)
-    assert row_geometry([LayerKV(1, 256), LayerKV(1, 512, k_eq_v=True)]) == (1, 256)  # Gemma 4 E2B: no padding
-    assert row_geometry([LayerKV(1, 256), LayerKV(1, 512)]) == (2, 256)
+    sliding, full = [LayerKV(1, 256)] * 4, LayerKV(1, 512)
+    assert row_geometry(sliding + [full]) == (1, 256)  # Gemma 4 E2B: the sliding layers plain, a global spans 2
+    assert slots_needed(full, 1, 256) == 2 and slots_needed(LayerKV(1, 512, k_eq_v=True), 1, 256) == 1
+    assert row_geometry([LayerKV(16, 256)] * 5 + [LayerKV(4, 512, k_eq_v=True)]) == (16, 256)  # 31B-shaped
     spec = kv_spec(CONFIG, "float32")
-    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.layer_sources) == (2, 2, 8, (0, 1, 0, 1))
-    assert spec.packed(0) is None and spec.packed(1) == LayerKV(1, 16, True)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (5, 2, 8)
+    assert spec.layer_sources == (0, 1, 2, 3, 1, 2, 3) and spec.layer_first_slot == (0, 1, 2, 3)
+    assert spec.layer_windows == (WINDOW, WINDOW, None, None, None) and spec.slots_of(3) == range(3, 5)
+    assert spec.packed(0) is None and spec.packed(2) == LayerKV(1, 16, True) and spec.packed(3) == LayerKV(2, 16)
     assert spec.padding_bytes_per_token() == 2 * 8 * 4  # the K = V layer fills one row of two per side
+    assert "4 stored layers (3 more read another's), 1 of them K = V (V alone) in 5 slots" in spec.formula()
 
 
 def test_pack_and_unpack_are_inverse():
@@ -96,7 +104,7 @@ def test_paged_layers_of_different_shapes_match_the_contiguous_context(backend):
 def test_a_packed_layer_is_the_same_bits_however_chunked():
     whole = paged_outputs(CpuAttentionBackend(), [TOKENS])
     for chunks in ([7, 5, 1, 1, 5], [1] * TOKENS, [16, 3]):
-        for layer in (1, 3):  # the K = V layer and its reader
+        for layer in (2, 3, 5, 6):  # the packed layers and their readers
             assert torch.equal(paged_outputs(CpuAttentionBackend(), chunks)[layer], whole[layer]), (layer, chunks)
 
 
@@ -108,7 +116,8 @@ def test_int8_cache_runs_packed_layers_close_to_float():
 
 def test_a_reader_before_its_source_is_refused():
     backend = CpuAttentionBackend()
-    cache = backend.allocate_kv_cache(kv_spec(CONFIG, "float32"), 16, BLOCK)
-    context = backend.build_context(cache, [SequenceSlice([[0], [5]], 0, 2)])
+    spec = kv_spec(CONFIG, "float32")
+    cache = backend.allocate_kv_cache(spec, 16, BLOCK)
+    context = backend.build_context(cache, [SequenceSlice([[group] for group in range(spec.layout.num_groups)], 0, 2)])
     with pytest.raises(ValueError, match="has not written"):
-        context.attend(2, torch.randn(2, HEADS, 8), None, None, 1.0)
+        context.attend(4, torch.randn(2, HEADS, 8), None, None, 1.0)
