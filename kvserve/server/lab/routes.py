@@ -17,6 +17,7 @@ from kvserve.server.core.errors import APIError, RETRY_AFTER_S, bad_request
 from kvserve.server.core.serving import Serving
 from kvserve.server.lab.access import LabAccess
 from kvserve.server.lab.feed import FeedSettings, feed_events, fresh_snapshot, snapshot_json
+from kvserve.server.lab.kv_layers import kv_layers_info
 from kvserve.server.lab.memory import MemoryQuery, ServedModel, catalog, memory_plan
 from kvserve.server.compaction.summarizer import COMPACTION_PASS_PREFIX
 from kvserve.server.lab.recent import RecentRequests, explanation_json
@@ -71,6 +72,7 @@ def lab_router(async_engine: AsyncEngine, serving: Serving, access: LabAccess, r
             "kv_formula": engine.kv_spec.formula(stats.block_size),
             "attention_layers": engine.kv_spec.num_layers,
             "recurrent_state": _recurrent_state_info(engine.loaded.config),
+            "kv_layers": kv_layers_info(engine.kv_spec, engine.loaded.config),
         }
 
     @api.get("/snapshot")

@@ -236,9 +236,32 @@ async function follow() {
   }
 }
 
+// Gemma 4-style models: which layers store K/V (in what shape, over which pool slots) and which read another's.
+function drawKVLayers(kv) {
+  if (!kv) return;
+  document.getElementById("kv-layer-strip").style.display = "";
+  const readers = kv.layers.filter((l) => l.reads !== undefined).length;
+  lab.text("kv-layer-about", `${kv.layers.length - readers} layers store K/V in ${kv.slots} slots of ` +
+    `${kv.slot_rows} × ${kv.row_width}, ${readers} read an earlier layer's; ` +
+    `${lab.int(kv.padding_bytes_per_token)} B/token of padding`);
+  const cells = document.getElementById("kv-layer-cells");
+  cells.replaceChildren(...kv.layers.map((l) => {
+    const cell = document.createElement("span");
+    const kind = l.reads !== undefined ? "read" : l.k_eq_v ? "keqv" : "store";
+    cell.className = `kv-layer kv-${kind}`;
+    cell.textContent = l.reads !== undefined ? `${l.layer}→${l.reads}` : `${l.layer}`;
+    const window = l.window ? `window ${l.window}` : "full attention";
+    cell.title = l.reads !== undefined ? `layer ${l.layer} (${window}) reads layer ${l.reads}'s cache`
+      : `layer ${l.layer} (${window}): ${l.kv_heads} KV head(s) of ${l.head_dim}` +
+        `${l.k_eq_v ? ", V alone" : ""}, slot${l.slots.length > 1 ? "s" : ""} ${l.slots.join(", ")}`;
+    return cell;
+  }));
+}
+
 (async () => {
   try {
     state.info = await lab.loadInfo();
+    drawKVLayers(state.info.kv_layers);
     apply(await lab.fetchJSON("/lab/api/snapshot"));
   } catch (error) {
     lab.text("feed-state", error.message);
