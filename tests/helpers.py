@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from tests.dense_variants import DENSE_VARIANTS
-from tests.gemma4_variants import GEMMA4_VARIANTS
+from tests.gemma4_variants import GEMMA4_VARIANTS, write_gemma4_gguf  # noqa: F401 (exported for the tests)
 from tests.qwen35_variants import QWEN35_VARIANTS, write_qwen35_gguf  # noqa: F401 (exported for the tests)
 
 TINY_VOCAB = 160

@@ -33,7 +33,7 @@ from kvserve.kv.state.context import StateContext
 from kvserve.model.causal_lm import CausalLM
 from kvserve.model.family import GGUF, HF, Architecture, ModelFamily
 from kvserve.model.gemma4_config import CONDITIONAL, Gemma4ModelConfig, read_hf_config
-from kvserve.model.gemma4_gguf import (GGUF_GLOBAL_TENSORS, GGUF_LAYER_TENSORS, read_gguf_config,
+from kvserve.model.gemma4_gguf import (GGUF_GLOBAL_TENSORS, GGUF_LAYER_TENSORS, read_gguf_config, tensor_config,
                                       undo_gguf_conversion)
 from kvserve.model.layers import (GatedMLP, Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding,
                                   VocabEmbedding, new_parameter, per_row)
@@ -250,6 +250,10 @@ class Gemma4ForCausalLM(CausalLM):
             return keys
         return super().shift_key_positions(layer, keys, delta)
 
+    def extra_checkpoint_tensors(self) -> dict[str, Callable[[torch.Tensor], None]]:
+        # A GGUF file's `rope_freqs`: llama.cpp's form of the full layers' proportional RoPE (gemma4_gguf.py).
+        return {"rope_freqs": self.rotary_emb.load_freq_divisors}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(text_weights(weights, self.config))
 
@@ -268,6 +272,11 @@ def text_weights(weights: Iterable[tuple[str, torch.Tensor]],
     for name, tensor in weights:
         name = name.replace("model.language_model.", "model.", 1)
         if name.startswith(_NOT_RUN) or ignored(name):
+            continue
+        if ".experts." in name and name.endswith(".gate_up_proj.weight"):  # one expert's, from a GGUF file
+            gate, up = tensor.chunk(2, dim=0)
+            yield name.replace(".gate_up_proj.", ".gate_proj."), gate
+            yield name.replace(".gate_up_proj.", ".up_proj."), up
             continue
         prefix, _, leaf = name.rpartition(".experts.")
         if prefix and leaf in ("gate_up_proj", "down_proj"):
@@ -290,7 +299,7 @@ def _ignored_names(config: Gemma4ModelConfig) -> Callable[[str], bool]:
 
 FAMILY = ModelFamily(
     Gemma4ForCausalLM, read_hf_config, read_gguf_config, GGUF_LAYER_TENSORS,
-    gguf_global_tensors=GGUF_GLOBAL_TENSORS, gguf_tensor_fix=undo_gguf_conversion)
+    gguf_global_tensors=GGUF_GLOBAL_TENSORS, gguf_tensor_fix=undo_gguf_conversion, gguf_tensor_config=tensor_config)
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("Gemma4ForCausalLM", HF, FAMILY),
     Architecture(CONDITIONAL, HF, FAMILY),  # the language model alone: no images or audio

@@ -13,7 +13,7 @@ from kvserve.model.checkpoint import read_config
 from kvserve.model.gemma4 import Gemma4ForCausalLM, proportional_rotary
 from kvserve.model.loader import load_model
 from tests.helpers import (GEMMA4_VARIANTS, TINY_VOCAB, build_hf_model, reference_greedy, reference_logits,
-                           save_hf_model)
+                           save_hf_model, write_gemma4_gguf)
 
 SEQUENCE_LEN = 32  # well past the windows (8, 6)
 TOKENS = torch.randint(0, TINY_VOCAB, (SEQUENCE_LEN,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -175,3 +175,26 @@ def test_hub_style_config(tmp_path):
 def test_unsupported_configs_are_named(tmp_path, changes, message):
     with pytest.raises(UnsupportedModelError, match=message):
         read_config(write_config(tmp_path, **changes))
+
+
+# --- GGUF ----------------------------------------------------------------------------------------------------
+
+GGUF_MIXES = {"f32": {}, "q8_0-projections": {"self_attn.": "Q8_0", "mlp.": "Q8_0"}}
+
+
+@pytest.mark.parametrize("mix", sorted(GGUF_MIXES))
+@pytest.mark.parametrize("variant", sorted(GEMMA4_VARIANTS))
+def test_gguf_matches_dequantized_reference(variant, mix, tmp_path):
+    hf_model = build_gemma4(variant)
+    path = tmp_path / "tiny.gguf"
+    held = write_gemma4_gguf(hf_model, path, GGUF_MIXES[mix])
+    missing, unexpected = hf_model.load_state_dict(held, strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}
+    loaded = load_model(path)
+    hf_config, config = hf_model.config, loaded.config
+    assert isinstance(loaded.model, Gemma4ForCausalLM) and config.architecture == "gemma4"
+    assert config.tie_word_embeddings == hf_config.tie_word_embeddings
+    for layer, attention in enumerate(attn.self_attn for attn in hf_model.model.layers):
+        assert config.k_eq_v_of(layer) == attention.use_alternative_attention
+        assert config.kv_shape_of(layer)[1] == attention.head_dim
+    assert (logits_of(loaded.model) - reference_logits(hf_model, TOKENS)).abs().max().item() <= TOLERANCE
