@@ -128,6 +128,21 @@ def test_shared_layers_hold_no_kv_projections(pair):
         assert hasattr(attention, "qk_proj") == (stores and loaded.config.k_eq_v_of(index))
 
 
+def test_conditional_generation_checkpoint_loads_its_language_model(tmp_path):
+    # The Hub's checkpoints: Gemma4ForConditionalGeneration, the text decoder under model.language_model.
+    import transformers
+
+    text = build_gemma4("gemma4")
+    config = transformers.Gemma4Config(text_config=text.config.to_dict(), vision_config=None, audio_config=None)
+    model = transformers.Gemma4ForConditionalGeneration(config).eval()
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    loaded = load_model(save_hf_model(model, tmp_path))
+    assert loaded.config.architecture == "Gemma4ForConditionalGeneration"
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([TOKENS])).logits[0]
+    assert (logits_of(loaded.model) - expected).abs().max().item() <= TOLERANCE
+
+
 # --- config.json ---------------------------------------------------------------------------------------------
 
 # The shape of the Hub's Gemma 4 E2B-style config.json: a Gemma4ForConditionalGeneration whose text_config gives
