@@ -113,14 +113,14 @@ def _per_type(value: Any, layer_types: list[str], key: str) -> dict[str, int]:
 def tensor_config(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) -> ModelConfig:
     """K = V where the full layers that store K/V have no V projection (every one of them or none); the per-layer
     inputs' vocabulary from their embedding's rows."""
-    full = [i for i in config.kv_storing_layers if config.window_for_layer(i) is None]
+    kinds = [FULL if window is None else SLIDING for window in (config.layer_windows or ())]
+    full = [i for i in config.kv_storing_layers if kinds[i] == FULL]
     without_v = {i for i in full if f"blk.{i}.attn_v.weight" not in shapes}
     if without_v and without_v != set(full):
         raise UnsupportedModelError(f"Gemma 4 full layers {sorted(without_v)} have no V projection, the others do")
-    kinds = [FULL if window is None else SLIDING for window in (config.layer_windows or ())]
-    fields = layer_shapes(kinds, config.kv_shape_of(next(i for i, k in enumerate(kinds) if k == SLIDING))
-                          if SLIDING in kinds else (0, 0),
-                          config.kv_shape_of(full[0]) if full else (0, 0), bool(without_v), config.kv_source_layers)
+    shape_of = {kind: config.kv_shape_of(kinds.index(kind)) for kind in set(kinds)}
+    fields = layer_shapes(kinds, shape_of.get(SLIDING, (0, 0)), shape_of.get(FULL, (0, 0)), bool(without_v),
+                          config.kv_source_layers or tuple(range(len(kinds))))
     embedding = shapes.get("per_layer_token_embd.weight")
     rows = {"per_layer_vocab_size": embedding[0]} if embedding else {}
     return replace(config, **fields, **rows)
