@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from tests.dense_variants import DENSE_VARIANTS
+from tests.gemma4_variants import GEMMA4_VARIANTS, write_gemma4_gguf  # noqa: F401 (exported for the tests)
 from tests.qwen35_variants import QWEN35_VARIANTS, write_qwen35_gguf  # noqa: F401 (exported for the tests)
 
 TINY_VOCAB = 160
@@ -99,7 +100,7 @@ def build_hf_model(variant: str, seed: int = 0):
     import transformers
 
     config_name, model_name, overrides = {**VARIANTS, **GEMMA3_VARIANTS, **QWEN3_VARIANTS, **DENSE_VARIANTS,
-                                          **WIDE_VARIANTS, **HYBRID_VARIANTS}[variant]
+                                          **WIDE_VARIANTS, **HYBRID_VARIANTS, **GEMMA4_VARIANTS}[variant]
     kwargs = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         max_position_embeddings=256, rms_norm_eps=1e-6,

@@ -30,6 +30,8 @@ GGUF = "gguf"
 HFConfigReader = Callable[[dict[str, Any], str], ModelConfig]
 # GGUF metadata, the architecture name and the embedding's row count -> the model's shape.
 GGUFConfigReader = Callable[[dict[str, Any], str, int], ModelConfig]
+# A GGUF model's shape and the file's tensor shapes by name -> the shape as the tensors tell the rest of it.
+GGUFTensorConfig = Callable[[ModelConfig, Mapping[str, tuple[int, ...]]], ModelConfig]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -53,6 +55,9 @@ class ModelFamily:
     # converter did to a family's own tensors beyond the shared transforms below (Qwen3.5's A_log stored as
     # -exp(A_log)); None: nothing. Only tensors that are not linear layers' matrices (those load the file's codes).
     gguf_tensor_fix: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    # What the metadata leaves to the tensors (Gemma 4: which full layers have no V projection, K = V); None:
+    # the metadata says it all.
+    gguf_tensor_config: GGUFTensorConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)

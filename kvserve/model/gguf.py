@@ -197,6 +197,8 @@ def _open(path: str | Path) -> tuple[GGUFFile, Architecture, ModelConfig]:
     vocab_rows = int(by_name["token_embd.weight"].shape[0])
     config = replace(arch.family.read_gguf_config(meta, arch.name, vocab_rows),
                      attention_bias="blk.0.attn_q.bias" in by_name, tie_word_embeddings="output.weight" not in by_name)
+    if arch.family.gguf_tensor_config is not None:
+        config = arch.family.gguf_tensor_config(config, {name: tuple(t.shape) for name, t in by_name.items()})
     return file, arch, config
 
 

@@ -59,22 +59,28 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        num_tokens, k = experts.shape
-        flat = experts.reshape(-1)  # slot t * k + r: token t's rank-r expert
-        order = torch.argsort(flat, stable=True)  # slots grouped by expert
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        routed = x.new_empty(num_tokens * k, x.shape[-1])
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                slots = order[start : start + count]
-                routed[slots] = self.experts[expert](x[slots // k])
-                start += count
-        routed = routed.view(num_tokens, k, -1)
-        out = routed[:, 0] * weights[:, :1]
-        for rank in range(1, k):  # a token's experts summed in rank order: independent of the batch
-            out += routed[:, rank] * weights[:, rank : rank + 1]
-        return out
+        return run_experts(self.experts, x, weights, experts)
+
+
+def run_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """sum over each token's k chosen experts of weight * expert(x): x `[N, hidden]`, weights and chosen `[N, k]`
+    (best first). Each routed expert runs once, on the rows routed to it."""
+    num_tokens, k = chosen.shape
+    flat = chosen.reshape(-1)  # slot t * k + r: token t's rank-r expert
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    routed = x.new_empty(num_tokens * k, x.shape[-1])
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            slots = order[start : start + count]
+            routed[slots] = experts[expert](x[slots // k])
+            start += count
+    routed = routed.view(num_tokens, k, -1)
+    out = routed[:, 0] * weights[:, :1]
+    for rank in range(1, k):  # a token's experts summed in rank order: independent of the batch
+        out += routed[:, rank] * weights[:, rank : rank + 1]
+    return out
 
 
 class SharedExpertMoE(SparseMoE):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvserve.errors import UnsupportedModelError
 from kvserve.model import gemma3, gpt_oss, granite, llama, ministral3, olmo2, phi3, qwen3, qwen35, smollm3
-from kvserve.model import lfm2
+from kvserve.model import gemma4, lfm2
 from kvserve.model.causal_lm import CausalLM
 from kvserve.model.family import GGUF, HF, Architecture, ModelFamily
 
@@ -20,9 +20,9 @@ __all__ = ["ARCHITECTURES", "GGUF", "HF", "Architecture", "find_architecture", "
 
 FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, gemma3.FAMILY, qwen3.FAMILY, smollm3.FAMILY, phi3.FAMILY,
                                      olmo2.FAMILY, granite.FAMILY, ministral3.FAMILY, gpt_oss.FAMILY,
-                                     lfm2.FAMILY, qwen35.FAMILY)
+                                     lfm2.FAMILY, qwen35.FAMILY, gemma4.FAMILY)
 ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for module in (llama, gemma3, qwen3, smollm3, phi3, olmo2, granite,
-                                                                  ministral3, gpt_oss, lfm2, qwen35)
+                                                                  ministral3, gpt_oss, lfm2, qwen35, gemma4)
                                                 for arch in module.ARCHITECTURES)
 
 

@@ -15,10 +15,11 @@ def test_lookups():
                                            "GraniteForCausalLM", "GraniteMoeHybridForCausalLM",
                                            "Ministral3ForCausalLM", "GptOssForCausalLM",
                                            "Lfm2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-                                           "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"]
+                                           "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                                           "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"]
     assert supported_architectures(GGUF) == ["llama", "qwen2", "gemma3", "qwen3", "qwen3moe", "smollm3", "phi3",
                                              "olmo2", "granite", "mistral3", "gpt-oss",
-                                             "lfm2", "qwen35", "qwen35moe"]
+                                             "lfm2", "qwen35", "qwen35moe", "gemma4"]
     # llama.cpp's converter permutes Q/K for the architectures it converts as a Llama (ggml's interleaved RoPE)
     assert [name for name in supported_architectures(GGUF) if find_architecture(name, GGUF).gguf_permuted_qk] == [
         "llama", "smollm3", "granite", "mistral3"]
