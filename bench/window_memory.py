@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvserve.config import EngineConfig, format_memory
+from kvserve.config import EngineConfig
+from kvserve.memory_sizes import format_memory
 from kvserve.engine.engine import Engine
 from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.model.loader import load_model

@@ -10,7 +10,7 @@ import math
 import sys
 from typing import Sequence
 
-from kvserve.config import parse_memory
+from kvserve.memory_sizes import parse_memory
 from kvserve.doctor import package_version
 from kvserve.engine_args import add_engine_args, engine_config_from_args
 from kvserve.errors import ConfigError, KVServeError

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kvserve.config import parse_memory
+from kvserve.memory_sizes import parse_memory
 from kvserve.errors import KVServeError
 
 MEMORY_HELP = ("plan memory: KV bytes per token (and a hybrid model's recurrent state per request), per request, "

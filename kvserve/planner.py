@@ -32,7 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvserve.arith import round_up
-from kvserve.config import WEIGHTS_DTYPES, ModelConfig, format_memory
+from kvserve.config import WEIGHTS_DTYPES, ModelConfig
+from kvserve.memory_sizes import format_memory
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.cache.kv_spec import KVSpec, kv_spec
 from kvserve.kv.state.state_spec import state_spec

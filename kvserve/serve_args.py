@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvserve.config import parse_memory
+from kvserve.memory_sizes import parse_memory
 from kvserve.errors import ConfigError
 
 

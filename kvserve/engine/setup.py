@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from kvserve.config import EngineConfig, ModelConfig, available_memory, format_memory, parse_memory
+from kvserve.config import EngineConfig, ModelConfig
+from kvserve.memory_sizes import available_memory, format_memory, parse_memory
 from kvserve.errors import ConfigError
 from kvserve.kernels.build import kernel_state
 from kvserve.kv.attention import AttentionBackend, get_attention_backend

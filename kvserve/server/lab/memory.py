@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.config import ModelConfig, format_memory, parse_memory
+from kvserve.config import ModelConfig
+from kvserve.memory_sizes import format_memory, parse_memory
 from kvserve.errors import InvalidRequestError
 from kvserve.model.catalog import KNOWN_MODELS, find_known_model, num_parameters
 from kvserve.planner import ENGINE_WEIGHTS_DTYPES, WEIGHT_BYTES, MemoryPlan, plan, resolve_model
