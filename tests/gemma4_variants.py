@@ -22,6 +22,13 @@ GEMMA4_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
         num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True,
         hidden_size_per_layer_input=8, vocab_size_per_layer_input=160, final_logit_softcapping=30.0,
         sliding_window=8, layer_types=_TYPES, attn_implementation="eager")),
+    # Every layer full attention (K = V, of one 32-wide KV head beside none other) and the last two reading layers
+    # 2's and 3's caches: no window, so the context shift and the disk tier run on packed and shared layers.
+    "gemma4-full": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=160, final_logit_softcapping=30.0,
+        layer_types=["full_attention"] * 6, attn_implementation="eager")),
     # Gemma 4 26B-A4B's in small: a mixture of experts beside every dense MLP (8 experts of 32, the top 2),
     # K = V full layers of their own width, no PLE, no shared layers, untied head.
     "gemma4-moe": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(

@@ -57,8 +57,7 @@ class ModelRunner:
         self.states = states
         self.attention = attention  # the backend that allocated kv_cache
         self.device = torch.device(device)  # every tensor a step builds is made there
-        layout = kv_cache.spec.layout
-        cache_windows = tuple(layout.groups[group].window for group in layout.layer_group)
+        cache_windows = kv_cache.spec.attention_layer_windows
         if tuple(model.layer_windows) != cache_windows:
             raise ValueError(f"the KV cache was laid out for layer windows {cache_windows}, "
                              f"the model has {tuple(model.layer_windows)}")

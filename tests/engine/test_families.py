@@ -22,7 +22,7 @@ from tests.server.inprocess import with_tiny_tokenizer
 
 # One tiny variant per family (tests/helpers.py, tests/dense_variants.py).
 FAMILY_VARIANTS = ["llama-gqa", "gemma3", "qwen3", "qwen3-moe", "smollm3", "phi4-mini-longrope", "olmo2", "granite", "granite4-dense",
-                   "ministral3", "qwen35", "lfm2"]
+                   "ministral3", "qwen35", "lfm2", "gemma4", "gemma4-full", "gemma4-moe"]
 STATE_SLOTS = 32  # a hybrid model's recurrent states, beside the blocks
 BLOCK = 4
 
@@ -112,15 +112,20 @@ def test_structured_output(tiny_models, variant):
 
 class KeyRecorder(ContiguousContext):
     """The contiguous context (its positions only mask: 0..N-1 whatever the model rotates by), keeping each
-    layer's keys (RoPE applied) as the model hands them over."""
+    layer's keys (RoPE applied) as the model hands them over: a layer that keeps no keys of its own (K = V: its
+    keys are derived from the values as they are read; a layer reading another's cache) keeps none here."""
 
-    def __init__(self, positions, layer_windows):
-        super().__init__(positions, layer_windows)
-        self.keys = {}
+    def __init__(self, positions, layer_windows, kv_sources=None, offset=0):
+        super().__init__(positions, layer_windows, kv_sources)
+        self.keys, self.offset = {}, offset
 
-    def attend(self, layer, q, k, v, scale):
-        self.keys[layer] = k.clone()
-        return super().attend(layer, q, k, v, scale)
+    def attend(self, layer, q, k, v, scale, sinks=None, keys_from_values=None):
+        if k is not None:
+            self.keys[layer] = k.clone()
+        if keys_from_values is not None:  # derived at the positions the model rotates by, not the mask's
+            derive = keys_from_values
+            keys_from_values = lambda values, positions: derive(values, positions + self.offset)  # noqa: E731
+        return super().attend(layer, q, k, v, scale, sinks, keys_from_values)
 
 
 @pytest.mark.parametrize("variant", FAMILY_VARIANTS)
@@ -130,10 +135,11 @@ def test_context_shift(tiny_models, variant):
     # Every layer's keys, moved by the model's own shift, equal the keys computed at the later positions (RoPE
     # is relative: what each layer sees is unchanged, within the first 16 positions where nothing else moves).
     tokens, delta = torch.randint(1, TINY_VOCAB, (8,), generator=torch.Generator().manual_seed(5)), 5
-    early, late = KeyRecorder(torch.arange(8), model.layer_windows), KeyRecorder(torch.arange(8), model.layer_windows)
+    sources = loaded.config.kv_source_layers
+    early, late = (KeyRecorder(torch.arange(8), model.layer_windows, sources, offset) for offset in (0, delta))
     model(tokens, torch.arange(8), early)
     model(tokens, torch.arange(8) + delta, late)
-    for layer in range(len(model.layer_windows)):  # the attention layers (a hybrid model's recurrent ones keep no keys)
+    for layer in early.keys:  # the attention layers with keys (a hybrid model's recurrent ones keep none)
         torch.testing.assert_close(model.shift_key_positions(layer, early.keys[layer], delta), late.keys[layer],
                                    atol=1e-4, rtol=1e-4)
     # and the engine generates past its context, shifting, with its blocks accounted for at every step (a model

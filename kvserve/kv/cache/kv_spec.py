@@ -90,6 +90,13 @@ class KVSpec:
         return self.layer_kv[layer]
 
     @property
+    def attention_layer_windows(self) -> tuple[int | None, ...]:
+        """Each attention layer's window as the pool lays it out (the window of the slots it reads)."""
+        layout = self.layout
+        return tuple(layout.groups[layout.layer_group[self.slots_of(self.stored_layer(layer))[0]]].window
+                     for layer in range(self.num_attention_layers))
+
+    @property
     def num_stored_layers(self) -> int:
         return len(self.layer_kv) if self.layer_kv else self.num_layers
 
