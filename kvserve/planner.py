@@ -28,7 +28,7 @@ resume from: `--state-cache-fraction` of its cache budget.)
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvserve.arith import round_up
@@ -81,6 +81,10 @@ class MemoryPlan:
     state_formula: str = ""
     state_bytes_total: int = 0  # `batch` live states (in `total_bytes`, beside `kv_bytes_total`)
     bytes_per_request: int = 0  # what one request of `context` tokens holds: its K/V and its live state
+    # Layers that differ (Gemma 4): what one request would hold, and the largest context the budget would take,
+    # if every attention layer stored its own K and V (no layer reading another's cache, no K = V); 0 otherwise.
+    kv_bytes_per_request_unshared: int = 0
+    max_context_unshared: int | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -150,11 +154,14 @@ def plan(name: str, config: ModelConfig, num_params: int, context: int, batch: i
         kv_groups=spec.layout.describe(),
         kv_bytes_per_request_unwindowed=round_up(context, block_size) * spec.token_bytes_per_layer(block_size)
         * spec.num_layers,
-        kv_open_blocks_bytes=open_blocks, attention_layers=spec.num_layers,
+        kv_open_blocks_bytes=open_blocks, attention_layers=spec.num_attention_layers,
         recurrent_layers=states.num_layers if states is not None else 0, state_bytes_per_request=state_bytes,
         state_formula=states.formula() if states is not None else "", state_bytes_total=state_total,
         bytes_per_request=per_request + state_bytes,
     )
+    unshared = _without_layer_savings(config, kv_dtype, _linear_dtype(config, weights_dtype))
+    if unshared is not None:
+        result.kv_bytes_per_request_unshared = unshared.request_bytes(context, block_size)
     if memory_bytes is not None:
         # (weights + kv + states) x (1 + overhead) <= memory  ->  kv + states <= memory / (1 + overhead) - weights
         kv_room = max(int(memory_bytes / (1 + overhead_fraction)) - weights, 0)
@@ -172,7 +179,19 @@ def plan(name: str, config: ModelConfig, num_params: int, context: int, batch: i
         result.max_context_for_batch = longest
         result.max_requests_at_max_context = kv_room // (spec.request_bytes(longest, block_size) + fixed_per_request) \
             if longest else 0
+        if unshared is not None:
+            result.max_context_unshared = min(_longest_context(
+                unshared, block_size, max(kv_room // batch - fixed_per_request, 0), config.max_position_embeddings),
+                config.max_position_embeddings or longest)
     return result
+
+
+def _without_layer_savings(config: ModelConfig, kv_dtype: str, linear_dtype: str) -> KVSpec | None:
+    """The KV spec of the same model with every attention layer storing its own K and V (Gemma 4's shared
+    layers and K = V undone), to show what they save; None for a model without either."""
+    if config.kv_source_layers is None and config.layer_k_eq_v is None:
+        return None
+    return kv_spec(replace(config, kv_source_layers=None, layer_k_eq_v=None), kv_dtype, linear_dtype)
 
 
 # Suffixes of the chat-tuned releases of a catalog model: the KV shape is the base model's.
@@ -239,6 +258,9 @@ def describe(p: MemoryPlan) -> str:
     if p.kv_bytes_per_request != p.kv_bytes_per_request_unwindowed:
         lines.insert(3, f"  KV groups: {p.kv_groups}; blocks behind a window are freed "
                         f"(keeping them: {format_memory(p.kv_bytes_per_request_unwindowed)} per request)")
+    if p.kv_bytes_per_request_unshared:
+        lines.insert(3, f"  every layer storing its own K and V (no layer reading another's cache, no K = V): "
+                        f"{format_memory(p.kv_bytes_per_request_unshared)} per request")
     if p.model_max_context and p.context > p.model_max_context:
         lines.append(f"note: {p.context:,} tokens is beyond the model's context of {p.model_max_context:,}")
     if p.memory_bytes is not None:
@@ -252,6 +274,8 @@ def describe(p: MemoryPlan) -> str:
         if p.context_capped_by_model:
             lines[-1] += (f" (the model's context; the budget holds {p.max_requests_at_max_context:,} concurrent "
                           f"requests of {p.max_context_for_batch:,} tokens)")
+        if p.max_context_unshared is not None:
+            lines.append(f"  largest context if every layer stored its own K and V: {p.max_context_unshared:,} tokens")
     return "\n".join(lines)
 
 

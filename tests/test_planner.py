@@ -10,6 +10,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
 from kvserve.model.catalog import KNOWN_MODELS, num_parameters
 from kvserve.model.quantized_linear import held_weight_bytes
+from kvserve.kv.groups.layout import blocks_held
 from kvserve.planner import describe, plan, resolve_model
 
 GiB, MiB = 2**30, 2**20
@@ -233,3 +234,34 @@ def test_planner_and_engine_agree_on_a_hybrid_model():
     assert engine.kv_spec.bytes_per_token == result.bytes_per_token == 2 * 2 * 2 * 8 * 4  # 2 attention layers
     # Two toy recurrent layers of (32 x 2 + 32) float32: 2 x 96 x 4 = 768 bytes.
     assert engine.stats().states.slot_bytes == result.state_bytes_per_request == 768
+
+
+def test_gemma4_plans_what_its_layers_store():
+    """E2B: 15 layers store (12 sliding of one 256-wide KV head, 3 full of one 512-wide head spanning two
+    slots), 20 read an earlier layer's cache; the full layers hold the whole context, the sliding ones their
+    window. Every layer storing its own would hold what all 35 need."""
+    name, config, params = resolve_model("Gemma-4-E2B")
+    assert params / 1e9 == pytest.approx(4.63, abs=0.01)  # the text decoder (the published 5.1B has its encoders)
+    result = plan(name, config, params, context=32768, kv_dtype="float16", block_size=16)
+    assert result.bytes_per_token == 18 * 2 * 256 * 2 and result.attention_layers == 35
+    window = blocks_held(512, 32768, 16) * 16  # the tokens a sliding layer holds: its window's blocks
+    sliding, full = 12 * window, 3 * 2 * 32768  # token-slots held: sliding layers, full ones (2 slots each)
+    assert result.kv_bytes_per_request == (sliding + full) * 2 * 256 * 2
+    # 28 sliding and 7 full layers, each its own K and V (a full one's 512-wide head: two slots)
+    assert result.kv_bytes_per_request_unshared == (28 * window + 7 * 2 * 32768) * 2 * 256 * 2
+    # E4B in 16 GiB (fp16 weights): the savings buy most of the context
+    name, config, params = resolve_model("Gemma-4-E4B")
+    budget = plan(name, config, params, context=32768, kv_dtype="float16", memory_bytes=16 * GiB)
+    assert budget.max_context_for_batch > 1.5 * budget.max_context_unshared > 0
+    assert plan(name, config, params, context=budget.max_context_for_batch, kv_dtype="float16").total_bytes <= 16 * GiB
+
+
+def test_planner_and_engine_agree_on_gemma4(tiny_models):
+    loaded = tiny_models("gemma4")
+    result = plan("gemma4", loaded.config, loaded.model.num_parameters(), context=40, kv_dtype="float32",
+                  block_size=16)
+    engine = Engine(EngineConfig(kv_cache_memory=result.kv_bytes_total, kv_cache_dtype="float32", block_size=16,
+                                 weights_dtype="float32"), loaded=loaded)
+    assert engine.kv_spec.bytes_per_token == result.bytes_per_token
+    assert engine.kv_cache.bytes_allocated == result.kv_bytes_total
+    assert result.kv_bytes_per_request_unshared > result.kv_bytes_per_request

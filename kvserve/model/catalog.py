@@ -12,6 +12,8 @@ from dataclasses import replace
 
 from kvserve.config import ATTENTION, RECURRENT, ModelConfig
 from kvserve.model import gemma3, gpt_oss, lfm2
+from kvserve.model.gemma4_config import Gemma4ModelConfig, gemma4_parameters
+from kvserve.model.gemma4_config import read_hf_config as read_gemma4_config
 
 
 def _shape(layers: int, heads: int, kv_heads: int, head_dim: int, hidden: int, intermediate: int, vocab: int,
@@ -56,6 +58,21 @@ def _lfm2(hidden: int, heads: int, ff_dim: int) -> ModelConfig:
         "layer_types": layer_types, "tie_embedding": True, "rope_theta": 1000000.0, "norm_eps": 1e-5}, "lfm2")
 
 
+def _gemma4(layers: int, hidden: int, kv_heads: int, intermediate: int, pattern: int, shared: int,
+            double_wide: bool) -> ModelConfig:
+    """Gemma 4 E2B / E4B read by its own family from the published text_config's values: 8 heads, sliding layers
+    (window 512) of head_dim 256, every `pattern`-th layer full with head_dim 512 (no K = V on these two), the
+    last `shared` layers reading earlier caches, per-layer inputs of 256, 262,144-token vocabulary."""
+    return read_gemma4_config({
+        "num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": intermediate,
+        "num_attention_heads": 8, "num_key_value_heads": kv_heads, "head_dim": 256, "global_head_dim": 512,
+        "attention_k_eq_v": False, "sliding_window": 512, "num_kv_shared_layers": shared,
+        "use_double_wide_mlp": double_wide, "hidden_size_per_layer_input": 256, "vocab_size": 262144,
+        "vocab_size_per_layer_input": 262144, "max_position_embeddings": 131072, "final_logit_softcapping": 30.0,
+        "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)],
+    }, "Gemma4ForCausalLM")
+
+
 KNOWN_MODELS: dict[str, ModelConfig] = {
     "Llama-2-7B": _shape(32, 32, 32, 128, 4096, 11008, 32000, 4096),  # MHA
     "Llama-2-13B": _shape(40, 40, 40, 128, 5120, 13824, 32000, 4096),
@@ -96,6 +113,9 @@ KNOWN_MODELS: dict[str, ModelConfig] = {
     "Qwen3.5-4B": _qwen3_5(32, 16, 4, 2560, 9216, key_heads=16, value_heads=32),
     "LFM2-350M": _lfm2(1024, 16, 6656),  # an MLP of 4,608
     "LFM2-1.2B": _lfm2(2048, 32, 12288),  # an MLP of 8,192
+    # Layers of different K/V shapes (global ones wider), 20 / 18 of them reading an earlier layer's cache.
+    "Gemma-4-E2B": _gemma4(35, 1536, 1, 6144, pattern=5, shared=20, double_wide=True),
+    "Gemma-4-E4B": _gemma4(42, 2560, 2, 10240, pattern=6, shared=18, double_wide=False),
 }
 
 
@@ -108,6 +128,8 @@ def find_known_model(name: str) -> ModelConfig | None:
 def num_parameters(config: ModelConfig) -> int:
     """Weights of a decoder from its shape: `dense_parameters`, with a hybrid model's recurrent layers
     counted as what they are (their mixer instead of attention)."""
+    if isinstance(config, Gemma4ModelConfig):
+        return gemma4_parameters(config)
     recurrent = len(config.recurrent_layers)
     if not recurrent:
         return dense_parameters(config)

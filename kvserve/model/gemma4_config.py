@@ -176,3 +176,26 @@ def _hf_moe(cfg: dict[str, Any]) -> dict[str, Any]:
     # the router's top-k weights are always renormalised (then scaled per expert)
     return dict(num_experts=int(cfg["num_experts"]), num_experts_per_tok=int(cfg["top_k_experts"]),
                 moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=True)
+
+
+def gemma4_parameters(config: Gemma4ModelConfig) -> int:
+    """Weights of a Gemma 4 decoder from its shape (for planning without them): per layer its own attention
+    width, no K/V projections where it reads another's cache and no V projection where K = V, double-wide MLPs,
+    the experts beside the MLP, and the per-layer inputs (PLE: E2B's embedding of them is half its weights)."""
+    hidden, ple = config.hidden_size, config.per_layer_input_size
+    total = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2) + hidden  # embedding, final norm
+    if ple:  # the per-layer embedding, the projection of the main one into it, its norm
+        total += (config.per_layer_vocab_size + hidden) * config.num_layers * ple + ple
+    for layer in range(config.num_layers):
+        kv_heads, head_dim = config.kv_shape_of(layer)
+        width = config.num_heads * head_dim
+        total += 2 * hidden * width + head_dim  # q_proj, o_proj, q_norm
+        if config.kv_source_of(layer) == layer:  # k_proj (and v_proj unless K = V), k_norm
+            total += hidden * kv_heads * head_dim * (1 if config.k_eq_v_of(layer) else 2) + head_dim
+        total += 3 * hidden * config.mlp_width(layer) + 4 * hidden + 1  # the MLP, four norms, the layer scalar
+        if ple:  # gate, projection, norm
+            total += 2 * hidden * ple + hidden
+        if config.num_experts:  # each expert's gated MLP, the router (projection, scales), three more norms
+            total += (config.num_experts * (3 * config.moe_intermediate_size * hidden + hidden + 1)
+                      + 4 * hidden)
+    return total

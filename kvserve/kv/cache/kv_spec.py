@@ -195,8 +195,8 @@ class KVSpec:
         layers = f"{self.num_stored_layers} stored layers" + (f" ({shared} more read another's)" if shared else "")
         k_eq_v = sum(layer.k_eq_v for layer in self.layer_kv)
         kinds = f", {k_eq_v} of them K = V (V alone)" if k_eq_v else ""
-        return (f"{layers}{kinds} in {self.num_layers} slots x {self.num_kv_heads} rows of "
-                f"{layout} = {total}")
+        rows = f"{self.num_kv_heads} row{'s' if self.num_kv_heads > 1 else ''}"
+        return f"{layers}{kinds} in {self.num_layers} slots x {rows} x {layout} = {total}"
 
     def padding_bytes_per_token(self, block_size: int = REFERENCE_BLOCK) -> int:
         """Bytes per token the uniform rows hold beyond what each stored layer fills (kv/cache/packing.py)."""

@@ -79,7 +79,7 @@ def test_row_geometry_holds_the_largest_layer_and_packs_k_eq_v_over_both_sides()
     assert spec.layer_windows == (WINDOW, WINDOW, None, None, None) and spec.slots_of(3) == range(3, 5)
     assert spec.packed(0) is None and spec.packed(2) == LayerKV(1, 16, True) and spec.packed(3) == LayerKV(2, 16)
     assert spec.padding_bytes_per_token() == 2 * 8 * 4  # the K = V layer fills one row of two per side
-    assert "4 stored layers (3 more read another's), 1 of them K = V (V alone) in 5 slots" in spec.formula()
+    assert "4 stored layers (3 more read another's), 1 of them K = V (V alone) in 5 slots x 2 rows x" in spec.formula()
 
 
 def test_pack_and_unpack_are_inverse():
