@@ -7,6 +7,7 @@ Tests that use it are marked `browser` and skip, naming the package, where Chrom
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import os
@@ -115,3 +116,34 @@ class Browser:
         finally:
             self.process.kill()
             self.process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def serve_on_port(engine, model_name: str):
+    """The app on `engine` behind a real port on 127.0.0.1 (uvicorn on a thread of this process: `kvserve serve`
+    loads only real checkpoints), for a browser to load; yields its base URL."""
+    import threading
+
+    import torch
+    import uvicorn
+
+    from kvserve.platform import run_on_compute_thread
+    from kvserve.server.app import create_app
+    from kvserve.server.core.serving import ServerSettings
+
+    app = create_app(engine, ServerSettings(model_name=model_name))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    threads = run_on_compute_thread(torch.get_num_threads)
+    run_on_compute_thread(torch.set_num_threads, 1)  # as serve_in_process: a tiny model gains nothing from two
+    thread = threading.Thread(target=server.run, name=f"{model_name}-server", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, f"the {model_name} server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        run_on_compute_thread(torch.set_num_threads, threads)

@@ -10,20 +10,14 @@ Screenshots go to pytest's temporary folder and, with KVSERVE_LAB_SCREENSHOTS=DI
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
-import torch
-import uvicorn
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.platform import run_on_compute_thread
-from kvserve.server.app import create_app
-from kvserve.server.core.serving import ServerSettings
 from tests.server.inprocess import with_tiny_tokenizer
-from tests.server.lab.browser import requires_chromium
+from tests.server.lab.browser import requires_chromium, serve_on_port
 from tests.server.lab.test_hybrid_lab import KV_MEMORY, NUM_SLOTS, hybrid_options
 from tests.toy_hybrid import toy_hybrid
 
@@ -45,21 +39,8 @@ def hybrid_server():
     """The toy hybrid behind a real port: 32 state slots, the rest of 4 MiB for K/V."""
     engine = Engine(EngineConfig(kv_cache_memory=KV_MEMORY, **hybrid_options()),
                     loaded=with_tiny_tokenizer(toy_hybrid()))
-    app = create_app(engine, ServerSettings(model_name="toy-hybrid"))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    threads = run_on_compute_thread(torch.get_num_threads)
-    run_on_compute_thread(torch.set_num_threads, 1)  # as serve_in_process: a tiny model gains nothing from two
-    thread = threading.Thread(target=server.run, name="toy-hybrid-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the toy hybrid server did not start"
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
-    run_on_compute_thread(torch.set_num_threads, threads)
+    with serve_on_port(engine, "toy-hybrid") as base_url:
+        yield base_url
 
 
 def keep_busy(base_url: str, stop: threading.Event, statuses: list[int]) -> list[threading.Thread]:
