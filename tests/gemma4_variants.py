@@ -55,7 +55,7 @@ def write_gemma4_gguf(model, path: Path, quant_types: dict[str, str] | None = No
     layers = model.model.layers
     kinds = list(cfg.layer_types)
     full = next(i for i, kind in enumerate(kinds) if kind == "full_attention")
-    swa = next(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    swa = next((i for i, kind in enumerate(kinds) if kind == "sliding_attention"), full)  # (none: the full's)
     swa_dim, full_dim = layers[swa].self_attn.head_dim, layers[full].self_attn.head_dim
     kv_heads = [cfg.num_attention_heads // layer.self_attn.num_key_value_groups for layer in layers]
     writer = gguf.GGUFWriter(str(path), "gemma4")
@@ -76,7 +76,7 @@ def write_gemma4_gguf(model, path: Path, quant_types: dict[str, str] | None = No
     writer.add_vocab_size(cfg.vocab_size)
     rope = cfg.rope_parameters
     writer.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
-    writer.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+    writer.add_rope_freq_base_swa(float(rope.get("sliding_attention", rope["full_attention"])["rope_theta"]))
     writer.add_rope_dimension_count(full_dim)
     writer.add_rope_dimension_count_swa(swa_dim)
     writer.add_sliding_window(cfg.sliding_window)

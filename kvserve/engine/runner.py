@@ -152,13 +152,14 @@ class ModelRunner:
         src = backend.token_slots(cache, self._tensor(moves.src_blocks), self._tensor(moves.src_rows))
         dst = backend.token_slots(cache, self._tensor(moves.dst_blocks), self._tensor(moves.dst_rows))
         spec = cache.spec
-        for layer in range(spec.num_stored_layers):
-            slots = spec.slots_of(layer)
-            # every source row is read before any is written; a packed layer's slots side by side
-            parts = [cache.read_rows(slot, src) for slot in slots]
+        for slots, layers in spec.slot_units():  # a packed layer's slots side by side, or the layers of one slot
+            parts = [cache.read_rows(slot, src) for slot in slots]  # every source row read before any is written
             k, v = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
             if delta:
-                k, v = self._shifted(layer, k, v, delta)
+                for layer in layers:
+                    used = spec.rows_of(layer)
+                    rows = slice(used.start, used.stop) if len(slots) == 1 else slice(None)
+                    k[:, rows], v[:, rows] = self._shifted(layer, k[:, rows], v[:, rows], delta)
             for slot, k_part, v_part in zip(slots, k.split(spec.num_kv_heads, 1), v.split(spec.num_kv_heads, 1)):
                 cache.write(slot, dst, k_part.contiguous(), v_part.contiguous())
 

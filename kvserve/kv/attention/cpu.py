@@ -34,13 +34,15 @@ from kvserve.kv.cache.quant import OPEN_BLOCK_DTYPE
 from kvserve.kv.cache.storage import PagedKVCache
 
 
-def slot_indices(slot_blocks: torch.Tensor, slot_rows: torch.Tensor, num_kv_heads: int, block_size: int) -> torch.Tensor:
+def slot_indices(slot_blocks: torch.Tensor, slot_rows: torch.Tensor, num_kv_heads: int, block_size: int,
+                 heads: range | None = None) -> torch.Tensor:
     """Rows of the flat `[num_blocks * num_kv_heads * block_size, width]` views for new tokens.
 
-    `[T * num_kv_heads]`, token-major (as `k.reshape(-1, head_dim)`), computed
-    once per step for all layers.
+    `[T * len(heads)]`, token-major (as `k.reshape(-1, head_dim)`), computed once per step for all layers;
+    `heads`: only these (a packed layer's rows of a slot it shares), else every one.
     """
-    heads = torch.arange(num_kv_heads, device=slot_blocks.device)
+    heads = torch.arange(heads.start, heads.stop, device=slot_blocks.device) if heads is not None \
+        else torch.arange(num_kv_heads, device=slot_blocks.device)
     return ((slot_blocks[:, None] * num_kv_heads + heads[None, :]) * block_size + slot_rows[:, None]).reshape(-1)
 
 
@@ -90,18 +92,25 @@ class PagedKVContext(AttentionContext):
         if not reads_another:
             if layer_kv.k_eq_v != (k is None):
                 raise ValueError(f"stored layer {stored} is {'' if layer_kv.k_eq_v else 'not '}K = V")
-            k_rows, v_rows = pack_tokens(layer_kv, spec.num_kv_heads * len(slots), spec.head_dim, k, v)
-            for slot, group, k_part, v_part in zip(slots, groups, k_rows.split(spec.num_kv_heads, 1),
-                                                   v_rows.split(spec.num_kv_heads, 1)):
-                self.cache.write(slot, self._slots[group], k_part.contiguous(), v_part.contiguous())
+            rows = spec.rows_of(stored)  # its rows in each of its slots
+            k_rows, v_rows = pack_tokens(layer_kv, len(rows) * len(slots), spec.head_dim, k, v)
+            for slot, group, k_part, v_part in zip(slots, groups, k_rows.split(len(rows), 1), v_rows.split(len(rows), 1)):
+                self.cache.write(slot, self._rows_slots(group, rows), k_part.contiguous(), v_part.contiguous())
         steps = [self._step_rows_of(group) for group in groups]
         blocks = self._materialized.get(stored)
         if blocks is None:
-            blocks = self._materialized[stored] = materialize(self.cache, list(zip(slots, steps)), layer_kv,
-                                                              keys_from_values)
+            blocks = self._materialized[stored] = materialize(self.cache, list(zip(slots, steps)), spec.rows_of(stored),
+                                                              layer_kv, keys_from_values)
         window = self.group_metadata[groups[0]].sliding_window
         out = attend_materialized(q, blocks, steps[0], scale, window, SPLIT_BLOCKS, sinks, self.rows_kernel)
         return out.to(q.dtype)
+
+    def _rows_slots(self, group: int, rows: range) -> torch.Tensor:
+        """The flat rows a group's new tokens are written to, in `rows` of each block (all: the step's own)."""
+        if len(rows) == self.cache.spec.num_kv_heads:
+            return self._slots[group]
+        meta = self.group_metadata[group]
+        return slot_indices(meta.slot_blocks, meta.slot_rows, self.cache.spec.num_kv_heads, self.cache.block_size, rows)
 
     def _step_rows_of(self, group: int) -> StepRows:
         step = self._step_rows.get(group)

@@ -73,10 +73,11 @@ class MaterializedLayer:
     tables: torch.Tensor
 
 
-def materialize(cache: PagedKVCache, slots: list[tuple[int, StepRows]], layer: LayerKV,
+def materialize(cache: PagedKVCache, slots: list[tuple[int, StepRows]], rows_used: range, layer: LayerKV,
                 keys_from_values: KeysFromValues | None) -> MaterializedLayer:
     """Read, unpack and (K = V) derive the keys of the blocks a step's rows read of the layer in `slots`: each
-    slot with its KV group's rows (the tables of one window: the same entries, each group's own blocks)."""
+    slot with its KV group's rows (the tables of one window: the same entries, each group's own blocks), the
+    layer's rows of each block `rows_used`."""
     block_size = cache.block_size
     step = slots[0][1]
     local: dict[int, int] = {}  # the first slot's block id -> materialized index
@@ -105,8 +106,9 @@ def materialize(cache: PagedKVCache, slots: list[tuple[int, StepRows]], layer: L
             raise ValueError("a layer's slots have tables of different lengths")
         ids = torch.tensor([rows.tables[entry] for entry in entries], dtype=torch.long, device=cache.device)
         parts.append(cache.gather(slot, ids, torch.float32))
-    k, v = unpack_blocks(layer, cache.spec.head_dim, torch.cat([part.k.float() for part in parts], dim=1),
-                         torch.cat([part.v.float() for part in parts], dim=1))
+    mine = slice(rows_used.start, rows_used.stop)
+    k, v = unpack_blocks(layer, cache.spec.head_dim, torch.cat([part.k[:, mine].float() for part in parts], dim=1),
+                         torch.cat([part.v[:, mine].float() for part in parts], dim=1))
     if k is None:
         if keys_from_values is None:
             raise ValueError("a K = V layer attends with keys_from_values")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kvserve.config import ModelConfig
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.groups.layout import KVGroupLayout, blocks_held, kv_group_layout
-from kvserve.kv.cache.packing import LayerKV, is_plain, row_geometry, side_rows, slots_needed
+from kvserve.kv.cache.packing import LayerKV, is_plain, place_layers, row_geometry, rows_used, side_rows, slots_needed
 from kvserve.kv.cache.quant import CODECS, OPEN_BLOCK_DTYPE, PARAM_DTYPE, REFERENCE_BLOCK, KVCodec, key_codec
 
 # User-facing aliases ("auto" is resolved by `auto_cache_dtype`).
@@ -68,6 +68,7 @@ class KVSpec:
     # slot each.
     layer_kv: tuple[LayerKV, ...] = ()
     layer_first_slot: tuple[int, ...] = ()
+    layer_row_offset: tuple[int, ...] = ()  # where in its slot a layer smaller than a slot starts (both sides)
     # Attention layer -> the stored layer it reads (layers that share another's cache store none); empty:
     # attention layer i is stored layer i.
     layer_sources: tuple[int, ...] = ()
@@ -88,6 +89,22 @@ class KVSpec:
         if not self.layer_kv or is_plain(self.layer_kv[layer], self.num_kv_heads, self.head_dim):
             return None
         return self.layer_kv[layer]
+
+    def rows_of(self, layer: int) -> range:
+        """The rows (per side) stored layer `layer` takes in each of its slots."""
+        if not self.layer_kv:
+            return range(self.num_kv_heads)
+        offset = self.layer_row_offset[layer]
+        return range(offset, offset + rows_used(self.layer_kv[layer], self.num_kv_heads, self.head_dim))
+
+    def slot_units(self) -> list[tuple[range, list[int]]]:
+        """The pool's slots in units moved together, each with the stored layers in it: a slot and the layers
+        sharing it, or the slots one layer spans."""
+        units: dict[int, tuple[range, list[int]]] = {}
+        for layer in range(self.num_stored_layers):
+            slots = self.slots_of(layer)
+            units.setdefault(slots[0], (slots, []))[1].append(layer)
+        return [units[first] for first in sorted(units)]
 
     @property
     def attention_layer_windows(self) -> tuple[int | None, ...]:
@@ -216,13 +233,13 @@ def kv_spec(config: ModelConfig, dtype: str = "auto", linear_dtype: str = "float
         return KVSpec(len(stored), config.num_kv_heads, config.head_dim, dtype, windows)
     layer_kv = tuple(LayerKV(*config.kv_shape_of(layer), config.k_eq_v_of(layer)) for layer in stored)
     rows, width = row_geometry(layer_kv)
-    first_slots, slot_windows = [], []
-    for layer, shape in zip(stored, layer_kv):
-        first_slots.append(len(slot_windows))
-        slot_windows += [config.window_for_layer(attention[layer])] * slots_needed(shape, rows, width)
+    blockwise = key_codec(dtype.partition("/")[0]).blockwise or CODECS[dtype.partition("/")[2] or dtype].blockwise
+    placements, slot_windows = place_layers(layer_kv, [config.window_for_layer(attention[layer]) for layer in stored],
+                                            rows, width, share_slots=not blockwise)
     windows = tuple(slot_windows) if any(window is not None for window in slot_windows) else ()
     sources = tuple(stored.index(config.kv_source_of(layer)) for layer in range(len(attention)))
-    return KVSpec(len(slot_windows), rows, width, dtype, windows, layer_kv, tuple(first_slots), sources)
+    return KVSpec(len(slot_windows), rows, width, dtype, windows, layer_kv,
+                  tuple(slot for slot, _ in placements), tuple(offset for _, offset in placements), sources)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: str = "auto", linear_dtype: str = "float32") -> int:

@@ -63,6 +63,35 @@ def slots_needed(layer: LayerKV, rows: int, width: int) -> int:
     return cdiv(max(side_rows(layer, width)), rows)
 
 
+def rows_used(layer: LayerKV, rows: int, width: int) -> int:
+    """Rows per side `layer` takes in each of its slots: every row of a slot it spans, else its own need (the
+    same on both sides, so one flat row index serves K and V)."""
+    return rows if slots_needed(layer, rows, width) > 1 else max(side_rows(layer, width))
+
+
+def place_layers(layers: Sequence[LayerKV], windows: Sequence[int | None], rows: int, width: int,
+                 share_slots: bool) -> tuple[list[tuple[int, int]], list[int | None]]:
+    """Each layer's (first slot, row offset in it) and each slot's window. A layer larger than a slot spans new
+    ones; smaller layers of one window share a slot, first fit (`share_slots`: not under a blockwise codec,
+    whose open blocks are written a token's rows at once), so Gemma 4 31B's K = V global layers (4 rows of the
+    16 of a sliding layer's slot) fill a slot four at a time."""
+    placements: list[tuple[int, int]] = []
+    slot_windows: list[int | None] = []
+    free: dict[int, int] = {}  # a shared slot -> its rows still free
+    for layer, window in zip(layers, windows):
+        need = rows_used(layer, rows, width)
+        slot = next((s for s, left in free.items() if left >= need and slot_windows[s] == window), None)
+        if share_slots and need < rows and slot is not None:
+            placements.append((slot, rows - free[slot]))
+            free[slot] -= need
+            continue
+        placements.append((len(slot_windows), 0))
+        if share_slots and need < rows:
+            free[len(slot_windows)] = rows - need
+        slot_windows += [window] * slots_needed(layer, rows, width)
+    return placements, slot_windows
+
+
 def is_plain(layer: LayerKV, rows: int, width: int) -> bool:
     """Whether `layer`'s rows are its heads (the attention kernels read it in place)."""
     return not layer.k_eq_v and layer.num_kv_heads == rows and layer.head_dim == width

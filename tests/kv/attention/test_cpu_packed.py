@@ -121,3 +121,56 @@ def test_a_reader_before_its_source_is_refused():
     context = backend.build_context(cache, [SequenceSlice([[group] for group in range(spec.layout.num_groups)], 0, 2)])
     with pytest.raises(ValueError, match="has not written"):
         context.attend(4, torch.randn(2, HEADS, 8), None, None, 1.0)
+
+
+SHARING = ModelConfig("test", 32, 32, 32, 8, HEADS, 2, 8, 64, 1e-6, 1e4,
+                      layer_windows=(WINDOW, None, None, WINDOW, None, WINDOW, WINDOW, None),
+                      layer_kv_shapes=((2, 8), (1, 8), (1, 8), (2, 8), (1, 8), (2, 8), (2, 8), (1, 8)),
+                      layer_k_eq_v=(False, True, True, False, False, False, False, True),
+                      kv_source_layers=(0, 1, 2, 3, 4, 5, 6, 2))
+
+
+def test_small_layers_of_one_window_share_a_slot():
+    """Three full layers of one 8-wide head (two K = V: one row on the K side each) beside windowed layers of
+    two heads (a slot's two rows: plain): the K = V pair shares a slot, the third takes another; a blockwise
+    codec (int4 keys) gives each its own."""
+    spec = kv_spec(SHARING, "float32")
+    assert (spec.num_kv_heads, spec.head_dim) == (2, 8)
+    assert spec.layer_first_slot == (0, 1, 1, 2, 3, 4, 5) and spec.layer_row_offset == (0, 0, 1, 0, 0, 0, 0)
+    assert spec.layer_windows == (WINDOW, None, WINDOW, None, WINDOW, WINDOW)
+    assert spec.padding_bytes_per_token() == 4 * 8 * 4  # the K = V pair's two V-side rows, the third's other row
+    assert [(list(slots), layers) for slots, layers in spec.slot_units()] == [
+        ([0], [0]), ([1], [1, 2]), ([2], [3]), ([3], [4]), ([4], [5]), ([5], [6])]
+    assert [spec.packed(layer) is None for layer in range(7)] == [True, False, False, True, False, True, True]
+    assert kv_spec(SHARING, "int4").layer_first_slot == (0, 1, 2, 3, 4, 5, 6)  # int4 keys: blockwise
+
+
+@pytest.mark.parametrize("backend", [CpuAttentionBackend(), TorchCpuAttentionBackend()], ids=["cpp", "torch"])
+def test_layers_sharing_a_slot_match_the_contiguous_context(backend):
+    generator = torch.Generator().manual_seed(3)
+    inputs = []
+    for layer in range(8):
+        kv_heads, dim = SHARING.kv_shape_of(layer)
+        q, k, v = (torch.randn(TOKENS, n, dim, generator=generator) for n in (HEADS, kv_heads, kv_heads))
+        inputs.append((q, None if SHARING.k_eq_v_of(layer) else k, v))
+
+    def call_sharing(context, layer, q, k, v):
+        if SHARING.kv_source_of(layer) != layer:
+            return context.attend(layer, q, None, None, 1.0)
+        return context.attend(layer, q, k, v, 1.0, keys_from_values=keys_from_values if k is None else None)
+
+    reference = ContiguousContext(torch.arange(TOKENS), SHARING.layer_windows, SHARING.kv_source_layers)
+    expected = [call_sharing(reference, layer, *x) for layer, x in enumerate(inputs)]
+    spec = kv_spec(SHARING, "float32")
+    cache = backend.allocate_kv_cache(spec, 32, BLOCK)
+    cache.initialize_blocks_through(31)
+    tables = [list(range(5 * group, 5 * group + 5)) for group in range(spec.layout.num_groups)]
+    outputs, start = [[] for _ in inputs], 0
+    for count in (7, 5, 1, 6):
+        context = backend.build_context(cache, [SequenceSlice(tables, start, count)])
+        for layer, (q, k, v) in enumerate(inputs):
+            rows = slice(start, start + count)
+            outputs[layer].append(call_sharing(context, layer, q[rows], None if k is None else k[rows], v[rows]))
+        start += count
+    for layer, (got, want) in enumerate(zip(outputs, expected)):
+        torch.testing.assert_close(torch.cat(got), want, atol=1e-5, rtol=1e-5, msg=f"layer {layer}")
