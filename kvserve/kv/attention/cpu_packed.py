@@ -98,8 +98,8 @@ def materialize(cache: PagedKVCache, slots: list[tuple[int, StepRows]], rows_use
             elif block_index[local[block]] != j:
                 raise ValueError(f"block {block} is read at two positions in one step")
             remapped[start + j] = local[block]
-    dummy = len(block_index)
-    tables = torch.tensor([dummy if index < 0 else index for index in remapped], dtype=torch.long)
+    dummy, device = len(block_index), cache.device
+    tables = torch.tensor([dummy if index < 0 else index for index in remapped], dtype=torch.long, device=device)
     parts = []  # [U, rows, block_size, width] per slot, read at its own group's blocks
     for slot, rows in slots:
         if len(rows.tables) != len(step.tables):
@@ -113,8 +113,8 @@ def materialize(cache: PagedKVCache, slots: list[tuple[int, StepRows]], rows_use
         if keys_from_values is None:
             raise ValueError("a K = V layer attends with keys_from_values")
         count, heads, _, dim = v.shape
-        positions = (torch.tensor(block_index, dtype=torch.long)[:, None] * block_size
-                     + torch.arange(block_size)[None, :]).reshape(-1)
+        positions = (torch.tensor(block_index, dtype=torch.long, device=device)[:, None] * block_size
+                     + torch.arange(block_size, device=device)[None, :]).reshape(-1)
         tokens = v.permute(0, 2, 1, 3).reshape(count * block_size, heads, dim)
         k = keys_from_values(tokens, positions).reshape(count, block_size, heads, dim).permute(0, 2, 1, 3)
     zero = v.new_zeros(1, *v.shape[1:])
@@ -126,8 +126,8 @@ def attend_materialized(q: torch.Tensor, blocks: MaterializedLayer, step: StepRo
                         use_kernel: bool) -> torch.Tensor:
     """Every row of `q` `[N, H, D]` over its blocks -> `[N, H * D]`."""
     if use_kernel:
-        long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-        rows = ops.RowTables(blocks.tables, long(step.row_table), long(step.row_low), long(step.row_pos))
+        rows = ops.RowTables(blocks.tables, *(torch.tensor(values, dtype=torch.long)
+                                              for values in (step.row_table, step.row_low, step.row_pos)))
         return ops.paged_decode(q.float().contiguous(), blocks.k, blocks.v, rows, scale, split_blocks, sinks)
     heads, dim = blocks.k.shape[1], blocks.k.shape[3]
     outputs = []
@@ -136,7 +136,7 @@ def attend_materialized(q: torch.Tensor, blocks: MaterializedLayer, step: StepRo
         table = blocks.tables[start : start + (end - 1) // blocks.k.shape[2] + 1]
         keys = blocks.k[table].transpose(0, 1).reshape(heads, -1, dim)[:, :end]
         values = blocks.v[table].transpose(0, 1).reshape(heads, -1, dim)[:, :end]
-        positions = torch.tensor(step.row_pos[first : first + count], dtype=torch.long)
+        positions = torch.tensor(step.row_pos[first : first + count], dtype=torch.long, device=q.device)
         outputs.append(reference_attend(q[first : first + count].transpose(0, 1), keys, values, positions, scale,
                                         window, sinks=sinks))
     return torch.cat(outputs)
