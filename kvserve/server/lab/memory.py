@@ -83,7 +83,7 @@ def memory_plan(query: MemoryQuery, served: ServedModel) -> dict:
 def _display(p: MemoryPlan) -> dict:
     sizes = {key: format_memory(getattr(p, key)) for key in
              ("kv_bytes_per_request", "kv_bytes_total", "weights_bytes", "overhead_bytes", "total_bytes",
-              "state_bytes_per_request", "state_bytes_total", "bytes_per_request")}
+              "state_bytes_per_request", "state_bytes_total", "bytes_per_request", "kv_bytes_per_request_unshared")}
     if p.memory_bytes is not None:
         sizes["memory_bytes"] = format_memory(p.memory_bytes)
         sizes["kv_room_bytes"] = format_memory(p.kv_room_bytes)

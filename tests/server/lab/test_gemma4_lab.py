@@ -46,3 +46,18 @@ def test_the_cache_page_draws_the_layer_strip(gemma4_loaded, browser, shots):
     assert cells == [["0", "kv-layer kv-store"], ["1", "kv-layer kv-store"], ["2", "kv-layer kv-keqv"],
                      ["3", "kv-layer kv-store"], ["4→3", "kv-layer kv-read"], ["5→2", "kv-layer kv-read"]]
     assert browser.text("kv-layer-about").startswith("4 layers store K/V in 4 slots of 2 × 16, 2 read an earlier")
+
+
+@pytest.mark.browser
+@requires_chromium
+def test_the_memory_page_shows_what_every_layer_storing_its_own_would_hold(lab_app, browser, tiny_models):
+    engine = Engine(EngineConfig(kv_cache_memory="4MiB"), loaded=with_tiny_tokenizer(tiny_models("llama-gqa")))
+    with serve_on_port(engine, "tiny") as base_url:
+        browser.goto(base_url + "/lab/memory?model=Gemma-4-E2B&context=32768&kv_dtype=float16")
+        browser.wait_for("document.body.dataset.ready && document.body.dataset.ready !== 'error'")
+        shown = browser.evaluate("document.getElementById('kv-unshared').style.display")
+        per_request, unshared = browser.text("kv-per-request"), browser.text("kv-unshared-size")
+        browser.goto(base_url + "/lab/memory?model=Llama-3.1-8B&context=8192")
+        browser.wait_for("document.body.dataset.ready && document.body.dataset.ready !== 'error'")
+        hidden = browser.evaluate("document.getElementById('kv-unshared').style.display")
+    assert (shown, per_request, unshared, hidden) == ("", "198.00 MiB", "462.00 MiB", "none")

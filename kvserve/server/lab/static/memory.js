@@ -94,6 +94,9 @@ function show(p, d) {
   document.querySelectorAll(".batch-text2").forEach((e) => (e.textContent = lab.int(p.batch)));
   lab.text("kv-per-request", d.kv_bytes_per_request);
   lab.text("kv-per-request-bytes", lab.int(p.kv_bytes_per_request) + " bytes");
+  // Gemma 4-style models: what the shared layers and K = V save, beside the same model without them.
+  lab.el("kv-unshared").style.display = p.kv_bytes_per_request_unshared ? "" : "none";
+  lab.text("kv-unshared-size", d.kv_bytes_per_request_unshared);
   lab.text("kv-total", d.kv_bytes_total);
   lab.text("kv-total-bytes", lab.int(p.kv_bytes_total) + " bytes");
   lab.text("weights", d.weights_bytes);
