@@ -113,6 +113,10 @@ class LoadedModel:
         window = "" if not windowed else f", sliding window {max(w for w in windows if w is not None)}"
         if 0 < windowed < cfg.num_layers:
             window += f" on {windowed} of {cfg.num_layers} layers"
+        others = sorted({cfg.kv_shape_of(layer) for layer in range(len(cfg.attention_layers))}
+                        - {(cfg.num_kv_heads, cfg.head_dim)})
+        if others:  # layers of another K/V shape (Gemma 4's full layers)
+            window += "; also " + ", ".join(f"{heads} KV heads / head_dim {dim}" for heads, dim in others)
         return "\n".join([
             f"model: {self.source} ({self.weight_format})",
             f"  architecture {cfg.architecture}: {cfg.num_layers} layers, {cfg.num_heads} heads / "
