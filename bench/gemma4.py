@@ -10,18 +10,21 @@ the run small; every layer's shape is E2B's. One sitting, printed side by side:
   cache (every layer its own K and V of the whole context); the same shape with K = V on the full layers (as
   Gemma 4 31B / 26B-A4B have it: they keep V alone); and the engine's real pool for a `--pool-context` request;
 - TTFT (a `--prompt`-token prompt) and TPOT (`--tokens` greedy tokens), best of `--rounds`: kvserve on the file
-  (`--weights`: Q4_0 attention and MLP matrices by default, run as int4 codes; the embeddings and the per-layer
-  inputs' projections stay F32) and transformers (fp32, its
-  own cache, sdpa attention); llama.cpp where llama-cpp-python is installed (bench/llamacpp.py), else skipped;
-- the greedy tokens of both compared: equal expected on an F32 file (`--weights f32`); on a Q4_0 file kvserve's
-  int4 kernels and float16 cache round differently from transformers' fp32 on the dequantized weights, and on
-  random weights (flat logits) that may change a greedy pick, so they need not agree.
+  (`--weights`: every linear layer Q4_0 by default, the embeddings F32; kvserve runs the file's Q4_0 codes as
+  int4) and transformers (fp32, its own cache, sdpa attention); llama.cpp where llama-cpp-python is installed
+  (bench/llamacpp.py), else skipped with a message;
+- the greedy tokens of both compared: equal expected on an F32 file (`--weights f32`, run as float32 with a
+  float32 cache), and on a Q4_0 file with `--kvserve-weights float32`; as served (int4: activations quantized to
+  int8 per group of 32, a float16 cache) they need not agree: random weights give flat logits, where that
+  rounding changes greedy picks.
 
 `--layers` shrinks the stack for a quick run: the 4:1 sliding/full pattern, 20/35 of the layers shared (rounded,
-at least one full layer left storing its own).
+at least one full layer left storing its own). On a shared machine give `--threads` no more than the cores
+left free: with a neighbour busy on one of 2 cores, 2 threads made kvserve ~30x and transformers 2-6x slower.
 
     PYTHONPATH=. .venv/bin/python bench/gemma4.py [--layers 35] [--prompt 512] [--tokens 16] [--rounds 2]
-        [--weights q4_0|q8_0|f32] [--contexts 4096 32768] [--pool-context 4096]
+        [--weights q4_0|q8_0|f32] [--kvserve-weights auto] [--cache-dtype auto] [--threads 0]
+        [--contexts 4096 32768] [--pool-context 4096] [--block-size 16]
 """
 
 from __future__ import annotations
@@ -137,7 +140,7 @@ def print_kv_held(config: ModelConfig, dtype: str, contexts: list[int], block_si
         cells = "".join(f"{format_memory(held):>12} ({naive_token * context / held:4.1f}x)" for context in contexts
                         for held in [variant.request_bytes(context, block_size)])
         print(f"  {name:64}{variant.bytes_per_token:>12,}{cells}")
-    cells = "".join(f"{format_memory(naive_token * context):>12} (1.0x)" for context in contexts)
+    cells = "".join(f"{format_memory(naive_token * context):>12} ({1:4.1f}x)" for context in contexts)
     print(f"  {'naive: every layer its own K and V, whole context':64}{naive_token:>12,}{cells}")
     print("  (x: how many times less than the naive cache; bytes/token counts every slot, windows aside)")
 
@@ -238,7 +241,8 @@ def main() -> None:
         types, shared = layer_plan(args.layers)
         path = workdir / f"gemma4-e2b-shaped-{args.weights}.gguf"
         qtype = WEIGHTS[args.weights]
-        reference = write_gemma4_gguf(model, path, {} if qtype == "F32" else {"proj": qtype, "per_layer_input_gate": qtype})
+        matrices = {} if qtype == "F32" else {"proj": qtype, "per_layer_input_gate": qtype}  # every linear layer
+        reference = write_gemma4_gguf(model, path, matrices)
         load_file_weights(model, reference)
         del reference
         gc.collect()
@@ -254,7 +258,7 @@ def main() -> None:
         if args.pool_context:
             measure_pool(loaded, args)
             gc.collect()  # its pool
-        # Made after the pool's engine is gone: engines sharing one loaded model, the last one made binds it.
+        # one engine at a time on the one loaded model: the pool's is gone before this one is made
         engine = engine_for(loaded, args, args.prompt + args.tokens + 16)
         prompt = np.random.default_rng(0).integers(100, VOCAB, args.prompt).tolist()
         kv = [timed_engine_run(engine, prompt, args.tokens) for _ in range(args.rounds)]
