@@ -1,7 +1,7 @@
 """What question-agnostic KV compression costs: a continuation scored after a compressed prefix of real text.
 
 An experiment on the attention math, not the engine (the engine does not compress yet, issue 43). For each
-text window (Python Language Reference prose, as bench/kv_quant_accuracy.py): one contiguous forward of a
+text window (Python Language Reference prose, as bench/kv_quant_accuracy.py, repeated paragraphs dropped): one contiguous forward of a
 --prefix-token prompt captures every layer's K/V and its last --query-window queries; each method compresses
 each layer per KV head (kvserve.kv.compression) at each ratio; then the next --continuation tokens run as one
 forward whose attention sees the compressed prefix plus their own tokens (CompressedPrefixContext). Scored
@@ -32,6 +32,12 @@ from kv_quant_accuracy import english_text, model_source
 from workloads import save
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def unique_text() -> str:
+    """english_text() with each paragraph once: the Python reference repeats some under several topics, and a
+    continuation that copies a passage of its own prefix measures recall of that passage, not compression."""
+    return "\n\n".join(dict.fromkeys(english_text().split("\n\n")))
 
 
 def compressed_prefixes(capture: PromptCapture, spec: CompressionSpec, layer_windows) -> list:
@@ -145,7 +151,7 @@ def main() -> None:
     model, tokenizer = loaded.model, loaded.require_tokenizer()
     torch.set_grad_enabled(False)
     length = args.prefix + args.continuation
-    tokens = tokenizer.encode(english_text())
+    tokens = tokenizer.encode(unique_text())
     if len(tokens) < args.windows * length:
         raise SystemExit(f"only {len(tokens)} tokens of text; lower --windows")
     windows = [tokens[i * length : (i + 1) * length] for i in range(args.windows)]
