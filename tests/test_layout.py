@@ -21,6 +21,7 @@ LAYERS = [
     {"platform"},
     {"kv"},
     {"kv.attention"},
+    {"kv.compression"},  # KV compression (issue 43): scores, kept tokens, attention over them
     {"model"},
     {"structured"},  # grammar-constrained decoding (issue 29)
     {"tools"},  # tool definitions into prompts, tool calls out of outputs
@@ -46,8 +47,8 @@ def modules() -> dict[str, Path]:
 def unit_of(module: str) -> str:
     """The layer unit a module belongs to: kvserve.kv.attention.cpu -> kv.attention, kvserve.kv.prefix.pins -> kv."""
     parts = module.split(".")[1:]
-    if parts[:2] == ["kv", "attention"]:
-        return "kv.attention"
+    if parts[:2] in (["kv", "attention"], ["kv", "compression"]):
+        return ".".join(parts[:2])
     return parts[0] if parts else "kvserve"
 
 

@@ -1,0 +1,181 @@
+"""What question-agnostic KV compression costs: a continuation scored after a compressed prefix of real text.
+
+An experiment on the attention math, not the engine (the engine does not compress yet, issue 43). For each
+text window (Python Language Reference prose, as bench/kv_quant_accuracy.py, repeated paragraphs dropped): one contiguous forward of a
+--prefix-token prompt captures every layer's K/V and its last --query-window queries; each method compresses
+each layer per KV head (kvserve.kv.compression) at each ratio; then the next --continuation tokens run as one
+forward whose attention sees the compressed prefix plus their own tokens (CompressedPrefixContext). Scored
+against the same continuation over the uncompressed prefix ("none"): perplexity, mean KL(none || method) over
+the vocabulary, top-1 agreement. "none" itself is checked against one forward over prefix + continuation.
+
+Layers with a sliding window (Gemma 3's local layers) are not compressed: their cache holds only the window.
+
+--passkey N: N retrievals (a 5-digit number hidden at spread depths in ~--passkey-context tokens of filler);
+the filler is the compressed prefix, the question follows it (as a request reusing a cached document would),
+greedy answer; fraction retrieved per method and ratio.
+
+    .venv/bin/python bench/kv_compression.py [--windows 2] [--model gemma3-270m] [--passkey 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from kvserve.kv.compression import (METHODS, CompressedPrefixContext, CompressionSpec, PromptCapture,
+                                    compress_layer)
+from kvserve.model.loader import load_model
+from kv_quant_accuracy import english_text, model_source
+from workloads import save
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def unique_text() -> str:
+    """english_text() with each paragraph once: the Python reference repeats some under several topics, and a
+    continuation that copies a passage of its own prefix measures recall of that passage, not compression."""
+    return "\n\n".join(dict.fromkeys(english_text().split("\n\n")))
+
+
+def compressed_prefixes(capture: PromptCapture, spec: CompressionSpec, layer_windows) -> list:
+    keep_all = CompressionSpec("streaming", 1)
+    return [compress_layer(kv, keep_all if window is not None else spec)
+            for kv, window in zip(capture.layers(), layer_windows)]
+
+
+def capture_prompt(model, ids: torch.Tensor, query_window: int) -> PromptCapture:
+    capture = PromptCapture(torch.arange(len(ids)), model.layer_windows, query_window)
+    model(ids, torch.arange(len(ids)), capture, torch.tensor([len(ids) - 1]))
+    return capture
+
+
+def continuation_logprobs(model, prefixes, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Log-probabilities `[N - 1, vocab]` of ids[1:] after the compressed prefix (ids at start..start+N-1)."""
+    positions = torch.arange(start, start + len(ids))
+    context = CompressedPrefixContext(positions, prefixes, model.layer_windows)
+    return model(ids, positions, context, torch.arange(len(ids) - 1)).float().log_softmax(-1)
+
+
+def specs(args) -> list[tuple[str, CompressionSpec]]:
+    found = [("none", CompressionSpec("streaming", 1))]
+    for ratio in args.ratios:
+        found += [(f"{m}:{ratio:g}", CompressionSpec(m, ratio, args.sinks, args.recent)) for m in args.methods]
+    return found
+
+
+def score_windows(model, windows: list[list[int]], args) -> dict[str, dict]:
+    totals = {name: {"nll": 0.0, "kl": 0.0, "top1": 0, "count": 0} for name, _ in specs(args)}
+    for index, window in enumerate(windows):
+        ids = torch.tensor(window)
+        prefix, rest = ids[: args.prefix], ids[args.prefix :]
+        started = time.perf_counter()
+        whole = model(ids, torch.arange(len(ids)), None, torch.arange(args.prefix, len(ids) - 1)).float()
+        capture = capture_prompt(model, prefix, args.query_window)
+        reference = None
+        for name, spec in specs(args):
+            logprobs = continuation_logprobs(model, compressed_prefixes(capture, spec, model.layer_windows),
+                                             rest, args.prefix)
+            if reference is None:
+                reference = logprobs
+                drift = (logprobs - whole.log_softmax(-1)).abs().max().item()
+            row = totals[name]
+            row["nll"] -= logprobs.gather(1, rest[1:, None]).sum().item()
+            row["kl"] += (reference.exp() * (reference - logprobs)).sum().item()
+            row["top1"] += int((reference.argmax(-1) == logprobs.argmax(-1)).sum())
+            row["count"] += len(rest) - 1
+        print(f"window {index}: {time.perf_counter() - started:.1f}s; 'none' vs one whole forward: max |log-prob "
+              f"difference| {drift:.2e}", flush=True)
+    return totals
+
+
+def passkey_prompts(tokenizer, count: int, context: int) -> list[tuple[list[int], list[int], str]]:
+    """(document ids, question ids, key): the key hidden at depths spread from 10% to 90%."""
+    gen = torch.Generator().manual_seed(0)
+    filler_tokens = len(tokenizer.encode(FILLER, add_special_tokens=False))
+    repeats = max(1, context // filler_tokens)
+    prompts = []
+    for i in range(count):
+        key = str(int(torch.randint(10000, 100000, (1,), generator=gen)))
+        depth = int(repeats * (0.1 + 0.8 * i / max(1, count - 1)))
+        needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+        document = ("There is important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+                    + FILLER * depth + needle + FILLER * (repeats - depth))
+        question = "What is the pass key? The pass key is"
+        prompts.append((tokenizer.encode(document), tokenizer.encode(question, add_special_tokens=False), key))
+    return prompts
+
+
+def greedy_answer(model, prefixes, question: list[int], start: int, steps: int = 8) -> list[int]:
+    ids = list(question)
+    for _ in range(steps):  # the whole answer so far each step: a few tokens, no cache of its own needed
+        positions = torch.arange(start, start + len(ids))
+        context = CompressedPrefixContext(positions, prefixes, model.layer_windows)
+        logits = model(torch.tensor(ids), positions, context, torch.tensor([len(ids) - 1]))
+        ids.append(int(logits[0].argmax()))
+    return ids[len(question) :]
+
+
+def passkey(model, tokenizer, args) -> dict[str, float]:
+    found = {name: 0 for name, _ in specs(args)}
+    prompts = passkey_prompts(tokenizer, args.passkey, args.passkey_context)
+    for document, question, key in prompts:
+        capture = capture_prompt(model, torch.tensor(document), args.query_window)
+        for name, spec in specs(args):
+            answer = tokenizer.decode(greedy_answer(model, compressed_prefixes(capture, spec, model.layer_windows),
+                                                    question, len(document)))
+            found[name] += key in answer
+            if name == "none":
+                print(f"passkey {key} in {len(document)} tokens: uncompressed answers {answer!r}", flush=True)
+    return {name: hits / len(prompts) for name, hits in found.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="gemma3-270m, or a path load_model takes (default: SmolLM2)")
+    parser.add_argument("--windows", type=int, default=2)
+    parser.add_argument("--prefix", type=int, default=2048)
+    parser.add_argument("--continuation", type=int, default=256)
+    parser.add_argument("--ratios", type=float, nargs="+", default=[2, 4])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--recent", type=int, default=64, help="last prompt tokens always kept")
+    parser.add_argument("--query-window", type=int, default=256, help="last queries Expected Attention fits")
+    parser.add_argument("--weights-dtype", default="float32")
+    parser.add_argument("--passkey", type=int, default=0, help="passkey retrievals (0: none)")
+    parser.add_argument("--passkey-context", type=int, default=1536)
+    args = parser.parse_args()
+    loaded = load_model(model_source(args.model), weights_dtype=args.weights_dtype)
+    model, tokenizer = loaded.model, loaded.require_tokenizer()
+    torch.set_grad_enabled(False)
+    length = args.prefix + args.continuation
+    tokens = tokenizer.encode(unique_text())
+    if len(tokens) < args.windows * length:
+        raise SystemExit(f"only {len(tokens)} tokens of text; lower --windows")
+    windows = [tokens[i * length : (i + 1) * length] for i in range(args.windows)]
+    name = args.model or "SmolLM2-135M-Instruct"
+    print(f"model: {name}, weights {args.weights_dtype}; {args.windows} windows of {args.prefix} prefix + "
+          f"{args.continuation} scored tokens (Python Language Reference prose); sinks {args.sinks}, window "
+          f"{args.recent}, Expected Attention over the last {args.query_window} queries", flush=True)
+    totals = score_windows(model, windows, args)
+    retrieved = passkey(model, tokenizer, args) if args.passkey else {}
+    rows, base = [], math.exp(totals["none"]["nll"] / totals["none"]["count"])
+    for key, row in totals.items():
+        ppl = math.exp(row["nll"] / row["count"])
+        rows.append({"method": key, "perplexity": ppl, "change_pct": 100 * (ppl / base - 1),
+                     "mean_kl": row["kl"] / row["count"], "top1": row["top1"] / row["count"],
+                     "passkey": retrieved.get(key)})
+    print("\n| method:ratio | perplexity | vs none | mean KL | top-1 agree |" + (" passkey |" if retrieved else ""))
+    print("|---|---|---|---|---|" + ("---|" if retrieved else ""))
+    for r in rows:
+        line = (f"| {r['method']} | {r['perplexity']:.4f} | {r['change_pct']:+.2f}% | {r['mean_kl']:.4f} | "
+                f"{100 * r['top1']:.1f}% |")
+        print(line + (f" {100 * r['passkey']:.0f}% |" if retrieved else ""))
+    payload = {"model": name, "args": vars(args), "rows": rows}
+    print(f"saved {save('kv_compression' + ('_' + args.model if args.model else ''), payload)}")
+
+
+if __name__ == "__main__":
+    main()
