@@ -61,6 +61,8 @@ class PagedKVContext(AttentionContext):
         heads, block_size = cache.spec.num_kv_heads, cache.block_size
         # Per group: the flat rows its new tokens are written to.
         self._slots = [slot_indices(m.slot_blocks, m.slot_rows, heads, block_size) for m in group_metadata]
+        # Every attention layer its own plain slot (all but Gemma 4-style models): attend goes straight there.
+        self._uniform = not cache.spec.layer_kv and not cache.spec.layer_sources
         self._written: set[int] = set()  # stored layers this forward has written (their readers follow)
         self._step_rows: dict[int, StepRows] = {}  # per group, for packed layers
         self._materialized: dict[int, MaterializedLayer] = {}  # per packed stored layer, for its readers
@@ -68,6 +70,10 @@ class PagedKVContext(AttentionContext):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
                sinks: torch.Tensor | None = None, keys_from_values: KeysFromValues | None = None) -> torch.Tensor:
+        if self._uniform:
+            if k is None or v is None:
+                raise ValueError(f"attention layer {layer} stores its own K/V: it passes them")
+            return self._attend_plain(layer, q, k, v, scale, sinks)
         spec = self.cache.spec
         stored = spec.stored_layer(layer)
         reads_another = k is None and v is None
