@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.gguf_tensors import add_tensor, quant_type
+
 _TYPES = ["sliding_attention", "sliding_attention", "full_attention",
           "sliding_attention", "sliding_attention", "full_attention"]
 
@@ -49,7 +51,6 @@ def write_gemma4_gguf(model, path: Path, quant_types: dict[str, str] | None = No
     the experts stacked as they are. `quant_types`: a substring of the HF name -> GGML type for 2-D weights (others
     F32). Returns the weights as the file holds them, dequantized, in Hugging Face's terms (the reference)."""
     import gguf
-    from gguf.quants import dequantize, quantize
 
     cfg = model.config
     layers = model.model.layers
@@ -105,15 +106,7 @@ def write_gemma4_gguf(model, path: Path, quant_types: dict[str, str] | None = No
             assert gguf_name is not None, hf_name
             gguf_name += "" if gguf_name.endswith(".weight") else ".weight"
         data = tensor.float().contiguous().numpy()
-        qtype = next((t for key, t in (quant_types or {}).items() if key in hf_name), "F32") if data.ndim == 2 else "F32"
-        if qtype == "F32":
-            writer.add_tensor(gguf_name, np.ascontiguousarray(data))
-            reference[hf_name] = tensor.float().clone()
-        else:
-            ggml_type = gguf.GGMLQuantizationType[qtype]
-            packed = quantize(data, ggml_type)
-            writer.add_tensor(gguf_name, packed, raw_dtype=ggml_type)
-            reference[hf_name] = torch.from_numpy(dequantize(packed, ggml_type).copy()).view(data.shape)
+        reference[hf_name] = add_tensor(writer, gguf_name, data, quant_type(hf_name, data, quant_types))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

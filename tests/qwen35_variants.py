@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.gguf_tensors import add_tensor, quant_type
+
 # variant -> (transformers config class name, model class name, config overrides)
 QWEN35_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # Qwen3.5's layout in small: 3 linear-attention layers then a full-attention one; 2 key heads serving 4 value
@@ -85,7 +87,6 @@ def write_qwen35_gguf(model, path: Path, quant_types: dict[str, str] | None = No
     prediction blocks after the layers, as the converter appends a checkpoint's `mtp.*` (random here: they are
     not run). Returns the weights as the file holds them, dequantized, in Hugging Face's terms (the reference)."""
     import gguf
-    from gguf.quants import dequantize, quantize
 
     cfg = model.config
     moe = cfg.model_type == "qwen3_5_moe_text"
@@ -139,17 +140,9 @@ def write_qwen35_gguf(model, path: Path, quant_types: dict[str, str] | None = No
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         data = stored.contiguous().numpy()
-        qtype = "F32" if data.ndim != 2 else next(
-            (t for key, t in (quant_types or {}).items() if key in hf_name), "F32")
-        if qtype == "F32":
-            writer.add_tensor(gguf_name, np.ascontiguousarray(data))
-            reference[hf_name] = tensor.float().clone()
-        else:
-            ggml_type = gguf.GGMLQuantizationType[qtype]
-            packed = quantize(data, ggml_type)
-            writer.add_tensor(gguf_name, packed, raw_dtype=ggml_type)
-            held = torch.from_numpy(dequantize(packed, ggml_type).copy()).view(data.shape)
-            reference[hf_name] = _grouped(hf_name, held, cfg)
+        qtype = quant_type(hf_name, data, quant_types)
+        held = add_tensor(writer, gguf_name, data, qtype)
+        reference[hf_name] = tensor.float().clone() if qtype == "F32" else _grouped(hf_name, held, cfg)
     hidden = cfg.hidden_size
     last = cfg.num_hidden_layers - 1  # a full-attention layer: the prediction block's own layer is one
     for block in range(cfg.num_hidden_layers, cfg.num_hidden_layers + prediction_blocks):
