@@ -14,6 +14,7 @@ The goal (issue 42): B keeps >= 90% of its prefix cached and its TTFT within 3x 
 in phase 3 stays within 10% of phase 2. Prints each figure and the verdicts; never asserts (a benchmark).
 
     .venv/bin/python bench/noisy_neighbour.py [--seconds 90] [--streams 8] [--b-requests 6] [--url URL/v1]
+        [--step-target-ms MS]   (0: the server never cuts a step, for the comparison)
 """
 
 from __future__ import annotations
@@ -165,11 +166,14 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=16, help="output tokens of A's requests")
     parser.add_argument("--b-requests", type=int, default=6)
     parser.add_argument("--kv-cache-memory", default="96MiB")
+    parser.add_argument("--step-target-ms", type=int, default=None,
+                        help="the server's --step-target-ms (default: the engine's; 0: steps never cut)")
     parser.add_argument("--url", default=None, help="a running server (…/v1) with the keys above, instead of "
                                                     "starting one")
     args = parser.parse_args()
     process, url = (None, args.url) if args.url else start_server(
-        ["--kv-cache-memory", args.kv_cache_memory, "--api-key", KEY_A, "--api-key", KEY_B, "--admin-key", ADMIN])
+        ["--kv-cache-memory", args.kv_cache_memory, "--api-key", KEY_A, "--api-key", KEY_B, "--admin-key", ADMIN,
+         *(["--step-target-ms", str(args.step_target_ms)] if args.step_target_ms is not None else [])])
     try:
         result = asyncio.run(run(url, args))
     finally:

@@ -282,6 +282,13 @@ class EngineConfig:
     max_num_seqs: int = field(default=64, metadata=engine_arg("requests in one batch at most", check=positive_int))
     max_num_batched_tokens: int = field(default=2048, metadata=engine_arg(
         "tokens computed per step at most", check=positive_int))
+    # A full step of prompt tokens takes seconds on a CPU (2,048 tokens of a 135M model: ~2.5 s on 2 cores), and
+    # every other request waits for it: a newcomer's first token, every running stream's next one.
+    step_target_ms: int = field(default=150, metadata=engine_arg(
+        "while several requests have work, cut a step's prompt tokens to what the engine measured it computes in "
+        "about this many milliseconds (a newcomer's first token and every stream's next one wait for at most "
+        "about one such step); a lone request still gets {max_num_batched_tokens}; 0 turns it off",
+        check=token_count))
     kv_cache_dtype: str = field(default="auto", metadata=engine_arg(
         "what the KV cache holds: auto follows {weights_dtype} (float32 beside float32 weights, float16 beside "
         "bfloat16, int8 or int4 ones), or one of {choices}, or K/V to give keys and values their own (e.g. "

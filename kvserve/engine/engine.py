@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 
 from kvserve.config import EngineConfig
@@ -19,6 +20,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.step_budget import StepBudget
 from kvserve.engine.setup import build_engine_parts
 from kvserve.engine.observe.snapshots import SnapshotKeeper
 from kvserve.engine.spec_decode.factory import build_drafting
@@ -62,6 +64,8 @@ class Engine:
         self.attention_backend, self.tiers, self.tiering, self.prefix_caching = (
             parts.attention_backend, parts.tiers, parts.tiering, parts.prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_manager, self.max_model_len)
+        self.step_budget = StepBudget(self.config.step_target_ms, self.config.max_num_batched_tokens,
+                                      self.config.block_size)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.attention_backend, parts.device,
                                   tiers=self.tiers, states=parts.state_cache)
         # Without a KV cache, blocks are scratch for one step: a request holds no cache memory.
@@ -141,6 +145,7 @@ class Engine:
         self.kv_manager.expire_pins()
         if self.tiering is not None:  # tier blocks that arrived: copied in, their requests run this step
             self.scheduler.finish_loads(self.tiering.loads_finished(self.runner.complete_loads()))
+        self.scheduler.contended_budget = self.step_budget.contended_tokens()
         scheduled = self.scheduler.schedule()
         if scheduled.loads:
             self.runner.start_loads(scheduled.loads)
@@ -150,7 +155,9 @@ class Engine:
             self.snapshots.take()  # a request may have been preempted or set loading without anything running
             return []
         work = StepWork(scheduled.num_batched_tokens, sum(item.num_computed_tokens for item in scheduled.scheduled))
+        started = time.perf_counter()
         result = execute_isolating_failures(self.runner, scheduled)
+        self.step_budget.observe(scheduled.num_batched_tokens, time.perf_counter() - started)
         # Failed requests end before any progress is recorded: their blocks of this step may hold
         # garbage and must never be hashed into the prefix cache.
         deltas = [self.retire(self.scheduler.requests[request_id], "error", error=f"{type(exc).__name__}: {exc}")

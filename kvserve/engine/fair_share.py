@@ -7,8 +7,10 @@ that have such work. Each tenant gets up to its share (budget x weight / weights
 in rounds of one request per tenant, least-served tenant first; budget a tenant cannot use (it has no more
 work, or its next request cannot get blocks) then goes to the others, least-served first, so one tenant
 alone keeps the whole machine. One exception keeps first tokens quick: in a step where a request reaches
-its first token while another tenant has work, that leftover is not handed out (the step is no longer than
-the shares make it; the heavy tenant gives up part of one step per first token of the other's).
+its first token while another tenant has work, no tenant gets more than its weighted share of the step and the
+leftover is not handed out (the step is no longer than the shares make it: a quiet tenant's short prompt runs
+beside half a step of the flood, not a whole one; the heavy tenant gives up part of one step per first token
+of the other's). How long a step may be at all while several requests have work is engine/step_budget.py's.
 
 "Least served" is the tokens a tenant was given, over its weight, counted across steps (DRR's deficit):
 a tenant that starts to have work again starts at the least-served active tenant's count, so an idle spell
@@ -102,17 +104,33 @@ class FairShare:
     def share(self, queues: Mapping[Tenant, list[T]], budget: int, serve: ServeFn,
               demand: Callable[[T], int], refill: Callable[[], bool] = lambda: True) -> int:
         """Give the queues' items tokens from `budget`, fairly (module doc); `demand(item)` is at most how many
-        tokens an item could take this step. With several tenants, what the shares left over is handed out
-        only if `refill()`: a step that brings a request to its first token stays as short as the shares
-        make it (the module doc). Returns the budget left."""
+        tokens an item could take this step. Every tenant first gets up to its weighted share; with several
+        tenants, what the shares left over is handed out (water-filled by weight, then to anyone) only if
+        `refill()`: a step that brings a request to its first token stays as short as the shares make it
+        (the module doc). Returns the budget left."""
         queues = {tenant: list(items) for tenant, items in queues.items() if items}
         if not queues or budget <= 0:
             return budget
-        caps = self.caps({tenant: sum(demand(item) for item in items) for tenant, items in queues.items()}, budget)
-        budget = self._rounds(queues, budget, caps, serve)
-        if budget > 0 and any(queues.values()) and (len(caps) < 2 or refill()):  # the rest to the others
+        several = len(queues) > 1
+        # Each tenant up to its weighted share first: whether a first token comes in this step is known after.
+        budget = self._rounds(queues, budget, self.weighted_shares(self._demands(queues, demand), budget), serve)
+        if several and not refill():
+            return budget  # a first token: the step stays as short as the shares make it
+        if budget > 0 and any(queues.values()):  # what one tenant did not need, water-filled by weight
+            budget = self._rounds(queues, budget, self.caps(self._demands(queues, demand), budget), serve)
+        if budget > 0 and any(queues.values()):  # the rest to whoever can still use it
             budget = self._rounds(queues, budget, {tenant: budget for tenant in queues}, serve)
         return budget
+
+    def weighted_shares(self, demands: Mapping[Tenant, int], budget: int) -> dict[Tenant, int]:
+        """Each tenant's share of `budget` by weight among the tenants asking, no more than it asks for."""
+        total_weight = sum(self.weight(tenant) for tenant, need in demands.items() if need > 0)
+        return {tenant: min(need, max(1, int(budget * self.weight(tenant) / total_weight))) if need > 0 else 0
+                for tenant, need in demands.items()}
+
+    @staticmethod
+    def _demands(queues: Mapping[Tenant, list[T]], demand: Callable[[T], int]) -> dict[Tenant, int]:
+        return {tenant: sum(demand(item) for item in items) for tenant, items in queues.items() if items}
 
     def caps(self, demands: Mapping[Tenant, int], budget: int) -> dict[Tenant, int]:
         """Each tenant's tokens this step by weighted water-filling: no more than it asks for, and what a

@@ -5,8 +5,10 @@ One rule (DESIGN §3): each step gives requests tokens so that
 decode and recompute after preemption are all that rule.
 
 Order within a step's token budget (`max_num_batched_tokens`) and sequence cap
-(`max_num_seqs`): running requests that are decoding, then what is left shared
-fairly between tenants (engine/fair_share.py): each tenant's running requests
+(`max_num_seqs`): running requests that are decoding, then what is left (while
+more than one request has work, no more than the engine's step-time target in
+tokens, engine/step_budget.py) shared fairly between tenants
+(engine/fair_share.py): each tenant's running requests
 still prefilling (their next chunk), then its waiting requests by priority, first
 come first served, while the pool keeps a watermark of free blocks. One tenant
 alone (as without API keys) gets the whole budget in that order. When a running
@@ -39,6 +41,7 @@ from kvserve.engine.fair_share import FairShare, tenant_queues
 from kvserve.engine.sample.constrained import with_forced
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput, scheduled_request
+from kvserve.engine.step_budget import prefill_budget
 from kvserve.kv.context_shift import shift_amount
 from kvserve.kv.prefix.hashing import BlockHash
 from kvserve.kv.manager import KVCacheManager
@@ -61,6 +64,9 @@ class Scheduler:
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # prompt tokens served from the cache
         self.fair = FairShare()  # tenants' weights and tokens served
+        # Tokens a step may take while several requests have work (engine/step_budget.py, set by the engine
+        # from its measured steps; None: no cut).
+        self.contended_budget: int | None = None
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -80,6 +86,10 @@ class Scheduler:
             count = self._give_running(request, budget, out, counts)
             self.fair.charge(request.tenant, count)
             budget -= count
+        decodes = set(counts)
+        busy = len(self.running) + len(self.waiting) > 1
+        budget = prefill_budget(budget, self.config.max_num_batched_tokens, self.contended_budget if busy else None,
+                                self.kv.block_size)
         prefilling = [r for r in self.running if not r.is_decoding]
         self.fair.begin_step({r.tenant for r in [*self.running, *self.waiting]})
         queues = tenant_queues(prefilling, self.waiting, lambda r: r.tenant, lambda r: r.priority)
@@ -95,14 +105,14 @@ class Scheduler:
             if not in_flight:
                 loading = [loaded for loaded, _ in self.loading.values()]
                 in_flight.append(blocks_in_flight(self.kv, [*self.running, *loading]))
-            count = self._admit(request, cap, out, counts, in_flight[0])
-            if count and request.num_computed_tokens + count >= request.num_tokens:
-                first_tokens.append(request)
-            return count
+            return self._admit(request, cap, out, counts, in_flight[0])
 
-        first_tokens: list[Request] = []  # admitted to their first token this step
+        def token_out() -> bool:  # a prompt (or its recompute) reaches its last token in this step
+            return any(self.requests[request_id].num_computed_tokens + count >= self.requests[request_id].num_tokens
+                       for request_id, count in counts.items() if request_id not in decodes)
+
         self.fair.share(queues, budget, serve, lambda r: r.num_tokens - r.num_computed_tokens,
-                        refill=lambda: not first_tokens)
+                        refill=lambda: not token_out())
         for request_id, count in counts.items():
             out.scheduled.append(scheduled_request(self.requests[request_id], count, self.kv))
         return out
@@ -197,8 +207,7 @@ class Scheduler:
         return count
 
     def _start_load(self, request: Request, match: PrefixMatch, out: SchedulerOutput) -> bool:
-        """Give a request blocks for its whole match and set it aside until its tier blocks arrive;
-        False (nothing changes) if the pool cannot hold them now."""
+        """Give a request blocks for its whole match and set it aside until its tier blocks arrive (False: no room)."""
         if not self.kv.allocate_slots(request.request_id, match.num_tokens, bool(self.running), prefix=match,
                                       tenant=request.tenant):
             return False
@@ -226,16 +235,10 @@ class Scheduler:
             self.running.append(request)
 
     def _account_prompt(self, request: Request, match: PrefixMatch | None, num_tier_tokens: int = 0) -> None:
-        """On first admission: the prefix-cache counters, and where the prompt left the cache (explained
-        against `match`, if the request's computed tokens are what it says)."""
-        num_hit = request.num_computed_tokens
-        request.num_cached_tokens = num_hit
-        request.num_tier_cached_tokens = num_tier_tokens
+        """On first admission: the prefix-cache counters and the request's own account (`record_hit`)."""
+        record_hit(request, match, self.kv, num_tier_tokens)
         self.prefix_cache_queries += request.num_prompt_tokens
-        self.prefix_cache_hits += num_hit
-        if match is not None and num_hit < request.num_prompt_tokens - 1:
-            request.num_attention_cached_tokens = match.num_attention_tokens  # past num_hit: the state cut it
-            request.prefix_divergence = self.kv.find_divergence(request.all_token_ids, match)
+        self.prefix_cache_hits += request.num_computed_tokens
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -294,6 +297,17 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+
+
+def record_hit(request: Request, match: PrefixMatch | None, kv: KVCacheManager, num_tier_tokens: int) -> None:
+    """A request's prefix-cache outcome on first admission, and where its prompt left the cache (explained
+    against `match`, if the request's computed tokens are what it says)."""
+    num_hit = request.num_computed_tokens
+    request.num_cached_tokens = num_hit
+    request.num_tier_cached_tokens = num_tier_tokens
+    if match is not None and num_hit < request.num_prompt_tokens - 1:
+        request.num_attention_cached_tokens = match.num_attention_tokens  # past num_hit: the state cut it
+        request.prefix_divergence = kv.find_divergence(request.all_token_ids, match)
 
 
 def blocks_in_flight(kv: KVCacheManager, requests: list[Request]) -> set[BlockHash]:

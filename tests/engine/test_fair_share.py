@@ -34,7 +34,30 @@ def test_a_flooding_tenant_does_not_hold_back_anothers_admission():
     b = add(scheduler, "b", 20, "B")
     out = step(scheduler)
     assert b.status is RequestStatus.RUNNING and counts(out)["b"] == 20  # admitted in the first step
-    assert tokens_by_tenant(scheduler, out)["A"] == 44  # the rest of the budget still goes to A
+    # b reaches its first token in this step: A gets its half of the step, not what b left (a short step)
+    assert tokens_by_tenant(scheduler, out)["A"] == 32
+    out = step(scheduler)  # b decodes (1); no first token now: A takes every token the decode left
+    assert tokens_by_tenant(scheduler, out) == {"B": 1, "A": 63}
+
+
+def test_a_prompt_finishing_in_a_later_chunk_keeps_that_step_short_too():
+    scheduler = make_scheduler(num_blocks=512, max_num_batched_tokens=64)
+    add(scheduler, "a0", 400, "A")
+    b = add(scheduler, "b", 40, "B")
+    assert tokens_by_tenant(scheduler, step(scheduler)) == {"A": 32, "B": 32}
+    out = step(scheduler)  # b's last 8 prompt tokens (running): its first token, so A gets its half only
+    assert counts(out)["b"] == 8 and b.num_computed_tokens == 40
+    assert tokens_by_tenant(scheduler, out)["A"] == 32
+
+
+def test_without_a_first_token_what_one_tenant_leaves_goes_to_the_other():
+    scheduler = make_scheduler(num_blocks=512, max_num_batched_tokens=64)
+    add(scheduler, "a0", 400, "A")
+    add(scheduler, "b0", 400, "B")
+    add(scheduler, "c0", 400, "C")
+    scheduler.fair.set_weights({"A": 1.0, "B": 1.0, "C": 2.0})
+    by_tenant = tokens_by_tenant(scheduler, step(scheduler))
+    assert by_tenant == {"A": 16, "B": 16, "C": 32} and sum(by_tenant.values()) == 64
 
 
 def test_prefill_chunks_are_split_evenly_between_two_long_prompts():
