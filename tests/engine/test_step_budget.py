@@ -49,3 +49,22 @@ def test_the_scheduler_cuts_prefill_only_while_several_requests_have_work():
     assert sum(counts(step(scheduler)).values()) == 48  # two with work: the step is cut
     scheduler.contended_budget = None
     assert sum(counts(step(scheduler)).values()) == 256
+
+
+def test_the_engine_measures_its_steps_and_cuts_them_while_several_requests_have_work(tiny_models):
+    from kvserve.config import EngineConfig
+    from kvserve.engine.engine import Engine
+    from kvserve.engine.sample.sampling import SamplingParams
+
+    engine = Engine(EngineConfig(kv_cache_memory="16MiB", max_num_batched_tokens=128, step_target_ms=150),
+                    loaded=tiny_models("llama-gqa"))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request([3 + i % 150 for i in range(100)], params)
+    engine.step()  # alone: no cut, and the step is measured
+    assert engine.step_budget.seconds_per_token is not None
+    engine.step_budget.seconds_per_token = 0.150 / 40  # as if a token took 3.75 ms: 40 tokens fit the target
+    engine.add_request([5 + i % 150 for i in range(180)], params)
+    engine.add_request([7 + i % 150 for i in range(190)], params)
+    engine.step()
+    assert engine.scheduler.contended_budget == 40
+    assert engine.stats().last_step.num_tokens == 40  # one decode and 39 prompt tokens, not 128
