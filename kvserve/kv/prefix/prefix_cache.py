@@ -84,6 +84,8 @@ class PrefixCache:
         self._num_cached: dict[str, int] = {}
         # Per request: blocks from this one on hold shifted K/V (a context shift): never cached under a hash.
         self._cache_limit: dict[str, int] = {}
+        # Requests none of whose blocks a plain key describes (KV compression, kv/compressed_tables.py).
+        self.uncached: set[str] = set()
 
     def longest_hit(self, lookup: GroupLookup, limit: int) -> tuple[tuple[KVBlock | None, ...], ...]:
         """Per group, the blocks of the longest hit of at most `limit` blocks every group can serve."""
@@ -200,14 +202,14 @@ class PrefixCache:
     def pending_block_keys(self, request_id: str, block_hashes: BlockHashChain, end: int) -> set[BlockHash]:
         """Hashes of the request's full blocks up to token `end` not yet computed: what it is about
         to compute and cache. Another request whose next block is among them need not compute it too."""
-        if not self.enable_caching:
+        if not self.enable_caching or request_id in self.uncached:
             return set()
         return set(block_hashes.hashes[self._num_cached.get(request_id, 0) : end // self.block_size])
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], block_hashes: BlockHashChain,
                           num_computed_tokens: int) -> None:
         """Register the request's blocks that are now full and computed, so later requests can share them."""
-        if not self.enable_caching:
+        if not self.enable_caching or request_id in self.uncached:
             return
         length = len(self.groups[0].tables.get(request_id, ()))
         done = self._num_cached.get(request_id, 0)
