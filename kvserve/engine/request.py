@@ -62,7 +62,7 @@ class Request:
         # KV compression (issue 43): the engine's resolved spec and the prompt's chunk geometry (None: off). Its
         # block keys chain the spec too, so it never reads a plain request's blocks.
         self.kv_compression = kv_compression
-        self.compression: ChunkPolicy | None = None
+        self._compression: ChunkPolicy | None = None
         if kv_compression is not None and block_size is not None:
             cache_salt = f"{cache_salt or ''}\x00kv_compression:{kv_compression.key()}"
         self._hash_salt = cache_salt
@@ -100,6 +100,15 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def compression(self) -> ChunkPolicy | None:
+        """The prompt's chunk geometry under KV compression (None: off); set once, by the engine."""
+        return self._compression
+
+    @compression.setter
+    def compression(self, policy: ChunkPolicy | None) -> None:
+        self._compression = self.block_hashes.compression = policy
 
     def compression_stop(self, start: int, count: int) -> int:
         """Tokens a step computing from `start` may take (at most `count`): it stops at the end of a chunk KV

@@ -90,6 +90,22 @@ class CompressedRequests:
             return []
         return list(range(self._done.get(request_id, 0), policy.chunks_before(num_tokens)))
 
+    def claim(self, request_id: str, num_hit_tokens: int) -> None:
+        """The request starts from a prefix hit of `num_hit_tokens` (0: none): the chunks wholly in it are
+        compressed already (a hit on a compressed chunk is on all of its kept blocks)."""
+        self.reset(request_id)
+        if num_hit_tokens and request_id in self.policies:
+            self._done[request_id] = self.policies[request_id].chunks_before(num_hit_tokens + 1)
+
+    def final_slots(self, request_id: str, num_computed_tokens: int, block_size: int) -> int:
+        """Blocks of the request's table whose K/V are final (what the prefix cache may register): the kept
+        blocks of its compressed chunks, then, once no chunk waits to be compressed, its computed full blocks."""
+        policy, done = self.policies[request_id], self._done.get(request_id, 0)
+        kept = done * policy.budget // block_size
+        if done < policy.num_chunks:
+            return kept  # the chunk being computed is rewritten in place when it is compressed
+        return kept + max(num_computed_tokens - done * policy.chunk, 0) // block_size
+
     def compacted(self, request_id: str, compaction: Compaction) -> None:
         self._done[request_id] = compaction.chunk_index + 1
         self._pending.setdefault(request_id, []).append(compaction)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kvserve.errors import KVIntegrityError
 from kvserve.kv.compressed_chunks import ChunkPolicy, Compaction
+from kvserve.kv.manager_integrity import check_request_tables
 
 
 class CompressedTables:
@@ -20,11 +21,9 @@ class CompressedTables:
         if self.group_windows != (None,) or self.states is not None:
             raise ValueError("KV compression applies to full-attention models (one group, no window or state)")
         self.compressed.policies[request_id] = policy
-        self.prefix.uncached.add(request_id)  # its blocks hold compressed chunks, or K/V computed over them
 
     def forget_compression(self, request_id: str) -> None:
         self.compressed.forget(request_id)
-        self.prefix.uncached.discard(request_id)
 
     def dropped_tokens(self, request_id: str) -> int:
         """Tokens compression took out of the request's tables: its slot of position p is p - this."""
@@ -34,12 +33,21 @@ class CompressedTables:
         """The compactions planned for the request since the last call: the runner moves their K/V."""
         return self.compressed.take(request_id)
 
-    def _compact_due(self, request_id: str, num_tokens: int) -> int:
+    def check_tables(self, request_id: str, num_computed_tokens: int) -> None:
+        """A running request's tables (and state) fit its computed tokens, in slots (kv/manager_integrity.py)."""
+        check_request_tables(self, request_id, num_computed_tokens - self.compressed.dropped(request_id))
+
+    def _compact_due(self, request_id: str, num_tokens: int, prefix) -> int:
         """Compact the chunks due before the request's tables cover `num_tokens` tokens (they free blocks only,
-        so they are done whether or not the rest fits); returns the tokens dropped from its tables."""
+        so they are done whether or not the rest fits); a request that holds nothing yet starts from its
+        `prefix` hit (PrefixMatch, or None). Returns the tokens dropped from its tables."""
+        if request_id not in self.compressed:
+            return 0
         if self.groups[0].tables.get(request_id):
             for chunk_index in self.compressed.due(request_id, num_tokens):
                 self._compact(request_id, chunk_index)
+        else:
+            self.compressed.claim(request_id, prefix.num_tokens if prefix is not None else 0)
         return self.compressed.dropped(request_id)
 
     def _compact(self, request_id: str, chunk_index: int) -> None:

@@ -27,7 +27,7 @@ from kvserve.kv.prefix.pins import PinStats, PinTable
 from kvserve.kv.prefix.prefix_cache import Divergence, PrefixCache, PrefixMatch
 from kvserve.kv.tiers.connector import TierConnector, TierLoad
 from kvserve.kv.groups.window import SlidingWindowManager
-from kvserve.kv.manager_integrity import check_manager_integrity, check_request_tables
+from kvserve.kv.manager_integrity import check_manager_integrity
 from kvserve.kv.state.manager import RecurrentStates, StateStats, StateStep
 
 
@@ -54,13 +54,14 @@ class KVCacheManager(CompressedTables):
             else SlidingWindowManager(self.pool, block_size, group, window)
             for group, window in enumerate(self.group_windows))
         self._windowed = tuple(group for group in self.groups if not group.keeps_whole_chains)
-        self.prefix = PrefixCache(self.pool, block_size, enable_caching, self.groups, self.states)
+        self.compressed = CompressedRequests()  # requests whose tables hold slots (kv/compressed_tables.py)
+        self.prefix = PrefixCache(self.pool, block_size, enable_caching, self.groups, self.states, self.compressed)
         self._cut_parts = (*self.groups, *([self.states] if self.states is not None else []))  # agree on a cut
         # Admissions keep this many blocks free, so running requests can grow before anyone is preempted.
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 and num_blocks > 1 else 0
         # Cache breakpoints with a TTL (kv/prefix/pins.py): evicted last, within a share of the pool.
         self.pins = PinTable(self.pool, int(max_pinned_fraction * num_blocks), clock)
-        self._updates, self.compressed = BlockTableUpdates(), CompressedRequests()  # kv/compressed_tables.py
+        self._updates = BlockTableUpdates()
 
     @property
     def num_blocks(self) -> int:
@@ -136,7 +137,7 @@ class KVCacheManager(CompressedTables):
         `prefix` (only for a request that holds no blocks) shares the matched pool blocks instead; the
         blocks of its tier part are fresh ones, the request's own while they are loaded. New blocks count
         against `tenant`'s share, which decides whose cached blocks they may evict (kv/pool/tenant_quota.py)."""
-        num_tokens -= self._compact_due(request_id, num_tokens)  # in slots from here on
+        num_tokens -= self._compact_due(request_id, num_tokens, prefix)  # in slots from here on
         length = len(self.groups[0].tables.get(request_id, ()))
         hit = prefix if prefix is not None and not length and prefix.num_tokens else None
         if hit is not None:
@@ -176,7 +177,7 @@ class KVCacheManager(CompressedTables):
         Returns the tokens the tables now cover: `num_tokens`, unless the cut falls inside a block other
         requests share (then that block's start) or before blocks a window freed (then 0); the caller
         recomputes from there. A compressing request counts in slots (only its decode tail is ever cut)."""
-        num_tokens -= (dropped := self.compressed.dropped(request_id))
+        num_tokens -= (offset := self.compressed.dropped(request_id))
         if not 0 <= num_tokens <= (held := len(self.groups[0].tables.get(request_id, ())) * self.block_size):
             raise ValueError(f"cannot truncate request {request_id} to {num_tokens} tokens: its tables hold "
                              f"{held}")
@@ -190,7 +191,7 @@ class KVCacheManager(CompressedTables):
             if dropped:
                 self.pool.free(reversed(dropped))
                 self._updates.changed(request_id)
-        return kept + dropped
+        return kept + offset
 
     def state_step(self, request_id: str, start: int, count: int, num_speculative: int) -> StateStep | None:
         """A hybrid model's state slots for a step (kv/state/manager.py); None for other models."""
@@ -277,7 +278,3 @@ class KVCacheManager(CompressedTables):
     def check_integrity(self) -> None:
         """Block and state accounting hold (kv/manager_integrity.py); raises KVIntegrityError otherwise."""
         check_manager_integrity(self)
-
-    def check_tables(self, request_id: str, num_computed_tokens: int) -> None:
-        """A running request's tables (and state) fit its computed tokens (kv/manager_integrity.py)."""
-        check_request_tables(self, request_id, num_computed_tokens - self.compressed.dropped(request_id))

@@ -149,3 +149,40 @@ def test_refused_at_startup_with_the_reason(tiny_models, overrides, message):
     config.update(overrides)
     with pytest.raises(ConfigError, match=message):
         Engine(EngineConfig(**config), loaded=tiny_models("llama-gqa"))
+
+
+def test_a_second_request_reuses_the_compressed_blocks_and_answers_the_same(tiny_models):
+    loaded = tiny_models("llama-gqa")
+    tokens = prompt(60, seed=5)
+    cold = run(engine_with(loaded, spec()), tokens)
+    engine = engine_with(loaded, spec())
+    first = run(engine, tokens)
+    second = run(engine, tokens[:56] + prompt(8, seed=6))  # the same 3 compressed chunks, another tail
+    again = run(engine, tokens)
+    assert first[:2] == cold[:2] == again[:2]  # a hit changes the cost, never the answer
+    assert second[2].num_cached_tokens == 3 * CHUNK + 8 - 0  # 3 chunks' kept blocks, then tail blocks to 56
+    assert again[2].num_cached_tokens == 56  # everything but the last block (the last token is computed)
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+    # Cold for the second prompt: the same answer as through the cache.
+    assert run(engine_with(loaded, spec()), tokens[:56] + prompt(8, seed=6))[:2] == second[:2]
+
+
+@pytest.mark.parametrize("other", [None, spec(ratio=4.0), spec(method="keydiff")])
+def test_another_spec_or_none_never_reads_compressed_blocks(tiny_models, other):
+    loaded = tiny_models("llama-gqa")
+    tokens = prompt(60, seed=7)
+    engine = engine_with(loaded, spec())
+    run(engine, tokens)
+    engine.compression.default = other
+    _, _, final = run(engine, tokens)
+    assert final.num_cached_tokens == 0
+
+
+def test_a_plain_request_cached_first_is_not_read_by_a_compressing_one(tiny_models):
+    loaded = tiny_models("llama-gqa")
+    tokens = prompt(60, seed=8)
+    engine = engine_with(loaded, None)
+    run(engine, tokens)
+    engine.compression.default = spec()
+    _, _, final = run(engine, tokens)
+    assert final.num_cached_tokens == 0
