@@ -73,6 +73,7 @@ class CompressedRequests:
         self.policies: dict[str, ChunkPolicy] = {}
         self._done: dict[str, int] = {}
         self._pending: dict[str, list[Compaction]] = {}
+        self.num_dropped_tokens = 0  # monotonic: tokens every compaction took out of the pool (stats)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.policies
@@ -108,6 +109,7 @@ class CompressedRequests:
 
     def compacted(self, request_id: str, compaction: Compaction) -> None:
         self._done[request_id] = compaction.chunk_index + 1
+        self.num_dropped_tokens += self.policies[request_id].dropped_per_chunk
         self._pending.setdefault(request_id, []).append(compaction)
 
     def take(self, request_id: str) -> tuple[Compaction, ...]:
