@@ -186,3 +186,18 @@ def test_a_plain_request_cached_first_is_not_read_by_a_compressing_one(tiny_mode
     engine.compression.default = spec()
     _, _, final = run(engine, tokens)
     assert final.num_cached_tokens == 0
+
+
+def test_preempted_compressing_requests_answer_as_they_would_alone(tiny_models):
+    # A pool too small for three at once: requests are preempted mid-prefill or mid-decode and come back through
+    # their own cached compressed blocks (or recompute them), with the same tokens as alone.
+    loaded = tiny_models("llama-gqa")
+    page_bytes = engine_with(loaded, None).kv_spec.page_bytes(BS)
+    prompts = [prompt(60, seed=20 + i) for i in range(3)]
+    alone = [run(engine_with(loaded, spec()), tokens, greedy(12))[0] for tokens in prompts]
+    engine = engine_with(loaded, spec(), kv_cache_memory=page_bytes * 26, max_num_batched_tokens=24)
+    ids = [engine.add_request(tokens, greedy(12)) for tokens in prompts]
+    finals = run_to_finals(engine)
+    assert engine.scheduler.num_preemptions > 0
+    assert [list(finals[i].outputs[0].token_ids) for i in ids] == alone
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
