@@ -1,7 +1,7 @@
 """A compressed chunk's K/V moved within the paged pool: per layer and KV head, the kept rows packed into the chunk's
 first blocks (kv/compressed_chunks.py plans which; the runner calls this between a forward and the next).
 
-Scores read the chunk's keys as the pool holds them, decoded to float32 (float, int8, fp8 and per-row int4 caches
+Scores read the chunk's keys as the pool holds them, decoded to float32 (float, int8, fp8 and int8/int4 caches
 alike), so the kept set is a function of the chunk's stored K/V. The rows themselves move as stored bytes (data and
 per-row parameters), never decoded and re-encoded: a kept token is the same bits before and after, and a chunk
 that keeps every token is the very cache it was. A blockwise codec (parameters per block) cannot move rows that

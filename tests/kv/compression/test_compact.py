@@ -23,7 +23,7 @@ def cache_of(dtype, num_layers=2):
     return cache
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", ["float32", "int8", "fp8_e4m3", "int8/int4"])
 @pytest.mark.parametrize("chunk_index", [0, 1])
 def test_kept_rows_are_the_stored_rows_of_gather_kept(dtype, chunk_index):
     cache = cache_of(dtype)
