@@ -38,7 +38,7 @@ class EngineSupport:
             (self.shared_layers, "layers that share or pack their K/V (Gemma 4) store rows that compaction "
                                  "cannot move per layer"),
             (self.blockwise_codec, "this cache dtype encodes whole blocks (int4 keys per channel): choose a "
-                                   "per-row dtype (auto, float16, int8, fp8)"),
+                                   "per-row dtype (auto, float16, int8, fp8, int8/int4)"),
             (self.explicit_drafting, "speculative decoding would verify drafts over compressed slots, not "
                                      "supported yet: use --speculative off or auto (auto does not draft "
                                      "compressing requests)"),
