@@ -22,8 +22,8 @@ AUTO_METHOD = "expected_attention"
 # which depend on that chunking (a cache hit would change the answer): the bench runs it, the engine refuses it.
 ENGINE_METHODS = ("streaming", "knorm", "keydiff")
 # What `auto` resolves to in the engine, by bench/kv_compression.py on SmolLM2-135M (2,048-token prefixes): Knorm's
-# perplexity change is lower than KeyDiff's at 2x (+3.69% against +5.15%) and at 4x, and both retrieve the passkey
-# 5 of 5 at 2x; StreamingLLM (+1.44% at 2x) keeps only the recent tail and retrieved 2 of 5.
+# perplexity change is lower than KeyDiff's at 2x (+3.69% against +5.15%) and 4x (+7.41% against +9.58%), and both
+# retrieve the passkey 5 of 5 at 2x; StreamingLLM (+1.44% at 2x) keeps only the recent tail and retrieved 2 of 5.
 ENGINE_AUTO_METHOD = "knorm"
 # Tokens per canonical chunk (a multiple of the block size): chunk k is prompt tokens [k * chunk, (k + 1) * chunk),
 # compressed as soon as it is computed, so a request's kept tokens are the same cold and cached.
