@@ -1,6 +1,6 @@
 """What question-agnostic KV compression costs: a continuation scored after a compressed prefix of real text.
 
-An experiment on the attention math, not the engine (the engine does not compress yet, issue 43). For each
+An experiment on the attention math, not the engine (bench/kv_compression_engine.py runs the engine). For each
 text window (Python Language Reference prose, as bench/kv_quant_accuracy.py, repeated paragraphs dropped): one contiguous forward of a
 --prefix-token prompt captures every layer's K/V and its last --query-window queries; each method compresses
 each layer per KV head (kvserve.kv.compression) at each ratio; then the next --continuation tokens run as one

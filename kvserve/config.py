@@ -356,6 +356,11 @@ class EngineConfig:
     num_speculative_tokens: int = field(default=8, metadata=engine_arg(
         "most tokens drafted per request per step with {speculative} (each request's k adapts below it)",
         check=positive_int))
+    kv_compression: str | None = field(default=None, metadata=engine_arg(
+        "compress each request's prompt KV cache as METHOD:RATIO (streaming, knorm, keydiff, or auto = knorm; e.g. "
+        "knorm:2): every 512-token chunk the prompt goes on past keeps ceil(512 / RATIO) tokens per layer and KV "
+        "head (whole blocks), chosen from its keys; full-attention models; a request's kv_compression overrides it "
+        "(\"none\": off)"))
 
     def __post_init__(self) -> None:
         check_fields(self)

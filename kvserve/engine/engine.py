@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvserve.config import EngineConfig
+from kvserve.engine.compression import RequestCompression
 from kvserve.engine.breakpoints import PendingBreakpoints, check_breakpoints
 from kvserve.engine.sample.constrained import ConstrainedRequests
 from kvserve.engine.spec_decode.drafting import Proposer
@@ -76,6 +77,7 @@ class Engine:
         self.constrained = ConstrainedRequests(self.loaded.tokenizer, self.loaded.config.vocab_size,
                                                self.max_model_len, self.config.max_num_batched_tokens)
         self.drafting = build_drafting(self.config, self.max_model_len, proposer, num_speculative_tokens)
+        self.compression = RequestCompression(self.config, self.kv_spec, self.loaded.model.has_recurrent_state)
         # Where each step's drafts went in the cache, for the lab's map (drafting on only).
         self.draft_slots = DraftSlotLog(self.kv_manager) if self.drafting is not None else None
         self.snapshots = SnapshotKeeper(self.scheduler, self.tiering,
@@ -113,13 +115,17 @@ class Engine:
         self.limits.validate(token_ids, params)
         check_breakpoints(pins, len(token_ids))
         matcher = self.constrained.new_matcher(params)  # compiles (or finds it cached): may refuse
+        kv_compression = self.compression.for_request(params)  # may refuse
         self.outputs.add(request_id, params)  # the last check that can refuse: nothing to undo before it
         request = Request(request_id, token_ids, params, prompt=text, cache_salt=cache_salt,
                           block_size=self.config.block_size if self.prefix_caching else None, tenant=tenant,
-                          priority=priority)
+                          priority=priority, kv_compression=kv_compression)
+        request.compression = self.compression.policy(kv_compression, len(token_ids))
+        if request.compression is not None:
+            self.kv_manager.set_compression(request_id, request.compression)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
-        self.runner.add_request(request_id, params, token_ids, matcher)
+        self.runner.add_request(request_id, params, token_ids, matcher, kv_compression)
         self.constrained.add(request_id, matcher)
         self.scheduler.add(request)
         if self.prefix_caching:
@@ -136,6 +142,7 @@ class Engine:
         """Raise InvalidRequestError if `add_request` would refuse these; safe from any thread. A structured
         outputs spec is compiled here (bounded in time, then cached, so the add finds it ready)."""
         self.limits.validate(token_ids, params)
+        self.compression.for_request(params)
         self.constrained.compile(params)
 
     def step(self) -> list[RequestDelta]:
@@ -204,6 +211,7 @@ class Engine:
         """End a request wherever it is (finished, failed or aborted): its blocks go back to the pool and
         every piece of per-request state is dropped. Returns its final delta."""
         self.scheduler.finish(request, reason)
+        self.kv_manager.forget_compression(request.request_id)
         if self.drafting is not None:
             self.drafting.finish(request, reason)
         delta = self.outputs.delta(request, list(new_token_ids), error)

@@ -6,6 +6,8 @@ import enum
 
 from kvserve.engine.output.types import RequestMetrics, TokenLogprob
 from kvserve.engine.sample.sampling import SamplingParams
+from kvserve.kv.compressed_chunks import ChunkPolicy
+from kvserve.kv.compression.spec import CompressionSpec
 from kvserve.kv.prefix.hashing import BlockHashChain
 
 
@@ -39,6 +41,7 @@ class Request:
         block_size: int | None = None,
         tenant: str | None = None,
         priority: int = 0,
+        kv_compression: CompressionSpec | None = None,
     ) -> None:
         self.request_id = request_id
         # Who sent it (the server's id of its API key; None: anonymous), for the scheduler's fair share, and
@@ -56,6 +59,13 @@ class Request:
         self.kv_blocks_held = 0  # blocks held when it finished (for reporting)
         self.finish_reason: str | None = None
         self.cache_salt = cache_salt
+        # KV compression (issue 43): the engine's resolved spec and the prompt's chunk geometry (None: off). Its
+        # block keys chain the spec too, so it never reads a plain request's blocks.
+        self.kv_compression = kv_compression
+        self._compression: ChunkPolicy | None = None
+        if kv_compression is not None and block_size is not None:
+            cache_salt = f"{cache_salt or ''}\x00kv_compression:{kv_compression.key()}"
+        self._hash_salt = cache_salt
         self.block_hashes = BlockHashChain(block_size, cache_salt)
         self.block_hashes.extend(self.all_token_ids)
         self._output_token_ids: list[int] = []
@@ -92,6 +102,25 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def compression(self) -> ChunkPolicy | None:
+        """The prompt's chunk geometry under KV compression (None: off); set once, by the engine."""
+        return self._compression
+
+    @compression.setter
+    def compression(self, policy: ChunkPolicy | None) -> None:
+        self._compression = self.block_hashes.compression = policy
+
+    def compression_stop(self, start: int, count: int) -> int:
+        """Tokens a step computing from `start` may take (at most `count`): it stops at the end of a chunk KV
+        compression compresses, which the runner compresses before any later token is computed."""
+        return count if self.compression is None else self.compression.stop(start, count)
+
+    @property
+    def num_dropped_prompt_tokens(self) -> int:
+        """Prompt tokens KV compression dropped from the cache so far (0 without compression)."""
+        return 0 if self.compression is None else self.compression.dropped(self.num_computed_tokens)
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self._output_token_ids
 
@@ -125,7 +154,7 @@ class Request:
         computed = self.num_computed_tokens
         self.num_computed_tokens = computed if computed <= keep else max(computed - drop, keep)
         self.num_shifted_tokens += drop
-        self.block_hashes = BlockHashChain(self.block_hashes.block_size, self.cache_salt)
+        self.block_hashes = BlockHashChain(self.block_hashes.block_size, self._hash_salt)
         self.block_hashes.extend(self.all_token_ids)
 
     def record_prompt_logprobs(self, first: int, entries: list[TokenLogprob]) -> None:

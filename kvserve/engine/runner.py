@@ -24,6 +24,8 @@ from kvserve.kv.attention import AttentionBackend, SequenceSlice
 from kvserve.kv.context_shift import ShiftPlan, TokenMoves
 from kvserve.kv.cache.packing import pack_tokens, unpack_tokens
 from kvserve.kv.cache.storage import PagedKVCache
+from kvserve.kv.compression.compact import compact_chunk
+from kvserve.kv.compression.spec import CompressionSpec
 from kvserve.kv.state.context import StateSequence
 from kvserve.kv.state.storage import StateCache
 from kvserve.kv.tiers.connector import LoadResult, TierConnector, TierLoad
@@ -67,13 +69,17 @@ class ModelRunner:
         # Per request, per KV group: its block table, kept across steps and changed by each step's updates.
         self._block_tables: dict[str, list[list[int]]] = {}
         self.tier_reader = TierReader(tiers) if tiers is not None else None
+        self._compression: dict[str, CompressionSpec] = {}  # compressing requests' resolved specs
 
     def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int],
-                    matcher: GrammarMatcher | None = None) -> None:
+                    matcher: GrammarMatcher | None = None, kv_compression: CompressionSpec | None = None) -> None:
         self.acceptor.add_request(request_id, params, prompt_token_ids, matcher)
+        if kv_compression is not None:
+            self._compression[request_id] = kv_compression
 
     def remove_request(self, request_id: str) -> None:
         self.acceptor.remove_request(request_id)
+        self._compression.pop(request_id, None)
         self._block_tables.pop(request_id, None)
         if self.tier_reader is not None:
             self.tier_reader.cancel(request_id)  # its blocks go back to the pool: nothing may land in them
@@ -126,6 +132,9 @@ class ModelRunner:
         self.kv_cache.initialize_blocks_through(newest)
         for _, plan in out.shifts:  # before the forward writes into any block a shift freed
             self.apply_shift(plan)
+        for item in out.scheduled:  # chunks the last forward completed, before any later token is computed
+            for compaction in item.compactions:
+                compact_chunk(self.attention, self.kv_cache, compaction, self._compression[item.request_id])
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step (after `begin_step`): the accepted tokens of every request that reached its last token."""
@@ -189,7 +198,9 @@ class ModelRunner:
             start = item.num_computed_tokens + offset
             inputs.input_ids.extend(item.token_ids[offset : offset + count])
             inputs.positions.append(torch.arange(start, start + count, device=self.device))
-            inputs.slices.append(SequenceSlice(self._block_tables[item.request_id], start, count))
+            # Tables hold slots: a compressing request's tokens sit `num_dropped_tokens` before their positions.
+            inputs.slices.append(SequenceSlice(self._block_tables[item.request_id], start - item.num_dropped_tokens,
+                                               count))
             rows.setdefault(item.request_id, []).extend(range(first_row, first_row + count))
             if offset + count < len(item.token_ids):
                 continue  # more of this request's tokens follow in the next units

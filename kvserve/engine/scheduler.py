@@ -129,7 +129,8 @@ class Scheduler:
         remaining = request.num_tokens - request.num_computed_tokens
         if request.draft_token_ids and (remaining != 1 or len(request.draft_token_ids) >= budget):
             request.draft_token_ids = []  # drafts ride on a decode, and only whole
-        count = with_forced(request, min(remaining, budget), remaining, budget)
+        count = request.compression_stop(request.num_computed_tokens,
+                                         with_forced(request, min(remaining, budget), remaining, budget))
         if count == 0:
             return 0  # its last token waits for room for its forced tokens
         count += len(request.draft_token_ids)
@@ -181,8 +182,8 @@ class Scheduler:
                                                         request.num_prompt_tokens)
                 return 0  # it computes nothing this step
         num_hit = match.num_tokens if match is not None else 0
-        count = with_forced(request, min(request.num_tokens - num_hit, budget), request.num_tokens - num_hit,
-                            budget)
+        count = request.compression_stop(num_hit, with_forced(
+            request, min(request.num_tokens - num_hit, budget), request.num_tokens - num_hit, budget))
         if count == 0:
             return None  # it waits for a step with room for its forced tokens
         # Room kept: the watermark (for running requests to grow) and the other tenants' shares.

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.engine.request import Request
+from kvserve.kv.compressed_chunks import Compaction
 from kvserve.kv.pool.block_updates import BlockTableUpdate
 from kvserve.kv.context_shift import ShiftPlan
 from kvserve.kv.manager import KVCacheManager
@@ -29,6 +30,10 @@ class ScheduledRequest:
     forced_token_ids: tuple[int, ...] = ()
     draft_token_ids: tuple[int, ...] = ()
     state: StateStep | None = None  # a hybrid model's recurrent-state slots for this step (opaque ids)
+    # KV compression (kv/compressed_chunks.py): chunks to compress before the forward, and the tokens compression
+    # has dropped from the request's tables once they are (its slot of position p is p - num_dropped_tokens).
+    compactions: tuple[Compaction, ...] = ()
+    num_dropped_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -75,4 +80,6 @@ def scheduled_request(request: Request, count: int, kv: KVCacheManager) -> Sched
         forced_token_ids=forced,
         draft_token_ids=drafts,
         state=kv.state_step(request.request_id, start, count, len(forced) + len(drafts)),
+        compactions=kv.take_compactions(request.request_id),
+        num_dropped_tokens=kv.dropped_tokens(request.request_id),
     )

@@ -17,6 +17,8 @@ from kvserve.arith import cdiv
 from kvserve.errors import KVIntegrityError
 from kvserve.kv.pool.block_pool import BlockPool
 from kvserve.kv.pool.block_updates import BlockTableUpdate, BlockTableUpdates, table_ids
+from kvserve.kv.compressed_chunks import CompressedRequests
+from kvserve.kv.compressed_tables import CompressedTables
 from kvserve.kv.context_shift import ShiftPlan, plan_shift
 from kvserve.kv.groups.full import FullAttentionManager
 from kvserve.kv.groups.group_manager import GroupManager
@@ -25,11 +27,11 @@ from kvserve.kv.prefix.pins import PinStats, PinTable
 from kvserve.kv.prefix.prefix_cache import Divergence, PrefixCache, PrefixMatch
 from kvserve.kv.tiers.connector import TierConnector, TierLoad
 from kvserve.kv.groups.window import SlidingWindowManager
-from kvserve.kv.manager_integrity import check_manager_integrity, check_request_tables
+from kvserve.kv.manager_integrity import check_manager_integrity
 from kvserve.kv.state.manager import RecurrentStates, StateStats, StateStep
 
 
-class KVCacheManager:
+class KVCacheManager(CompressedTables):
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_caching: bool = False,
                  max_pinned_fraction: float = 0.5, clock: Callable[[], float] | None = None,
                  group_windows: Sequence[int | None] = (None,), tiers: TierConnector | None = None,
@@ -52,10 +54,10 @@ class KVCacheManager:
             else SlidingWindowManager(self.pool, block_size, group, window)
             for group, window in enumerate(self.group_windows))
         self._windowed = tuple(group for group in self.groups if not group.keeps_whole_chains)
-        self.prefix = PrefixCache(self.pool, block_size, enable_caching, self.groups, self.states)
+        self.compressed = CompressedRequests()  # requests whose tables hold slots (kv/compressed_tables.py)
+        self.prefix = PrefixCache(self.pool, block_size, enable_caching, self.groups, self.states, self.compressed)
         self._cut_parts = (*self.groups, *([self.states] if self.states is not None else []))  # agree on a cut
-        # Admissions keep this many blocks free, so running requests can grow
-        # a little before anyone has to be preempted.
+        # Admissions keep this many blocks free, so running requests can grow before anyone is preempted.
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 and num_blocks > 1 else 0
         # Cache breakpoints with a TTL (kv/prefix/pins.py): evicted last, within a share of the pool.
         self.pins = PinTable(self.pool, int(max_pinned_fraction * num_blocks), clock)
@@ -135,6 +137,7 @@ class KVCacheManager:
         `prefix` (only for a request that holds no blocks) shares the matched pool blocks instead; the
         blocks of its tier part are fresh ones, the request's own while they are loaded. New blocks count
         against `tenant`'s share, which decides whose cached blocks they may evict (kv/pool/tenant_quota.py)."""
+        num_tokens -= self._compact_due(request_id, num_tokens, prefix)  # in slots from here on
         length = len(self.groups[0].tables.get(request_id, ()))
         hit = prefix if prefix is not None and not length and prefix.num_tokens else None
         if hit is not None:
@@ -173,7 +176,8 @@ class KVCacheManager:
         content is still what the hash says), and a cached block the cut falls inside leaves the cache.
         Returns the tokens the tables now cover: `num_tokens`, unless the cut falls inside a block other
         requests share (then that block's start) or before blocks a window freed (then 0); the caller
-        recomputes from there."""
+        recomputes from there. A compressing request counts in slots (only its decode tail is ever cut)."""
+        num_tokens -= (offset := self.compressed.dropped(request_id))
         if not 0 <= num_tokens <= (held := len(self.groups[0].tables.get(request_id, ())) * self.block_size):
             raise ValueError(f"cannot truncate request {request_id} to {num_tokens} tokens: its tables hold "
                              f"{held}")
@@ -187,7 +191,7 @@ class KVCacheManager:
             if dropped:
                 self.pool.free(reversed(dropped))
                 self._updates.changed(request_id)
-        return kept
+        return kept + offset
 
     def state_step(self, request_id: str, start: int, count: int, num_speculative: int) -> StateStep | None:
         """A hybrid model's state slots for a step (kv/state/manager.py); None for other models."""
@@ -264,6 +268,7 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Return all of a request's blocks (tail first) and forget it. Freeing an unknown id is a no-op."""
         self.prefix.forget(request_id)
+        self.compressed.reset(request_id)
         if self.states is not None:
             self.states.free(request_id)
         self._updates.changed(request_id)
@@ -273,7 +278,3 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Block and state accounting hold (kv/manager_integrity.py); raises KVIntegrityError otherwise."""
         check_manager_integrity(self)
-
-    def check_tables(self, request_id: str, num_computed_tokens: int) -> None:
-        """A running request's tables (and state) fit its computed tokens (kv/manager_integrity.py)."""
-        check_request_tables(self, request_id, num_computed_tokens)

@@ -102,6 +102,7 @@ class EngineStats:
     tier: TierStats | None = None  # the lower KV tier (disk), if there is one
     pins: PinStats | None = None  # pinned prefixes (cache breakpoints with a TTL)
     num_context_shifts: int = 0  # monotonic: sequences shifted past the context (--context-overflow shift)
+    num_compressed_tokens: int = 0  # monotonic: prompt tokens KV compression dropped from the pool (issue 43)
     last_step: StepWork = StepWork()  # what the last step that ran a batch computed
     blocks: BlockView | None = None  # the pool block by block, as of blocks.num_steps (only once asked for)
     spec_decode: SpecDecodeStats | None = None  # drafts and acceptances (None: speculative decoding off)
@@ -157,7 +158,7 @@ def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int, 
         num_used_blocks=kv.num_blocks - num_free, num_free_blocks=num_free, num_cached_blocks=kv.num_cached_blocks,
         num_cached_free_blocks=kv.num_cached_free_blocks, prefix_cache_queries=scheduler.prefix_cache_queries,
         prefix_cache_hits=scheduler.prefix_cache_hits, num_preemptions=scheduler.num_preemptions,
-        num_context_shifts=scheduler.num_context_shifts,
+        num_context_shifts=scheduler.num_context_shifts, num_compressed_tokens=kv.compressed.num_dropped_tokens,
         num_steps=num_steps, num_generated_tokens=num_generated_tokens,
         running=tuple(request_stats(r, kv) for r in scheduler.running),
         waiting=tuple(request_stats(r, kv) for r in [*(r for r, _ in scheduler.loading.values()), *scheduler.waiting]),

@@ -136,6 +136,7 @@ class OutputProcessor:
             request.request_id, request.prompt, request.prompt_token_ids, new_token_ids,
             tracker.take_delta() if tracker is not None else "", request.finish_reason, request.finished,
             request.metrics, num_cached_tokens=request.num_cached_tokens or 0,
+            num_dropped_tokens=request.num_dropped_prompt_tokens,
             kv_cache_bytes=self._held_bytes(request), prefix_cache=self._prefix_report(request),
             new_logprobs=new_logprobs, new_prompt_logprobs=new_prompt_logprobs, error=error,
         )

@@ -122,6 +122,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_dropped_tokens: int = 0  # prompt tokens KV compression dropped from the cache (issue 43)
     kv_cache_bytes: int = 0  # KV memory the request held when it finished
     prefix_cache: PrefixCacheReport | None = None  # once admitted
     # With prompt_logprobs: None for the first prompt token, then one per token.
@@ -164,6 +165,7 @@ class RequestDelta:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_dropped_tokens: int = 0  # prompt tokens KV compression dropped from the cache so far
     kv_cache_bytes: int = 0  # KV memory the request holds now (when finished: held when it finished)
     prefix_cache: PrefixCacheReport | None = None  # once admitted
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
@@ -212,7 +214,8 @@ class RequestOutputAssembler:
         completion = CompletionOutput(0, "".join(acc.text_pieces), acc.token_ids, delta.finish_reason, acc.logprobs)
         return RequestOutput(
             delta.request_id, delta.prompt, delta.prompt_token_ids, [completion], True, delta.metrics,
-            num_cached_tokens=delta.num_cached_tokens, kv_cache_bytes=delta.kv_cache_bytes,
+            num_cached_tokens=delta.num_cached_tokens, num_dropped_tokens=delta.num_dropped_tokens,
+            kv_cache_bytes=delta.kv_cache_bytes,
             prefix_cache=delta.prefix_cache, prompt_logprobs=acc.prompt_logprobs, error=delta.error,
         )
 

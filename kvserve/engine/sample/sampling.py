@@ -52,6 +52,8 @@ class SamplingParams:
     # Constrain the output to a JSON schema / regex / choice / grammar (kvserve/structured); the logprobs
     # above stay the raw model's, before the grammar's mask (as vLLM's default).
     structured_outputs: StructuredOutputsParams | None = None
+    # KV compression for this request (issue 43): "METHOD:RATIO" or "none", over the engine's --kv-compression.
+    kv_compression: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +71,9 @@ class SamplingParams:
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        if self.kv_compression is not None and not isinstance(self.kv_compression, str):
+            fail(f"kv_compression must be a string (METHOD:RATIO or none), got {self.kv_compression!r}",
+                 "kv_compression")
         if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             fail(f"temperature must be >= 0 and <= {MAX_TEMPERATURE:g}, got {self.temperature!r}", "temperature")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:

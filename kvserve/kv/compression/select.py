@@ -43,13 +43,18 @@ def protected_mask(num_tokens: int, budget: int, sinks: int, window: int) -> tor
 
 def keep_indices(scores: torch.Tensor, spec: CompressionSpec) -> torch.Tensor:
     """Scores `[KVH, T]` (higher kept) -> indices `[KVH, K]`, ascending, K = spec.budget(T) for every head."""
+    return keep_top(scores, spec.budget(scores.shape[1]), spec.sinks, spec.window)
+
+
+def keep_top(scores: torch.Tensor, budget: int, sinks: int, window: int) -> torch.Tensor:
+    """Scores `[KVH, T]` -> the `budget` best per head, ascending, the first `sinks` and last `window` always
+    among them (cut to the budget, sinks first). The engine's chunks call it with their whole-block budget."""
     heads, length = scores.shape
-    budget = spec.budget(length)
-    if budget == length:
+    if budget >= length:
         return torch.arange(length).expand(heads, length).clone()
     if not torch.isfinite(scores).all():
         raise ValueError("KV compression scores must be finite")
-    protected = protected_mask(length, budget, spec.sinks, spec.window)
+    protected = protected_mask(length, budget, sinks, window)
     ranked = scores.float().masked_fill(protected, float("inf"))
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices  # ties: the earlier token first
     return order[:, :budget].sort(dim=-1).values

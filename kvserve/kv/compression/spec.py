@@ -17,6 +17,17 @@ METHODS = ("streaming", "knorm", "keydiff", "expected_attention")
 # queries of the prompt, it drops a passkey those queries never looked at (0 of 5 retrieved at 2x on SmolLM2,
 # where Knorm and KeyDiff kept 5 of 5).
 AUTO_METHOD = "expected_attention"
+# Methods the engine runs: they score a chunk from its cached keys alone, so the kept tokens are a function of the
+# chunk's K/V and never of how the scheduler chunked the prefill. Expected Attention reads the chunk's last queries,
+# which depend on that chunking (a cache hit would change the answer): the bench runs it, the engine refuses it.
+ENGINE_METHODS = ("streaming", "knorm", "keydiff")
+# What `auto` resolves to in the engine, by bench/kv_compression.py on SmolLM2-135M (2,048-token prefixes): Knorm's
+# perplexity change is lower than KeyDiff's at 2x (+3.69% against +5.15%) and 4x (+7.41% against +9.58%), and both
+# retrieve the passkey 5 of 5 at 2x; StreamingLLM (+1.44% at 2x) keeps only the recent tail and retrieved 2 of 5.
+ENGINE_AUTO_METHOD = "knorm"
+# Tokens per canonical chunk (a multiple of the block size): chunk k is prompt tokens [k * chunk, (k + 1) * chunk),
+# compressed as soon as it is computed, so a request's kept tokens are the same cold and cached.
+DEFAULT_CHUNK = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +43,7 @@ class CompressionSpec:
     ratio: float
     sinks: int = 4
     window: int = 64
+    chunk: int = DEFAULT_CHUNK  # the engine's canonical chunk (the bench compresses a whole prompt and ignores it)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS and self.method != "auto":
@@ -42,6 +54,8 @@ class CompressionSpec:
                              f"got {self.ratio!r}")
         if self.sinks < 0 or self.window < 0:
             raise ValueError("sinks and window are token counts (>= 0)")
+        if self.chunk < 1:
+            raise ValueError(f"KV compression chunk must be a positive token count, got {self.chunk!r}")
 
     def budget(self, num_tokens: int) -> int:
         """Tokens kept of `num_tokens`: ceil(T / ratio), the same for every layer and head."""
@@ -51,10 +65,28 @@ class CompressionSpec:
         """`auto` replaced by the measured method; a concrete spec as it is."""
         return replace(self, method=AUTO_METHOD) if self.method == "auto" else self
 
+    def for_engine(self) -> CompressionSpec:
+        """The spec the engine runs: `auto` resolved to ENGINE_AUTO_METHOD; a method that reads queries refused."""
+        if self.method == "auto":
+            return replace(self, method=ENGINE_AUTO_METHOD)
+        if self.method not in ENGINE_METHODS:
+            raise ValueError(f"KV compression method {self.method!r} scores tokens with the prompt's last queries, "
+                             f"which depend on how the prefill was chunked, so a cache hit could change the answer; "
+                             f"the engine runs {', '.join(ENGINE_METHODS)} (or auto = {ENGINE_AUTO_METHOD})")
+        return self
+
+    def chunk_budget(self, block_size: int) -> int:
+        """Tokens the engine keeps of each compressed chunk, per layer and KV head: ceil(chunk / ratio) rounded
+        up to whole blocks, so the kept tokens fill whole blocks."""
+        if self.chunk % block_size:
+            raise ValueError(f"KV compression chunk ({self.chunk} tokens) must be a multiple of the block size "
+                             f"({block_size})")
+        return min(self.chunk, -(-self.budget(self.chunk) // block_size) * block_size)
+
     def key(self) -> str:
         """What a prefix-cache key holds for this spec (a resolved one): every field the kept tokens depend on."""
         spec = self.resolve()
-        return f"{spec.method}:{spec.ratio:g}:s{spec.sinks}:w{spec.window}"
+        return f"{spec.method}:{spec.ratio:g}:s{spec.sinks}:w{spec.window}:c{spec.chunk}"
 
 
 def parse_compression(text: str) -> CompressionSpec:

@@ -69,12 +69,15 @@ class BlockHashChain:
     without a block size keeps no hashes (prefix caching off).
     """
 
-    __slots__ = ("block_size", "root", "hashes")
+    __slots__ = ("block_size", "root", "hashes", "compression")
 
     def __init__(self, block_size: int | None, salt: str | None = None) -> None:
         self.block_size = block_size
         self.root = chain_root(salt)
         self.hashes: list[BlockHash] = []
+        # A compressing request's chunk geometry (kv/compressed_chunks.ChunkPolicy; its spec is in the salt): its
+        # blocks are keyed per slot (kv/prefix/compressed_keys.py), not per token block.
+        self.compression = None
 
     def __len__(self) -> int:
         return len(self.hashes)

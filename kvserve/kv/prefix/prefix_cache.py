@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from kvserve.kv.compressed_chunks import CompressedRequests
+from kvserve.kv.prefix.compressed_keys import slot_keys
 from kvserve.kv.pool.block_pool import BlockPool
 from kvserve.kv.pool.free_queue import KVBlock
 from kvserve.kv.groups.group_manager import GroupManager
@@ -74,7 +76,8 @@ class PrefixCache:
     """The prefix cache's questions and each request's cached blocks, for one pool and its group managers."""
 
     def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool,
-                 groups: Sequence[GroupManager], states: RecurrentStates | None = None) -> None:
+                 groups: Sequence[GroupManager], states: RecurrentStates | None = None,
+                 compressed: CompressedRequests | None = None) -> None:
         self.pool = pool
         self.states = states  # a hybrid model's: a hit must also end where a state snapshot resumes it
         self.block_size = block_size
@@ -84,6 +87,8 @@ class PrefixCache:
         self._num_cached: dict[str, int] = {}
         # Per request: blocks from this one on hold shifted K/V (a context shift): never cached under a hash.
         self._cache_limit: dict[str, int] = {}
+        # Compressing requests (kv/compressed_tables.py): their blocks are keyed per slot (compressed_keys.py).
+        self.compressed = compressed if compressed is not None else CompressedRequests()
 
     def longest_hit(self, lookup: GroupLookup, limit: int) -> tuple[tuple[KVBlock | None, ...], ...]:
         """Per group, the blocks of the longest hit of at most `limit` blocks every group can serve."""
@@ -121,6 +126,8 @@ class PrefixCache:
         if block_hashes.block_size not in (None, self.block_size):
             raise ValueError(f"block hashes were computed over {block_hashes.block_size}-token blocks; "
                              f"this cache uses {self.block_size}")
+        if block_hashes.compression is not None:
+            return self._find_compressed(token_ids, block_hashes)
         bs, hashes = self.block_size, block_hashes.hashes
 
         def lookup(group: int, index: int) -> KVBlock | None:
@@ -200,14 +207,17 @@ class PrefixCache:
     def pending_block_keys(self, request_id: str, block_hashes: BlockHashChain, end: int) -> set[BlockHash]:
         """Hashes of the request's full blocks up to token `end` not yet computed: what it is about
         to compute and cache. Another request whose next block is among them need not compute it too."""
-        if not self.enable_caching:
-            return set()
+        if not self.enable_caching or request_id in self.compressed:
+            return set()  # a compressing request's keys are not its token chain's
         return set(block_hashes.hashes[self._num_cached.get(request_id, 0) : end // self.block_size])
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], block_hashes: BlockHashChain,
                           num_computed_tokens: int) -> None:
         """Register the request's blocks that are now full and computed, so later requests can share them."""
         if not self.enable_caching:
+            return
+        if request_id in self.compressed:
+            self._cache_compressed(request_id, token_ids, block_hashes, num_computed_tokens)
             return
         length = len(self.groups[0].tables.get(request_id, ()))
         done = self._num_cached.get(request_id, 0)
@@ -225,6 +235,35 @@ class PrefixCache:
                 if block is not None:  # None: freed behind a window before it was full, nothing to share
                     self.pool.cache_block(block, hashes[index], parent, chunk, group, first=index == 0)
         self._num_cached[request_id] = end
+
+    def _find_compressed(self, token_ids: Sequence[int], block_hashes: BlockHashChain) -> PrefixMatch:
+        """A compressing request's longest hit: its slot blocks while cached, ending where a hit may end
+        (after a chunk's last kept block, or any later block) and short of its last token."""
+        blocks: list[KVBlock] = []
+        num_tokens, num_blocks, last = 0, 0, block_hashes.root
+        for key in slot_keys(block_hashes.compression, block_hashes, token_ids):
+            block = self.pool.lookup(key.block_hash, key.parent, key.token_ids)
+            if block is None or key.end > len(token_ids) - 1:
+                break
+            blocks.append(block)
+            if key.complete:
+                num_tokens, num_blocks, last = key.end, len(blocks), key.block_hash
+        return PrefixMatch((tuple(blocks[:num_blocks]),), num_tokens, last)
+
+    def _cache_compressed(self, request_id: str, token_ids: Sequence[int], block_hashes: BlockHashChain,
+                          num_computed_tokens: int) -> None:
+        """Register a compressing request's final slot blocks under their slot keys."""
+        done = self._num_cached.get(request_id, 0)
+        end = self.compressed.final_slots(request_id, num_computed_tokens, self.block_size)
+        if end <= done:
+            return
+        table = self.groups[0].tables[request_id]
+        keys = slot_keys(block_hashes.compression, block_hashes, token_ids)
+        end = min(end, len(keys), len(table))
+        for index in range(done, end):
+            key = keys[index]
+            self.pool.cache_block(table[index], key.block_hash, key.parent, key.token_ids, 0, first=index == 0)
+        self._num_cached[request_id] = max(end, done)
 
     def pinnable_blocks(self, block_hashes: BlockHashChain, num_tokens: int) -> list[CacheKey]:
         """The cached blocks, in every group, that a hit up to token `num_tokens` of the chain needs (or

@@ -57,6 +57,8 @@ def kv_cache_report(engine: Engine) -> dict:
         "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
         "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits,
         "num_preemptions": stats.num_preemptions, "num_steps": stats.num_steps, "integrity": integrity,
+        # KV compression: prompt tokens compaction took out of the pool so far (its kept blocks are counted above).
+        "kv_compression": engine.config.kv_compression, "num_compressed_tokens": stats.num_compressed_tokens,
         "tier": dataclasses.asdict(stats.tier) if stats.tier is not None else None,
         "pins": dataclasses.asdict(stats.pins) if stats.pins is not None else None,
         "tenants": [dataclasses.asdict(entry) for entry in stats.tenants],

@@ -84,10 +84,11 @@ class Usage:
     # Speculative decoding: draft tokens verified and those the model accepted, over every choice.
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    dropped_tokens: int = 0  # prompt tokens KV compression dropped from the cache (kvserve's own detail)
 
     @classmethod
     def count(cls, jobs: list[Job], finals: dict[int, RequestOutput]) -> "Usage":
-        prompt_tokens = cached = 0
+        prompt_tokens = cached = dropped = 0
         counted: set[int] = set()
         for job in jobs:  # jobs run prompt by prompt, choice by choice: the first of each prompt counts
             if job.prompt_index in counted:
@@ -96,10 +97,11 @@ class Usage:
             prompt_tokens += len(job.token_ids)
             output = finals.get(job.index)
             cached += output.num_cached_tokens if output is not None else 0
+            dropped += output.num_dropped_tokens if output is not None else 0
         completion_tokens = sum(len(o.outputs[0].token_ids) for o in finals.values())
         drafts = sum(o.metrics.num_draft_tokens for o in finals.values())
         accepted = sum(o.metrics.num_accepted_draft_tokens for o in finals.values())
-        return cls(prompt_tokens, completion_tokens, cached, drafts, accepted)
+        return cls(prompt_tokens, completion_tokens, cached, drafts, accepted, dropped)
 
     def openai(self) -> dict:
         usage = {
@@ -107,6 +109,8 @@ class Usage:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.dropped_tokens:  # KV compression (--kv-compression, or the request's kv_compression)
+            usage["prompt_tokens_details"]["kvserve_dropped_tokens"] = self.dropped_tokens
         if self.draft_tokens:
             # OpenAI's names for predicted outputs, which are drafts verified by the model too.
             usage["completion_tokens_details"] = {

@@ -99,6 +99,9 @@ class _SamplingRequest(NullMeansDefault):
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs (json/regex/choice/grammar).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    # KV compression for this request (vLLM-style extra field): "METHOD:RATIO", or "none" (off) over the server's
+    # --kv-compression; usage then reports prompt_tokens_details.kvserve_dropped_tokens.
+    kv_compression: Text | None = None
 
     def check(self) -> None:
         """Checks that need no prompt (call before tokenizing); ranges of sampling values are
@@ -135,6 +138,8 @@ class _SamplingRequest(NullMeansDefault):
                 values[name] = getattr(self, name)
         if constraint is not None:
             values["structured_outputs"] = constraint
+        if self.kv_compression is not None:
+            values["kv_compression"] = self.kv_compression
         return sampling_params(values, renamed or {})
 
     @property

@@ -28,7 +28,7 @@ def test_auto_resolves_to_the_measured_method():
     assert AUTO_METHOD in METHODS
     spec = parse_compression("auto:4")
     assert spec.resolve() == CompressionSpec(AUTO_METHOD, 4.0)
-    assert spec.key() == spec.resolve().key() == f"{AUTO_METHOD}:4:s4:w64"
+    assert spec.key() == spec.resolve().key() == f"{AUTO_METHOD}:4:s4:w64:c512"
     assert parse_compression("keydiff:2").resolve() == CompressionSpec("keydiff", 2)
 
 

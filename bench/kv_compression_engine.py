@@ -1,0 +1,85 @@
+"""KV compression in the engine (issue 43): blocks held, decode TPOT and requests per pool at ~4k tokens.
+
+One request of --prompt tokens of real text (bench/kv_compression.py's) then --decode greedy tokens, on a fresh
+engine per setting (--kv-compression none, then each of --specs), speculative decoding off so that only the cache
+differs. Prints per setting: the KV blocks the
+request held when it finished and at its peak (after any step: a chunk is held whole until it is compressed), the
+prompt tokens compression dropped, TTFT, decode TPOT, and how many such requests one pool of --pool-blocks blocks
+holds at once (the pool's blocks over the peak). A second run of the same prompt is timed too: its compressed prefix comes from the prefix
+cache (cached tokens printed).
+
+    .venv/bin/python bench/kv_compression_engine.py [--prompt 4032] [--decode 64] [--specs knorm:2 knorm:4]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.engine.output.types import RequestOutputAssembler
+from kvserve.engine.sample.sampling import SamplingParams
+from kvserve.model.loader import load_model
+from kv_compression import unique_text
+from workloads import save
+
+
+def run_once(engine: Engine, tokens: list[int], decode: int):
+    """The request's final output and the most blocks it held at once (after any step)."""
+    request_id = engine.add_request(tokens, SamplingParams(max_tokens=decode, temperature=0.0, ignore_eos=True))
+    assembler, final, peak = RequestOutputAssembler(), None, 0
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if (done := assembler.add(delta)) is not None and done.request_id == request_id:
+                final = done
+        peak = max(peak, engine.kv_manager.num_blocks_held(request_id))
+    return final, peak
+
+
+def measure(loaded, spec: str | None, tokens: list[int], args) -> dict:
+    config = EngineConfig(kv_compression=spec, speculative="off", kv_cache_memory=args.kv_cache_memory,
+                          max_model_len=len(tokens) + args.decode)
+    engine = Engine(config, loaded=loaded)
+    page_bytes = engine.kv_spec.page_bytes(config.block_size)
+    final, peak = run_once(engine, tokens, args.decode)
+    cached, _ = run_once(engine, tokens, args.decode)  # the same prompt again: its blocks come from the cache
+    blocks = final.kv_cache_bytes // page_bytes
+    engine.check_integrity()
+    engine.close()
+    return {"spec": spec or "none", "blocks_held": blocks, "dropped_tokens": final.num_dropped_tokens,
+            "ttft_s": final.metrics.ttft, "tpot_ms": 1000 * final.metrics.tpot,
+            "peak_blocks": peak, "requests_per_pool": args.pool_blocks // peak, "cached_tokens_second_run": cached.num_cached_tokens,
+            "tpot_ms_second_run": 1000 * cached.metrics.tpot, "same_tokens_second_run":
+            list(cached.outputs[0].token_ids) == list(final.outputs[0].token_ids)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt", type=int, default=4032, help="prompt tokens (prompt + decode ~4k)")
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--specs", nargs="+", default=["knorm:2", "knorm:4"])
+    parser.add_argument("--pool-blocks", type=int, default=4096, help="the pool requests per pool is counted in")
+    parser.add_argument("--kv-cache-memory", default="1GiB")
+    args = parser.parse_args()
+    loaded = load_model(None)
+    tokens = loaded.require_tokenizer().encode(unique_text())[: args.prompt]
+    print(f"model: {loaded.source}; prompt {len(tokens)} tokens, {args.decode} decoded; speculative off", flush=True)
+    rows = []
+    for spec in [None, *args.specs]:
+        row = measure(loaded, spec, tokens, args)
+        rows.append(row)
+        print(f"{row['spec']:>10}: {row['blocks_held']:4d} blocks held, peak {row['peak_blocks']} ({row['dropped_tokens']} prompt tokens "
+              f"dropped), TTFT {row['ttft_s']:.2f} s, TPOT {row['tpot_ms']:.1f} ms, "
+              f"{row['requests_per_pool']} requests per {args.pool_blocks}-block pool; second run "
+              f"{row['cached_tokens_second_run']} tokens cached, TPOT {row['tpot_ms_second_run']:.1f} ms, "
+              f"same tokens: {row['same_tokens_second_run']}", flush=True)
+    base = rows[0]
+    for row in rows[1:]:
+        print(f"{row['spec']}: blocks x{base['blocks_held'] / row['blocks_held']:.2f} fewer, TPOT "
+              f"{row['tpot_ms'] / base['tpot_ms']:.2f} of none's, requests per pool "
+              f"{row['requests_per_pool']} vs {base['requests_per_pool']}")
+    save("kv_compression_engine", {"prompt": len(tokens), "decode": args.decode, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Prefix-cache keys of a compressing request's blocks (KV compression, issue 43), one per slot block.
+
+A compressed chunk's kept blocks depend on every token of the chunk and on the spec: kept block j of chunk k is
+keyed by the previous slot block's key, the hash of the request's (spec-salted) token chain at the chunk's last
+block, and j. A hit takes a chunk's kept blocks all or none, and counts the chunk's tokens. Blocks after the
+compressed chunks chain from the compressed chain, one token block each: their K/V were computed over the kept
+tokens, so no plain key may describe them. The spec is in the chain's salt (Request), so another spec, or none,
+never meets these keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvserve.kv.compressed_chunks import ChunkPolicy
+from kvserve.kv.prefix.hashing import BlockHash, BlockHashChain, hash_block
+
+
+@dataclass(frozen=True, slots=True)
+class SlotKey:
+    """One slot block's key: its hash, its parent's, the tokens it is stored with (a kept block: the chunk's
+    token block of the same index, for the pool's collision check), the tokens a hit through it covers and
+    whether a hit may end there (not inside a chunk's kept blocks)."""
+
+    block_hash: BlockHash
+    parent: BlockHash
+    token_ids: tuple[int, ...]
+    end: int
+    complete: bool
+
+
+def slot_keys(policy: ChunkPolicy, chain: BlockHashChain, token_ids: Sequence[int]) -> list[SlotKey]:
+    """The keys of the slot blocks `chain` (the request's token chain) determines, in table order."""
+    bs, hashes = chain.block_size, chain.hashes
+    per_chunk, kept = policy.chunk // bs, policy.budget // bs
+    keys: list[SlotKey] = []
+    parent = chain.root
+    for k in range(policy.num_chunks):
+        last = (k + 1) * per_chunk - 1
+        if last >= len(hashes):
+            return keys
+        for j in range(kept):
+            first = (k * per_chunk + j) * bs
+            tokens = tuple(token_ids[first : first + bs])
+            block_hash = hash_block(parent, tokens, hashes[last] + b"kept" + j.to_bytes(4, "little"))
+            keys.append(SlotKey(block_hash, parent, tokens, (k + 1) * policy.chunk, j == kept - 1))
+            parent = block_hash
+    for index in range(policy.num_chunks * per_chunk, len(hashes)):
+        tokens = tuple(token_ids[index * bs : (index + 1) * bs])
+        block_hash = hash_block(parent, tokens)
+        keys.append(SlotKey(block_hash, parent, tokens, (index + 1) * bs, True))
+        parent = block_hash
+    return keys
