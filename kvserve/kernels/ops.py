@@ -170,10 +170,15 @@ class RowTables(NamedTuple):
     row_pos: torch.Tensor
 
 
+# The kernels' "none" for optional tensors: made once, not once per call (every layer of every step passes them).
+_NO_F32, _NO_F16, _NO_LONG = (torch.empty(0, dtype=dtype, device="cpu") for dtype in (torch.float32, torch.float16,
+                                                                                      torch.long))
+
+
 def _sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     """The kernels' sinks argument: fp32 `[H]` on the CPU, or empty for none."""
     if sinks is None:
-        return torch.empty(0, dtype=_F32, device=q.device)
+        return _NO_F32
     if not sinks.is_cpu or sinks.numel() != q.shape[1]:
         raise KernelInputError(f"sinks must be one CPU logit per query head ({q.shape[1]}), got {tuple(sinks.shape)} "
                                f"on {sinks.device}")
@@ -228,8 +233,7 @@ def paged_decode_quant(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor, int
         _refuse("paged_decode_quant", ext, q=(q, (_F32,)), k_params=(k[1], (_F16,)), v_params=(v[1], (_F16,)),
                 **_row_checks(rows), k_data=(k[0], (k[0].dtype,)), v_data=(v[0], (v[0].dtype,)))
         raise KernelInputError("paged_decode_quant reads CPU tensors only")
-    none = (torch.empty(0, dtype=_F16, device=q.device), torch.empty(0, dtype=_F16, device=q.device),
-            torch.empty(0, dtype=_LONG, device=q.device))
+    none = (_NO_F16, _NO_F16, _NO_LONG)
     return ext.paged_decode_quant(q, k[0], k[1], k[2], v[0], v[1], v[2], group, *(open_blocks or none),
                                   *(own_blocks or none), *rows, scale, split_blocks, _sinks(sinks, q))
 
