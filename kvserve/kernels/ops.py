@@ -170,10 +170,15 @@ class RowTables(NamedTuple):
     row_pos: torch.Tensor
 
 
+# The kernels' "none" for optional tensors: made once, not once per call (every layer of every step passes them).
+_NO_F32, _NO_F16, _NO_LONG = (torch.empty(0, dtype=dtype, device="cpu") for dtype in (torch.float32, torch.float16,
+                                                                                      torch.long))
+
+
 def _sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     """The kernels' sinks argument: fp32 `[H]` on the CPU, or empty for none."""
     if sinks is None:
-        return torch.empty(0, dtype=_F32, device=q.device)
+        return _NO_F32
     if not sinks.is_cpu or sinks.numel() != q.shape[1]:
         raise KernelInputError(f"sinks must be one CPU logit per query head ({q.shape[1]}), got {tuple(sinks.shape)} "
                                f"on {sinks.device}")
@@ -213,23 +218,24 @@ _F16 = torch.float16
 def paged_decode_quant(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor, int],
                        v: tuple[torch.Tensor, torch.Tensor, int], group: int,
                        open_blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, rows: RowTables,
-                       scale: float, split_blocks: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                       scale: float, split_blocks: int, sinks: torch.Tensor | None = None,
+                       own_blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`paged_decode` over quantized blocks, read in place: k and v are (data `[num_blocks, KVH, block_size,
     width]`, fp16 params `[num_blocks, KVH, block_size, params]`, kind: INT8_ROW, INT4_ROW with `group`
     channels per group, INT4_CHANNEL); `open_blocks` (fp16 K, V `[slots, KVH, block_size, D]`, int64
-    slot per block, -1 where the pool holds it) or None."""
+    slot per block, -1 where the pool holds it) or None. `own_blocks` (fp16 K, V `[n, KVH, block_size, D]`,
+    int64 `[B]`): row b reads the block holding its position from index `[2][b]` of them (-1: as above), or
+    None (kv/attention/cpu_own_blocks.py)."""
     ext = kernels()
-    tensors = [q, k[0], k[1], v[0], v[1], *(open_blocks or ())]
+    tensors = [q, k[0], k[1], v[0], v[1], *(open_blocks or ()), *(own_blocks or ())]
     if (ext is None or not all(t.is_cpu for t in tensors) or not _cpu_longs(rows) or q.dtype is not _F32
             or k[1].dtype is not _F16 or v[1].dtype is not _F16):
         _refuse("paged_decode_quant", ext, q=(q, (_F32,)), k_params=(k[1], (_F16,)), v_params=(v[1], (_F16,)),
                 **_row_checks(rows), k_data=(k[0], (k[0].dtype,)), v_data=(v[0], (v[0].dtype,)))
         raise KernelInputError("paged_decode_quant reads CPU tensors only")
-    if open_blocks is None:
-        none = torch.empty(0, dtype=_LONG, device=q.device)
-        open_blocks = (torch.empty(0, dtype=_F16, device=q.device), torch.empty(0, dtype=_F16, device=q.device), none)
-    return ext.paged_decode_quant(q, k[0], k[1], k[2], v[0], v[1], v[2], group, *open_blocks, *rows, scale,
-                                  split_blocks, _sinks(sinks, q))
+    none = (_NO_F16, _NO_F16, _NO_LONG)
+    return ext.paged_decode_quant(q, k[0], k[1], k[2], v[0], v[1], v[2], group, *(open_blocks or none),
+                                  *(own_blocks or none), *rows, scale, split_blocks, _sinks(sinks, q))
 
 
 class DeltaSequences(NamedTuple):

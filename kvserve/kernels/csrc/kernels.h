@@ -21,6 +21,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_params, int64_t k_kind,
                                  torch::Tensor v_data, torch::Tensor v_params, int64_t v_kind, int64_t group,
                                  torch::Tensor open_k, torch::Tensor open_v, torch::Tensor open_slot,
+                                 torch::Tensor own_k, torch::Tensor own_v, torch::Tensor row_own,
                                  torch::Tensor tables, torch::Tensor row_table, torch::Tensor row_low,
                                  torch::Tensor row_pos, double scale, int64_t split_blocks, torch::Tensor sinks);
 

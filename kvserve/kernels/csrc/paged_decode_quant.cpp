@@ -138,10 +138,14 @@ QuantSide quant_side(const torch::Tensor& data, const torch::Tensor& params, int
 
 // As paged_decode, over quantized K and V (`*_kind`: 1 int8 per row, 2 int4 groups of `group` channels per
 // row, 3 int4 per channel over the block) with open blocks: open_slot [num_blocks] (int64: the block's slot
-// in open_k / open_v [slots, KVH, BS, D] fp16, -1 for a block read from the pool; empty: none).
+// in open_k / open_v [slots, KVH, BS, D] fp16, -1 for a block read from the pool; empty: none). row_own [B]
+// (int64, or empty): row b reads its own block (the one holding its position) from own_k / own_v [n, KVH, BS,
+// D] fp16 at index row_own[b] (-1: as above) -- the block as it was open when the row's token was written,
+// where the same step's write then filled and encoded it (a verify's rows before the block's last one).
 torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_params, int64_t k_kind,
                                  torch::Tensor v_data, torch::Tensor v_params, int64_t v_kind, int64_t group,
                                  torch::Tensor open_k, torch::Tensor open_v, torch::Tensor open_slot,
+                                 torch::Tensor own_k, torch::Tensor own_v, torch::Tensor row_own,
                                  torch::Tensor tables, torch::Tensor row_table, torch::Tensor row_low,
                                  torch::Tensor row_pos, double scale, int64_t split_blocks, torch::Tensor sinks) {
   const DecodeRows rows = decode_rows("paged_decode_quant", q, tables, row_table, row_low, row_pos, k_data.size(1),
@@ -161,6 +165,22 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
     ok = open_k.data_ptr<c10::Half>();
     ov = open_v.data_ptr<c10::Half>();
   }
+  const bool has_own = row_own.numel() > 0;
+  const int64_t* own_of = nullptr;
+  const c10::Half *sk = nullptr, *sv = nullptr;
+  if (has_own) {
+    TORCH_CHECK(row_own.scalar_type() == at::kLong && row_own.is_contiguous() && row_own.numel() == rows.B &&
+                    own_k.scalar_type() == at::kHalf && own_v.scalar_type() == at::kHalf && own_k.is_contiguous() &&
+                    own_v.is_contiguous() && own_k.dim() == 4 && own_k.sizes() == own_v.sizes() &&
+                    own_k.size(1) == KVH && own_k.size(2) == BS && own_k.size(3) == D,
+                "paged_decode_quant: own blocks are fp16 [n, KVH, BS, D], row_own int64 [B]");
+    own_of = row_own.data_ptr<int64_t>();
+    for (int64_t b = 0; b < rows.B; ++b) {
+      TORCH_CHECK(own_of[b] < own_k.size(0), "paged_decode_quant: row ", b, "'s own block is out of range");
+    }
+    sk = own_k.data_ptr<c10::Half>();
+    sv = own_v.data_ptr<c10::Half>();
+  }
   static const int64_t kIota[kChunk] = {0, 1, 2, 3, 4, 5, 6, 7};
 
   return attend_splits(rows, [&](SplitPartials& partials, int64_t item, int64_t b, const int64_t* blocks,
@@ -170,7 +190,17 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
       k_buffer.resize(kChunk * BS * D);
       v_buffer.resize(kChunk * BS * D);
     }
+    // Row b's own block where it reads it from own_k / own_v (-1 never matches a block it reads).
+    const int64_t own = has_own ? own_of[b] : -1;
+    const int64_t own_block = own >= 0 ? rows.blocks[rows.table[b] + rows.pos[b] / BS] : -1;
     for (int64_t idx = lo; idx < hi;) {
+      if (blocks[idx] == own_block) {  // as an open block is read: alone, fp16
+        for (int64_t h = 0; h < KVH; ++h) {
+          partials.attend<c10::Half>(rows, item, b, h, sk, sv, &own, valid + idx * BS, 0, 1, KVH, h);
+        }
+        ++idx;
+        continue;
+      }
       const int64_t slot = has_open ? slot_of[blocks[idx]] : -1;
       if (slot >= 0) {  // an open block, attended in place (fp16)
         for (int64_t h = 0; h < KVH; ++h) {
@@ -180,7 +210,10 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
         continue;
       }
       int64_t run = 1;  // blocks of the pool in a row, up to kChunk
-      while (run < kChunk && idx + run < hi && !(has_open && slot_of[blocks[idx + run]] >= 0)) ++run;
+      while (run < kChunk && idx + run < hi && !(has_open && slot_of[blocks[idx + run]] >= 0) &&
+             blocks[idx + run] != own_block) {
+        ++run;
+      }
       for (int64_t h = 0; h < KVH; ++h) {
         for (int64_t c = 0; c < run; ++c) {
           widen_block(ks, blocks[idx + c], KVH, h, BS, D, k_buffer.data() + c * BS * D);

@@ -27,6 +27,7 @@ from kvserve.kv.attention.base import AttentionBackend, AttentionContext, KeysFr
 from kvserve.kv.attention.cpu_decode import cpp_decode, cpp_decode_reads, split_kv_decode, union_decode
 from kvserve.kv.attention.cpu_metadata import (UNION_SHARING_FACTOR, AttentionMetadata, DecodeMetadata,
                                                PrefillMetadata, build_attention_metadata)
+from kvserve.kv.attention.cpu_own_blocks import OwnBlocksPlan, own_blocks, plan_own_blocks
 from kvserve.kv.attention.cpu_packed import MaterializedLayer, StepRows, attend_materialized, materialize
 from kvserve.kv.attention.cpu_prefill import open_block_prefill, prefill_attention
 from kvserve.kv.cache.packing import pack_tokens
@@ -66,7 +67,8 @@ class PagedKVContext(AttentionContext):
         self._written: set[int] = set()  # stored layers this forward has written (their readers follow)
         self._step_rows: dict[int, StepRows] = {}  # per group, for packed layers
         self._materialized: dict[int, MaterializedLayer] = {}  # per packed stored layer, for its readers
-        self._open_rows: dict[int, tuple] = {}  # per stored layer with open blocks: (rows before, new K, new V)
+        self._open_rows: dict[int, tuple] = {}  # per stored layer with open blocks: (rows before, new K, new V, own)
+        self._own_plans: dict[int, OwnBlocksPlan | None] = {}  # per group, with open blocks (cpu_own_blocks.py)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
                sinks: torch.Tensor | None = None, keys_from_values: KeysFromValues | None = None) -> torch.Tensor:
@@ -130,16 +132,18 @@ class PagedKVContext(AttentionContext):
         group = self.layer_group[layer]
         meta = self.group_metadata[group]
         cache = self.cache
-        before = None
+        before = own = None
         if k is None:  # a layer reading this one's cache: what its writer saw of the open blocks
             if cache.open_blocks is not None:
-                before, k, v = self._open_rows[layer]
+                before, k, v, own = self._open_rows[layer]
         else:
             # With open blocks, a chunk's queries see their own block in float16: the rows of it cached before
-            # the chunk are read now, while the block is still open (the write may encode it).
+            # the chunk are read now, while the block is still open (the write may encode it); so do the rows
+            # of a multi-token decode below the last row of a block its write fills.
             if cache.open_blocks is not None:
                 before = [self._rows_before(layer, p) for p in meta.prefills]
-                self._open_rows[layer] = (before, k, v)
+                own = self._own_blocks(layer, group, k, v)
+                self._open_rows[layer] = (before, k, v, own)
             cache.write(layer, self._slots[group], k, v)
         outputs = []
         if meta.decode is not None:
@@ -148,7 +152,8 @@ class PagedKVContext(AttentionContext):
                 kv = cache.gather(layer, meta.decode.union_block_ids, q.dtype, fold_scales=True)
                 outputs.append(union_decode(queries, kv, meta.decode, scale, sinks))
             elif self.decode_kernel is not None:
-                outputs.append(self.decode_kernel(cache, layer, queries, meta.decode, scale, SPLIT_BLOCKS, sinks))
+                outputs.append(self.decode_kernel(cache, layer, queries, meta.decode, scale, SPLIT_BLOCKS, sinks,
+                                                  own_blocks=own))
             else:
                 kv = cache.gather(layer, meta.decode.block_ids, q.dtype, fold_scales=True)
                 outputs.append(split_kv_decode(queries, kv, meta.decode, scale, sinks))
@@ -171,6 +176,16 @@ class PagedKVContext(AttentionContext):
                                               start - start % cache.block_size, sinks))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
+    def _own_blocks(self, layer: int, group: int, k: torch.Tensor,
+                    v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The C++ kernel's own blocks of `layer`'s decode rows (cpu_own_blocks.py), read before the write."""
+        meta = self.group_metadata[group]
+        if meta.decode is None or self.decode_kernel is None:
+            return None
+        if group not in self._own_plans:
+            self._own_plans[group] = plan_own_blocks(meta.decode, self.cache.block_size, self.cache.spec.num_kv_heads)
+        plan = self._own_plans[group]
+        return None if plan is None else own_blocks(self.cache, layer, plan, k, v)
 
     def _rows_before(self, layer: int, p: PrefillMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[n, KVH, D]` of the rows of a chunk's first block cached before the chunk."""

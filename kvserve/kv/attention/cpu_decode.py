@@ -43,9 +43,11 @@ def cpp_decode_reads(cache: PagedKVCache) -> bool:
 
 
 def cpp_decode(cache: PagedKVCache, layer: int, q: torch.Tensor, meta: DecodeMetadata, scale: float,
-               split_blocks: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+               split_blocks: int, sinks: torch.Tensor | None = None,
+               own_blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The C++ kernel's decode of `layer` over the pool where it lies (`cpp_decode_reads` said it can); `sinks`
-    `[H]` join each row's softmax denominator in the kernel's merge of its splits."""
+    `[H]` join each row's softmax denominator in the kernel's merge of its splits; `own_blocks`: rows that read
+    the block holding their position beside the pool (open blocks only: cpu_own_blocks.py)."""
     rows = ops.RowTables(meta.tables, meta.row_table, meta.row_low, meta.row_pos)
     if not cache.k_params and not cache.v_params:
         return ops.paged_decode(q, cache.k[layer], cache.v[layer], rows, scale, split_blocks, sinks)
@@ -54,7 +56,8 @@ def cpp_decode(cache: PagedKVCache, layer: int, q: torch.Tensor, meta: DecodeMet
     open_tensors = (open_.k[tensor], open_.v[tensor], open_.slot_of[tensor]) if open_ is not None else None
     return ops.paged_decode_quant(q, (cache.k[layer], cache.k_params[layer], _kernel_kind(spec.k_codec)),
                                   (cache.v[layer], cache.v_params[layer], _kernel_kind(spec.v_codec)),
-                                  int4_group(spec.head_dim), open_tensors, rows, scale, split_blocks, sinks)
+                                  int4_group(spec.head_dim), open_tensors, rows, scale, split_blocks, sinks,
+                                  own_blocks)
 
 
 def split_kv_decode(q: torch.Tensor, kv: GatheredKV, meta: DecodeMetadata, scale: float,

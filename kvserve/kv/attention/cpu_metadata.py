@@ -157,12 +157,15 @@ def build_attention_metadata(
         for position in range(start, end):
             slot_blocks.append(table[position // block_size])
             slot_rows.append(position % block_size)
-        if tokens_as_rows:
-            decodes.append((table, start, s.num_new_tokens))
-        elif is_decode(s.num_new_tokens) and not prefills:
-            if s.num_new_tokens != 1:  # a multi-token decode needs kernels that take k + 1 queries per request
+        if tokens_as_rows or (is_decode(s.num_new_tokens) and not prefills):
+            if not tokens_as_rows and s.num_new_tokens != 1:  # a multi-token decode comes as single-token slices
                 raise ValueError(f"the cpu decode kernels take one query token per request, not {s.num_new_tokens}")
-            decodes.append((table, start, 1))
+            if decodes and decodes[-1][0] is table and sum(decodes[-1][1:]) == start:
+                # The next token of the run before (a verify's or forced tokens' queries, one slice each): one
+                # run of rows sharing the request's table, which the kernel attends in tiles.
+                decodes[-1] = (table, decodes[-1][1], decodes[-1][2] + s.num_new_tokens)
+            else:
+                decodes.append((table, start, s.num_new_tokens))
         else:
             first = first_needed_block(sliding_window, start, block_size)
             read = list(table[first : cdiv(end, block_size)])

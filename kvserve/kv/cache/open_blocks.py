@@ -16,7 +16,10 @@ least recently written block is encoded as it is (its rows so far) and, if it
 is written again, decoded back into a slot (a rare, lossy double rounding that
 only a request starved of steps for longer than the whole batch could meet).
 Rewrites below a full block's last row (rejected speculative tokens, a context
-shift moving rows in place) reopen it the same way.
+shift moving rows in place) reopen it: from its float16 rows where the slot it
+was encoded from still holds them (a sealed slot is taken again last), so a
+block that rejected drafts filled reopens with the bits it had before they
+came; else decoded back the same way.
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ class OpenBlocks:
         self.slot_of = self._host if device.type == "cpu" else [t.to(device) for t in self._host]
         self._map = [t.numpy() for t in self._host]  # the same memory: element reads ~30x cheaper than a tensor's
         self._owner = [[-1] * num_slots for _ in range(num_tensors)]
+        # Per tensor: block -> the free slot still holding its float16 rows since it was encoded, and back.
+        self._kept: list[dict[int, int]] = [{} for _ in range(num_tensors)]
+        self._kept_in: list[dict[int, int]] = [{} for _ in range(num_tensors)]
         self._stamp = [[0] * num_slots for _ in range(num_tensors)]
         self._clock = [0] * num_tensors
         self.encodes = 0  # blocks encoded into the pool (tests follow the lifecycle with it)
@@ -100,8 +106,9 @@ class OpenBlocks:
                 slots.append(-1)
                 continue
             if slot < 0:
-                slot = self._take_slot(tensor, block)
-                if plan.first_row[index] > 0:
+                kept = self._kept[tensor].get(block) if plan.first_row[index] > 0 else None
+                slot = self._take_slot(tensor, block, kept)
+                if plan.first_row[index] > 0 and kept is None:
                     reopen.append((block, slot))
             self._stamp[tensor][slot] = self._clock[tensor]
             slots.append(slot)
@@ -133,6 +140,7 @@ class OpenBlocks:
             for b in block_ids:
                 if host[b] >= 0:
                     self._release(tensor, int(host[b]))
+                self._drop_kept(tensor, self._kept[tensor].get(b))
 
     def overlay_blocks(self, tensor: int, block_ids: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,9 +187,16 @@ class OpenBlocks:
         self._plan_key = key
         return self._plan
 
-    def _take_slot(self, tensor: int, block: int) -> int:
-        owner, stamp = self._owner[tensor], self._stamp[tensor]
-        free = next((s for s in range(self.num_slots) if owner[s] < 0), None)
+    def _take_slot(self, tensor: int, block: int, kept: int | None = None) -> int:
+        """A slot for `block`: `kept` (the free slot holding its rows since it was encoded), else a free one
+        (those holding no block's rows first), else the least recently written block's, encoded."""
+        owner, stamp, kept_in = self._owner[tensor], self._stamp[tensor], self._kept_in[tensor]
+        self._drop_kept(tensor, self._kept[tensor].get(block))  # taken now, or its rows are rewritten
+        free = kept
+        if free is None:
+            empty = [s for s in range(self.num_slots) if owner[s] < 0]
+            free = next((s for s in empty if s not in kept_in), empty[0] if empty else None)
+        self._drop_kept(tensor, free)
         if free is None:
             # The least recently written block not written by this write (stamped with the clock).
             candidates = [s for s in range(self.num_slots) if stamp[s] != self._clock[tensor]]
@@ -190,9 +205,15 @@ class OpenBlocks:
                                        f"slots (max_num_seqs x KV groups)")
             free = min(candidates, key=stamp.__getitem__)
             self._seal(tensor, [(owner[free], free)])
+            self._drop_kept(tensor, free)  # evicted: its rows give way to the new block's
         owner[free] = block
         self._set(tensor, block, free)
         return free
+
+    def _drop_kept(self, tensor: int, slot: int | None) -> None:
+        """Slot `slot` no longer stands for the rows of the block it was encoded from."""
+        if slot is not None and slot in self._kept_in[tensor]:
+            del self._kept[tensor][self._kept_in[tensor].pop(slot)]
 
     def _release(self, tensor: int, slot: int) -> None:
         self._set(tensor, self._owner[tensor][slot], -1)
@@ -209,8 +230,9 @@ class OpenBlocks:
         at = torch.tensor([s for _, s in blocks_slots], dtype=torch.long, device=self.device)
         self.codecs.store_blocks(tensor, ids, self.k[tensor].index_select(0, at), self.v[tensor].index_select(0, at))
         self.encodes += len(blocks_slots)
-        for _, slot in blocks_slots:
+        for block, slot in blocks_slots:
             self._release(tensor, slot)
+            self._kept[tensor][block], self._kept_in[tensor][slot] = slot, block
 
     def _store_rows(self, tensor: int, plan: _WritePlan, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Rows of open blocks into their slots (rows of whole blocks land on a dummy row and are dropped)."""
@@ -248,5 +270,7 @@ class OpenBlocks:
         staged_k.view(-1, head_dim).index_copy_(0, at, k.index_select(0, picked).to(OPEN_BLOCK_DTYPE))
         staged_v.view(-1, head_dim).index_copy_(0, at, v.index_select(0, picked).to(OPEN_BLOCK_DTYPE))
         ids = torch.tensor([plan.blocks[i] for i in whole], dtype=torch.long, device=self.device)
+        for i in whole:
+            self._drop_kept(tensor, self._kept[tensor].get(plan.blocks[i]))
         self.codecs.store_blocks(tensor, ids, staged_k, staged_v)
         self.encodes += len(whole)

@@ -108,6 +108,31 @@ def test_a_slot_needed_by_another_block_encodes_the_oldest_open_one():
     assert slot_of[1] >= 0 and (read_k[0] - k[0]).abs().max() < 0.2
 
 
+def test_a_block_rewritten_below_its_last_row_reopens_from_the_rows_it_was_encoded_from():
+    """Rejected drafts that filled a block: the next write below its last row reopens it with the float16 rows
+    it had (not decoded back from int4), unless its slot went to another block meanwhile."""
+    spec = KVSpec(1, HEADS, DIM, "int4")
+    cache = TorchCpuAttentionBackend().allocate_kv_cache(spec, num_blocks=8, block_size=BLOCK, max_num_seqs=3)
+    cache.initialize_blocks_through(7)
+    k = keys(BLOCK + 1, 3)
+    for block in (1, 2):  # filled through its slot, its last row apart (a whole block at once skips the slot)
+        for part in (torch.arange(BLOCK - 1), torch.tensor([BLOCK - 1])):
+            cache.write(0, slot_indices(torch.full((len(part),), block), part, HEADS, BLOCK), k[part], k[part] * 2)
+        assert cache.open_blocks.slot_of[0][block] < 0
+    rows = torch.arange(5)
+
+    def rewritten(block: int) -> bool:  # rewritten from row 5 on: rows 0-4 read as they were written?
+        cache.write(0, slot_indices(torch.tensor([block]), torch.tensor([5]), HEADS, BLOCK), k[BLOCK:], k[BLOCK:])
+        assert cache.open_blocks.slot_of[0][block] >= 0
+        read_k, read_v = cache.read_rows(0, slot_indices(torch.full((5,), block), rows, HEADS, BLOCK))
+        return torch.equal(read_k, k[:5].half().float()) and torch.equal(read_v, (k[:5] * 2).half().float())
+
+    assert rewritten(1)
+    # Blocks 3 and 4 take the two other slots, block 2's among them: it is decoded back from int4 (lossy).
+    cache.write(0, slot_indices(torch.tensor([3, 4]), torch.tensor([0, 0]), HEADS, BLOCK), k[:2], k[:2])
+    assert not rewritten(2)
+
+
 def test_read_blocks_encodes_open_blocks_and_write_blocks_supersedes_them():
     spec = KVSpec(1, HEADS, DIM, "int4")
     cache = TorchCpuAttentionBackend().allocate_kv_cache(spec, num_blocks=8, block_size=BLOCK, max_num_seqs=2)
