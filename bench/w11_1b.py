@@ -1,17 +1,24 @@
-"""W11: a 1B-class model at real size. Writes a random-weight GGUF with Llama-3.2-1B's body (hidden 2048, 16
-layers, 32 heads / 8 KV heads, FFN 8192, tied embeddings) on SmolLM2's 49,152-token vocabulary, in Q4_0 and
-Q4_K_M, then runs W2 (1 x 512 prompt, 128 output; W4 with --workloads) with kvserve, drafting off, and
-with llama.cpp's llama-bench on the same files in one sitting, and prints TTFT, TPOT, their ratio, the load
-time, the bytes read per token and the bandwidth floor (those bytes / the measured read bandwidth).
+"""W11: a 1B-class model at real size beside llama.cpp's own tools, in one sitting.
 
-The files are quantized as llama-quantize lays them out (Q4_K_M: Q4_K, with attn_v and ffn_down in Q6_K
-on its "more bits" layers; both files keep the tied embedding in Q6_K) by kvserve's own simple
-quantizer (kvserve/kernels/kquant_quantize.py) and the gguf package's Q4_0: the speed of a file depends on
-its types and sizes, not on how well its scales were searched. llama-bench is looked for on PATH and
-under /tmp/*/build/bin (--llama-bench PATH); without it that column is skipped with a message.
+Writes a random-weight GGUF with Llama-3.2-1B's body (hidden 2048, 16 layers, 32 heads / 8 KV heads, FFN 8192,
+tied embeddings) on SmolLM2's 49,152-token vocabulary, quantized to Q4_0 and Q4_K_M by llama.cpp's own
+`llama-quantize` (from an F16 file written here), and measures kvserve (W2: 1 x 512 prompt, 128 output;
+W4 with --workloads; drafting off, best of --runs per round) against `llama-bench -t T -p P -n N -d P` (its
+prompt test runs after P tokens already in context, so its TTFT is of a slightly harder prompt; its token
+test decodes at the same depths as kvserve's W2; best of its repetitions) on the same files, in --rounds
+interleaved rounds (kvserve, then llama-bench, file after file), plus the embedded SmolLM2-135M Q4_1 file
+(`--files SmolLM2`). Printed per file: the engine's start to ready (loading the file, building the engine,
+the first request: the kernels' first call), the bytes a decode step reads, the bandwidth floor (those
+bytes / the measured read bandwidth), and per round TTFT, TPOT and the ratios; then each figure's range.
 
-    .venv/bin/python bench/w11_1b.py [--dir /tmp/kvserve-w11] [--files Q4_0 Q4_K_M] [--workloads W2 W4]
-                                     [--rounds 3] [--llama-bench PATH]
+llama-quantize, llama-bench: bench/llama_tools.py's lookup (it says how to build them). Without
+llama-quantize the files are written by kvserve's own quantizer (kvserve/kernels/kquant_quantize.py, the
+gguf package's Q4_0) in llama-quantize's type layout (Q4_K_M: Q4_K, attn_v and ffn_down in Q6_K on its
+"more bits" layers, the tied embedding in Q6_K), under another name; without llama-bench that column is
+skipped, each with a message.
+
+    .venv/bin/python bench/w11_1b.py [--dir /tmp/kvserve-w11] [--files Q4_0 Q4_K_M SmolLM2]
+                                     [--workloads W2 W4] [--rounds 2] [--runs 3] [--reps 3]
 
 --no-write uses files already there (so a checkout without the quantizer, e.g. an older main, can be
 measured on the same files).
@@ -20,11 +27,10 @@ measured on the same files).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import shutil
 import subprocess
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +40,12 @@ from kvserve.config import EngineConfig
 from kvserve.cpu_features import describe_cpu
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import embedded_model_path, load_model
+from kvserve.kernels import ops
+from llama_tools import find_llama_tool, missing_message
 from workloads import freeze_setup, greedy, random_prompts, run_engine
 
 WORKLOADS = {"W2": (512, 128), "W4": (4096, 64)}
+FILES = ("Q4_0", "Q4_K_M", "SmolLM2")  # SmolLM2: the embedded model's own file (Q4_1), not written here
 BODY = dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=49152)
 
 
@@ -46,6 +55,8 @@ def _more_bits(layer: int, layers: int) -> bool:
 
 
 def _type_of(name: str, layer: int, mix: str) -> str:
+    if mix == "F16":  # llama-quantize's input
+        return "F16"
     if name == "token_embd.weight":
         return "Q6_K"
     if mix == "Q4_0":
@@ -54,6 +65,8 @@ def _type_of(name: str, layer: int, mix: str) -> str:
 
 
 def _quantized(weight: torch.Tensor, type_name: str) -> np.ndarray:
+    if type_name == "F16":
+        return weight.numpy().astype(np.float16)
     if type_name == "Q4_0":
         import gguf
         from gguf.quants import quantize
@@ -65,7 +78,8 @@ def _quantized(weight: torch.Tensor, type_name: str) -> np.ndarray:
 
 
 def write_file(path: Path, mix: str) -> None:
-    """The random-weight 1B-class file in `mix` ("Q4_0" or "Q4_K_M"), SmolLM2's tokenizer metadata."""
+    """The random-weight 1B-class file in `mix` ("F16", or "Q4_0" / "Q4_K_M" by kvserve's quantizer), SmolLM2's
+    tokenizer metadata."""
     import gguf
 
     b = BODY
@@ -80,7 +94,8 @@ def write_file(path: Path, mix: str) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(500000.0)
     writer.add_vocab_size(b["vocab"])
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if mix == "Q4_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    writer.add_file_type({"F16": gguf.LlamaFileType.MOSTLY_F16, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+                          "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M}[mix])
     reader = gguf.GGUFReader(str(embedded_model_path()))
     for field in reader.fields.values():
         if field.name.startswith("tokenizer."):
@@ -98,7 +113,8 @@ def write_file(path: Path, mix: str) -> None:
             return
         type_name = _type_of(name.split(".", 2)[-1] if name.startswith("blk.") else name, layer, mix)
         weight = torch.randn(shape, generator=gen) * 0.02
-        writer.add_tensor(name, _quantized(weight, type_name), raw_dtype=gguf.GGMLQuantizationType[type_name])
+        raw_dtype = None if type_name == "F16" else gguf.GGMLQuantizationType[type_name]
+        writer.add_tensor(name, _quantized(weight, type_name), raw_dtype=raw_dtype)
 
     add("token_embd.weight", (b["vocab"], b["hidden"]))
     add("output_norm.weight", (b["hidden"],))
@@ -133,77 +149,149 @@ def bytes_per_token(model: torch.nn.Module) -> int:
                for p in m.parameters(recurse=False))
 
 
-def llama_bench_binary(asked: str | None) -> str | None:
-    if asked:
-        return asked
-    return shutil.which("llama-bench") or next(iter(sorted(glob.glob("/tmp/*/build/bin/llama-bench"))), None)
+def make_file(directory: Path, mix: str, quantizer: Path | None, no_write: bool) -> Path:
+    """The 1B-class file in `mix`: llama-quantize's from the F16 file where it is built, else kvserve's
+    quantizer's (its own name, so the two never mix); written once (under a temporary name, so a stopped
+    run leaves no partial file to reuse), then reused."""
+    path = directory / (f"llama-1b-body-{mix}.gguf" if quantizer else f"llama-1b-body-{mix}-kvserve-quantizer.gguf")
+    if path.exists():
+        return path
+    if no_write:
+        raise SystemExit(f"{path} is not there (--no-write)")
+    started = time.perf_counter()
+    partial = path.with_name(path.name + ".partial")
+    if quantizer is None:
+        write_file(partial, mix)
+    else:
+        source = directory / "llama-1b-body-F16.gguf"
+        if not source.exists():
+            write_file(source.with_name(source.name + ".partial"), "F16")
+            source.with_name(source.name + ".partial").rename(source)
+        threads = str(torch.get_num_threads())  # niced: quantizing is setup, not a figure
+        subprocess.run(["nice", "-n", "19", str(quantizer), str(source), str(partial), mix, threads], check=True,
+                       capture_output=True)
+    partial.rename(path)
+    print(f"wrote {path} in {time.perf_counter() - started:.0f} s", flush=True)
+    return path
 
 
-def run_llama_bench(binary: str, path: Path, prompt_len: int, output_len: int) -> tuple[float, float]:
-    """(TTFT, TPOT) from llama-bench -t threads -p P -n N -d P: prompt time at its rate, 1 / token rate."""
-    threads = str(torch.get_num_threads())
-    out = subprocess.run([binary, "-m", str(path), "-t", threads, "-p", str(prompt_len), "-n", str(output_len),
-                          "-d", str(prompt_len), "-o", "json"], capture_output=True, text=True, check=True).stdout
-    rows = json.loads(out)
-    prompt_rate = next(r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_gen"])
-    gen_rate = next(r["avg_ts"] for r in rows if r["n_gen"] and not r["n_prompt"])
-    return prompt_len / prompt_rate, 1.0 / gen_rate
+@dataclass
+class Subject:
+    """One file, loaded once, and the figures of its rounds: workload -> [(TTFT s, TPOT s), ...] per engine."""
+
+    name: str
+    path: Path
+    engine: Engine
+    floor: float  # seconds a decode step takes at the measured read bandwidth
+    kvserve: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    llama: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
 
-def measure_file(path: Path, args: argparse.Namespace, bandwidth: float, llama_bench: str | None) -> None:
+def open_subject(name: str, path: Path, args: argparse.Namespace, bandwidth: float) -> Subject:
+    """Load `path` and time the engine's start to ready: the file loaded, the engine built, the first
+    request (its kernels' first call), the C++ kernels already built and imported."""
     started = time.perf_counter()
     loaded = load_model(path, weights_dtype=args.weights_dtype)
-    load_s = time.perf_counter() - started
+    loaded_at = time.perf_counter()
+    engine = Engine(EngineConfig(kv_cache_memory="1GiB", speculative="off"), loaded=loaded)
+    built_at = time.perf_counter()
+    run_engine(engine, random_prompts(1, 64, seed=1), greedy(4))
+    ready_at = time.perf_counter()
     per_token = bytes_per_token(loaded.model)
     floor = per_token / bandwidth
-    print(f"{path.name}: {path.stat().st_size / 1e6:.0f} MB, loaded in {load_s:.1f} s ({loaded.linear_dtype}), "
+    print(f"{name}: {path.name}, {path.stat().st_size / 1e6:.0f} MB ({loaded.weight_format}); start to ready "
+          f"{ready_at - started:.1f} s (load {loaded_at - started:.1f} s, engine {built_at - loaded_at:.1f} s, "
+          f"first request {ready_at - built_at:.1f} s); linear layers {loaded.linear_dtype}, "
           f"{per_token / 1e6:.0f} MB read per token, floor {floor * 1e3:.1f} ms", flush=True)
-    engine = Engine(EngineConfig(kv_cache_memory="1GiB", speculative="off"), loaded=loaded)
-    run_engine(engine, random_prompts(1, 64, seed=1), greedy(4))  # warm-up
-    freeze_setup()
-    for name in args.workloads:
-        prompt_len, output_len = WORKLOADS[name]
-        best_ttft = best_tpot = float("inf")
-        for round_index in range(args.rounds):
-            prompt = random_prompts(1, prompt_len, seed=prompt_len + round_index)[0]  # no cached prefix
-            (output,), _ = run_engine(engine, [prompt], greedy(output_len))
-            best_ttft, best_tpot = min(best_ttft, output.metrics.ttft), min(best_tpot, output.metrics.tpot)
-        line = (f"  {name}: kvserve TTFT {best_ttft:.2f} s, TPOT {best_tpot * 1e3:.1f} ms "
-                f"({best_tpot / floor:.2f}x the floor)")
-        if llama_bench:
-            ttft, tpot = run_llama_bench(llama_bench, path, prompt_len, output_len)
-            line += (f" | llama-bench TTFT {ttft:.2f} s, TPOT {tpot * 1e3:.1f} ms | kvserve / llama.cpp: "
-                     f"TTFT {best_ttft / ttft:.2f}x, TPOT {best_tpot / tpot:.2f}x")
-        print(line, flush=True)
+    return Subject(name, path, engine, floor)
+
+
+def kvserve_round(subject: Subject, workload: str, runs: int, round_index: int) -> tuple[float, float]:
+    """Best TTFT and best TPOT of `runs` requests, each on a fresh prompt (no cached prefix)."""
+    prompt_len, output_len = WORKLOADS[workload]
+    best_ttft = best_tpot = float("inf")
+    for run in range(runs):
+        prompt = random_prompts(1, prompt_len, seed=1000 * round_index + prompt_len + run)[0]
+        (output,), _ = run_engine(subject.engine, [prompt], greedy(output_len))
+        best_ttft, best_tpot = min(best_ttft, output.metrics.ttft), min(best_tpot, output.metrics.tpot)
+    return best_ttft, best_tpot
+
+
+def llama_bench_round(binary: Path, path: Path, workload: str, reps: int) -> tuple[float, float]:
+    """(TTFT, TPOT) from `llama-bench -t T -p P -n N -d P -r reps`: the prompt test's best time, the token
+    test's best time per token (its depth fill is not timed)."""
+    prompt_len, output_len = WORKLOADS[workload]
+    command = [str(binary), "-m", str(path), "-t", str(torch.get_num_threads()), "-p", str(prompt_len),
+               "-n", str(output_len), "-d", str(prompt_len), "-r", str(reps), "-o", "json"]
+    rows = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+    prompt_ns = min(next(r["samples_ns"] for r in rows if r["n_prompt"] and not r["n_gen"]))
+    gen_ns = min(next(r["samples_ns"] for r in rows if r["n_gen"] and not r["n_prompt"]))
+    return prompt_ns / 1e9, gen_ns / 1e9 / output_len
+
+
+def _span(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
+    low, high = min(values) * scale, max(values) * scale
+    return f"{low:.{digits}f}" if f"{low:.{digits}f}" == f"{high:.{digits}f}" else f"{low:.{digits}f}-{high:.{digits}f}"
+
+
+def print_summary(subjects: list[Subject]) -> None:
+    """Each figure's range over the rounds; the ratios are per round (kvserve / llama-bench of one round)."""
+    print("summary (ranges over rounds):", flush=True)
+    for subject in subjects:
+        for workload, ours in subject.kvserve.items():
+            line = (f"  {subject.name} {workload}: kvserve TTFT {_span([t for t, _ in ours])} s, TPOT "
+                    f"{_span([p for _, p in ours], 1e3, 1)} ms ({_span([p / subject.floor for _, p in ours])}x "
+                    f"the floor of {subject.floor * 1e3:.1f} ms)")
+            theirs = subject.llama.get(workload)
+            if theirs:
+                line += (f" | llama-bench TTFT {_span([t for t, _ in theirs])} s, TPOT "
+                         f"{_span([p for _, p in theirs], 1e3, 1)} ms "
+                         f"({_span([p / subject.floor for _, p in theirs])}x the floor) | kvserve / llama.cpp: TTFT "
+                         f"{_span([a[0] / b[0] for a, b in zip(ours, theirs)])}x, TPOT "
+                         f"{_span([a[1] / b[1] for a, b in zip(ours, theirs)])}x")
+            print(line, flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="/tmp/kvserve-w11")
-    parser.add_argument("--files", nargs="+", default=["Q4_0", "Q4_K_M"], choices=["Q4_0", "Q4_K_M"])
+    parser.add_argument("--files", nargs="+", default=list(FILES), choices=FILES)
     parser.add_argument("--workloads", nargs="+", default=["W2"], choices=list(WORKLOADS))
-    parser.add_argument("--rounds", type=int, default=3, help="runs per workload; the best is reported")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (kvserve, llama-bench, per file)")
+    parser.add_argument("--runs", type=int, default=3, help="kvserve requests per round; the best is kept")
+    parser.add_argument("--reps", type=int, default=3, help="llama-bench repetitions per round; the best is kept")
     parser.add_argument("--weights-dtype", default="auto")
-    parser.add_argument("--llama-bench", default=None, help="llama-bench binary (default: PATH, /tmp/*/build/bin)")
     parser.add_argument("--no-write", action="store_true", help="use the files in --dir as they are")
     args = parser.parse_args()
-    print(f"CPU: {describe_cpu()}; {torch.get_num_threads()} threads", flush=True)
+    print(f"CPU: {describe_cpu()}; {torch.get_num_threads()} threads; kernels {ops.quant_matmul_isa()}", flush=True)
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
-    llama_bench = llama_bench_binary(args.llama_bench)
+    quantizer, llama_bench = find_llama_tool("llama-quantize"), find_llama_tool("llama-bench")
+    if quantizer is None:
+        print(missing_message("llama-quantize") + ": kvserve's quantizer writes the files")
     if llama_bench is None:
-        print("llama-bench: skipped (not on PATH nor under /tmp/*/build/bin; build llama.cpp or pass --llama-bench)")
+        print(missing_message("llama-bench"))
+    paths = {mix: make_file(directory, mix, quantizer, args.no_write) for mix in args.files if mix != "SmolLM2"}
+    if "SmolLM2" in args.files:
+        paths["SmolLM2"] = embedded_model_path()
     bandwidth = read_bandwidth()
     print(f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
-    for mix in args.files:
-        path = directory / f"llama-1b-body-{mix}.gguf"
-        if not path.exists():
-            if args.no_write:
-                raise SystemExit(f"{path} is not there (--no-write)")
-            started = time.perf_counter()
-            write_file(path, mix)
-            print(f"wrote {path} in {time.perf_counter() - started:.0f} s", flush=True)
-        measure_file(path, args, bandwidth, llama_bench)
+    subjects = [open_subject(name, path, args, bandwidth) for name, path in paths.items()]
+    freeze_setup()
+    for round_index in range(args.rounds):
+        for subject in subjects:
+            for workload in args.workloads:
+                ttft, tpot = kvserve_round(subject, workload, args.runs, round_index)
+                subject.kvserve.setdefault(workload, []).append((ttft, tpot))
+                line = (f"round {round_index + 1} {subject.name} {workload}: kvserve TTFT {ttft:.2f} s, TPOT "
+                        f"{tpot * 1e3:.1f} ms ({tpot / subject.floor:.2f}x the floor)")
+                if llama_bench:
+                    their_ttft, their_tpot = llama_bench_round(llama_bench, subject.path, workload, args.reps)
+                    subject.llama.setdefault(workload, []).append((their_ttft, their_tpot))
+                    line += (f" | llama-bench TTFT {their_ttft:.2f} s, TPOT {their_tpot * 1e3:.1f} ms | "
+                             f"kvserve / llama.cpp: TTFT {ttft / their_ttft:.2f}x, TPOT {tpot / their_tpot:.2f}x")
+                print(line, flush=True)
+    print_summary(subjects)
 
 
 if __name__ == "__main__":

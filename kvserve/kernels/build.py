@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("bindings.cpp", "paged_decode.cpp", "paged_decode_quant.cpp", "quant_matmul.cpp",
-                         "kquant_matmul.cpp", "fused_ops.cpp", "gated_delta.cpp")]
+                         "kquant_matmul.cpp", "kquant_repack.cpp", "fused_ops.cpp", "gated_delta.cpp")]
 _lock = threading.Lock()
 # How long a start waits for another process's build of the same directory before running without it.
 DEFAULT_WAIT_LIMIT_S = 600.0

@@ -6,7 +6,9 @@ A K-quant row is a run of super-blocks of 256 inputs (ggml-quants.c's block_q4_K
   Q6_K:       w = d * sc[j] * (q - 32), sub-block j of 16 inputs, q of 6 bits, sc a signed byte
 `kquant_fields` unpacks a block into those codes and scales (gguf_quants dequantizes with it too) and
 `pack_kquant` lays them out for the kernel: every code, scale, min, d and dmin kept exactly, 16 output
-rows interleaved per tile so that one 64-byte load holds four inputs of each (see the C++ file).
+rows interleaved per tile so that one 64-byte load holds four inputs of each (see the C++ file). The
+C++ repack (csrc/kquant_repack.cpp) does it in one pass where the kernels are built; `pack_kquant_reference`,
+whole-matrix torch ops, is what the tests hold it to (a 1B-class file: ~0.5 s against ~15 s).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.kernels import ops
 
 SUPER_BLOCK = 256  # inputs per K-quant super-block
 TILE_ROWS = 16  # output rows interleaved in one packed tile
@@ -136,7 +140,14 @@ def _bytes(values: torch.Tensor, tiles: int, supers: int) -> torch.Tensor:
 
 
 def pack_kquant(matrix: KQuantCodes) -> torch.Tensor:
-    """KQuantCodes -> uint8 `[tiles, supers, kquant_block_bytes]`, the layout csrc/kquant_matmul.cpp reads."""
+    """KQuantCodes -> uint8 `[tiles, supers, kquant_block_bytes]`, the layout csrc/kquant_matmul.cpp reads: by
+    the C++ repack, or without the kernels by the torch reference (whose bytes are the same)."""
+    packed = ops.kquant_repack(matrix.blocks, KQUANT_KINDS[matrix.kind])
+    return pack_kquant_reference(matrix) if packed is None else packed
+
+
+def pack_kquant_reference(matrix: KQuantCodes) -> torch.Tensor:
+    """`pack_kquant` in whole-matrix torch ops: the layout spelled out, and the C++ repack's reference."""
     rows, supers = matrix.blocks.shape[:2]
     tiles = -(-rows // TILE_ROWS)
     fields = kquant_fields(matrix.kind, matrix.blocks.reshape(rows * supers, -1))

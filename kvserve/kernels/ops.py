@@ -159,6 +159,16 @@ def kquant_matmul(x: torch.Tensor, packed: torch.Tensor, kind: int, out_features
     return out
 
 
+def kquant_repack(blocks: torch.Tensor, kind: int) -> torch.Tensor | None:
+    """A GGUF matrix's K-quant super-blocks uint8 `[rows, supers, type bytes]` -> the layout `kquant_matmul`
+    reads (kernels/kquant_packing.py's `pack_kquant`, which falls back to its torch reference on None: the
+    kernels are not built here)."""
+    ext = kernels()
+    if ext is None:
+        return None
+    return ext.kquant_repack(blocks.contiguous(), kind)
+
+
 class RowTables(NamedTuple):
     """Which keys each query row of the paged attention kernels sees (int64, CPU): row i at position
     row_pos[i] sees keys row_low[i]..row_pos[i] (row_low: its window's first key, else 0), block j of them

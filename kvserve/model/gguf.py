@@ -68,9 +68,10 @@ class GGUFModel:
 
         GGUF's `rope_freqs` (Llama 3.1-style scaling) comes as ("rope_freqs", divisors), a family's other
         extra tensors by the names it gives them (kvserve.model.family), flattened like it. `codes_held`: the
-        layers' 2-D K-quant matrices come as zeros, not dequantized, for a loader whose linear layers take the
-        file's codes instead (`group_codes`; a fused projection mixing them with other types too), so a
-        1B-class file does not dequantize a billion weights only to drop them.
+        layers' 2-D K-quant matrices come as meta tensors (a shape, no data), not dequantized, for a loader
+        whose linear layers take the file's codes instead (`group_codes`; a fused projection mixing them with
+        other types too) and write nothing for them (UnquantizedLinearMethod.load), so a 1B-class file
+        neither dequantizes a billion weights only to drop them nor fills 4 GB of fp32 with zeros.
         """
         extras = _extra_tensors(self.architecture)
         fix = self.architecture.family.gguf_tensor_fix
@@ -78,7 +79,7 @@ class GGUFModel:
             tensor = part.tensor
             if (codes_held and part.expert is None and tensor.name.startswith("blk.") and len(tensor.shape) == 2
                     and ggml_type_name(tensor.ggml_type) in KQUANT_KINDS):
-                yield part.hf_name, torch.zeros(()).expand(tuple(int(n) for n in tensor.shape))
+                yield part.hf_name, torch.empty(tuple(int(n) for n in tensor.shape), device="meta")
                 continue
             type_name, raw, shape = self._raw(part)
             value = dequantize(raw, type_name, shape)

@@ -11,6 +11,7 @@ implementation.
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from typing import Callable
 
@@ -156,14 +157,18 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch
     return decode(_blocks(raw, type_name, shape)).reshape(shape)
 
 
-def _blocks(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The raw bytes of one tensor as `[num_blocks, block_bytes]` uint8 (a copy: the source is usually a
-    read-only memory map)."""
+def _blocks(raw: np.ndarray, type_name: str, shape: tuple[int, ...], copy: bool = True) -> torch.Tensor:
+    """The raw bytes of one tensor as `[num_blocks, block_bytes]` uint8: a copy, as the source is usually a
+    read-only memory map; `copy=False`, a view of that map, for a caller that only reads it."""
     num_blocks, block_bytes, _ = _layout(type_name, shape)
     data = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
     if data.size != num_blocks * block_bytes:
         raise UnsupportedModelError(f"{type_name} tensor has {data.size} bytes, expected {num_blocks * block_bytes}")
-    return torch.from_numpy(data.copy()).view(num_blocks, block_bytes)
+    if copy:
+        return torch.from_numpy(data.copy()).view(num_blocks, block_bytes)
+    with warnings.catch_warnings():  # torch warns of a read-only array; nothing writes to these bytes
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data).view(num_blocks, block_bytes)
 
 
 def _raw_f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -212,8 +217,9 @@ def group_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Grou
 
 def kquant_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> KQuantCodes | None:
     """The raw bytes of a 2-D GGUF matrix as its K-quant super-blocks (Q4_K, Q5_K, Q6_K), exactly the file's;
-    None for other types."""
+    None for other types. The blocks are a view of the file's read-only memory map, not a copy: the layer
+    reads them once, repacking them (kvserve.model.kquant_linear), and keeps only what it packed."""
     if len(shape) != 2 or type_name not in KQUANT_KINDS:
         return None
-    blocks = _blocks(raw, type_name, shape)
+    blocks = _blocks(raw, type_name, shape, copy=False)
     return KQuantCodes(type_name, blocks.view(shape[0], shape[1] // QK_K, TYPE_BYTES[type_name]))

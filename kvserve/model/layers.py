@@ -41,10 +41,15 @@ class WeightShapeError(ValueError):
         self.expected = expected
 
 
-def copy_checked(target: torch.Tensor, loaded: torch.Tensor) -> None:
-    """Copy `loaded` into `target` (casting to its dtype) after checking the shapes agree."""
+def check_shape(target: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Raise WeightShapeError where `loaded` does not fit `target`."""
     if tuple(loaded.shape) != tuple(target.shape):
         raise WeightShapeError(tuple(loaded.shape), tuple(target.shape))
+
+
+def copy_checked(target: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy `loaded` into `target` (casting to its dtype) after checking the shapes agree."""
+    check_shape(target, loaded)
     target.copy_(loaded)
 
 
@@ -99,7 +104,10 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.bias = new_parameter(output_size, weight_loader=None) if bias else None
 
     def load(self, layer: Linear, param: nn.Parameter, loaded: torch.Tensor, rows: slice) -> None:
-        copy_checked(param.data[rows], loaded)
+        if loaded.is_meta:  # a shape only: the layer will hold the file's own codes (GGUFModel.weights)
+            check_shape(param.data[rows], loaded)
+        else:
+            copy_checked(param.data[rows], loaded)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return row_invariant_linear(x, layer.weight, layer.bias)  # kvserve.model.float_gemm

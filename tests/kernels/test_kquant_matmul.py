@@ -7,7 +7,7 @@ import torch
 
 from kvserve.kernels import ops
 from kvserve.kernels.kquant_packing import (KQUANT_KINDS, TYPE_BYTES, KQuantCodes, kquant_packed_bytes,
-                                            pack_kquant)
+                                            pack_kquant, pack_kquant_reference)
 from kvserve.model.gguf_quants import dequantize
 from tests.helpers import int8_activation_matmul
 
@@ -31,6 +31,17 @@ def random_kquant(kind: str, rows: int, cols: int, seed: int) -> KQuantCodes:
 
 def dequantized(codes: KQuantCodes) -> torch.Tensor:
     return dequantize(codes.blocks.numpy().reshape(-1), codes.kind, codes.shape)
+
+
+@pytest.mark.parametrize("kind", list(KQUANT_KINDS))
+@pytest.mark.parametrize("rows,supers", [(1, 1), (16, 2), (37, 3)])
+def test_the_cpp_repack_writes_the_torch_references_bytes(kind, rows, supers):
+    # Every byte of the file's blocks random (top bits, signed Q6_K scales), a last tile of padding rows.
+    codes = random_kquant(kind, rows, 256 * supers, 7 * rows + supers + KQUANT_KINDS[kind])
+    packed = ops.kquant_repack(codes.blocks, KQUANT_KINDS[kind])
+    assert packed.shape == (-(-rows // 16), supers, kquant_packed_bytes(16, 256, kind))
+    assert torch.equal(packed, pack_kquant_reference(codes))
+    assert torch.equal(pack_kquant(codes), packed)  # what the layers load with, where the kernels are built
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)

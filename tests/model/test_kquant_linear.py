@@ -53,6 +53,20 @@ def test_each_layer_holds_the_files_codes_exactly(q4_k_m_file):
                                                         + kquant_packed_bytes(128, 256, "Q6_K"))  # V
 
 
+def test_loading_dequantizes_no_k_quant_layer_matrix(q4_k_m_file, monkeypatch):
+    # The layers' K-quant matrices come to the model as shapes only: nothing dequantized, nothing written
+    # into their fp32 parameters; only the embedding (a lookup table) and the untied head are decoded.
+    from kvserve.model import gguf as gguf_module
+
+    decoded = []
+    real = gguf_module.dequantize
+    monkeypatch.setattr(gguf_module, "dequantize",
+                        lambda raw, type_name, shape: decoded.append(shape) or real(raw, type_name, shape))
+    loaded = load_model(q4_k_m_file, weights_dtype="auto")
+    assert loaded.linear_dtype == "int4"
+    assert [shape for shape in decoded if len(shape) == 2] == [(TINY_VOCAB, 256)] * 2
+
+
 def _logit_error(path, dtype: str) -> float:
     token_ids = torch.randint(0, TINY_VOCAB, (PROMPT_LEN + DECODE_STEPS,),
                               generator=torch.Generator().manual_seed(2)).tolist()

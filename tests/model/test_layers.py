@@ -53,6 +53,18 @@ def test_merged_loader_rows_and_shard_checks():
         load(Linear(4, 3), "weight", torch.zeros(3, 4), 0)
 
 
+def test_a_shape_only_shard_is_checked_and_writes_nothing():
+    # A GGUF K-quant matrix comes to its layer as a meta tensor: the layer will hold the file's codes.
+    layer = MergedLinear(4, [3, 5])
+    layer.weight.data.fill_(1.5)
+    load(layer, "weight", torch.empty(5, 4, device="meta"), 1)
+    assert torch.equal(layer.weight, torch.full((8, 4), 1.5))
+    with pytest.raises(WeightShapeError):
+        load(layer, "weight", torch.empty(5, 4, device="meta"), 0)
+    with pytest.raises(NotImplementedError):  # where nothing else holds the weight, a shape is never taken
+        copy_checked(torch.zeros(3, 4), torch.empty(3, 4, device="meta"))
+
+
 def test_fp32_linear_is_exactly_f_linear():
     layer = Linear(5, 3, bias=True)
     weight, bias = torch.randn(3, 5), torch.randn(3)

@@ -31,6 +31,8 @@ std::string quant_matmul_isa();
 // kquant_matmul.cpp: the same for W held as GGUF Q4_K / Q5_K / Q6_K super-blocks, into columns of `out`.
 void kquant_matmul_(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t N, torch::Tensor out, int64_t col,
                     int64_t isa);
+// kquant_repack.cpp: a GGUF file's K-quant super-blocks uint8 [rows, supers, file bytes] -> kquant_matmul_'s layout.
+torch::Tensor kquant_repack(torch::Tensor blocks, int64_t kind);
 
 // fused_ops.cpp: the per-layer ops of a decoder, one pass over their rows each.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

@@ -9,8 +9,9 @@
 // a row's bits depended on its batch); a row's groups are summed in order, so a row's result never
 // depends on the rows beside it.
 //
-// Packed layout (kvserve/kernels/kquant_packing.py repacks the file's blocks into it; the same for every
-// instruction set): output rows in tiles of 16, and for each (tile, super-block) one block of
+// Packed layout (kquant_repack.cpp repacks the file's blocks into it at load, kvserve/kernels/kquant_packing.py
+// is its reference; sizes in kquant_layout.h; the same for every instruction set): output rows in tiles of
+// 16, and for each (tile, super-block) one block of
 //   low nibbles: 8 groups x 4 vectors of 64 bytes; group g, vector j, byte 4r + i: low nibble = the low 4
 //     bits of q[r][32g + 4j + i], high nibble those of q[r][32g + 16 + 4j + i] (quant_matmul.cpp's 4-bit tile)
 //   Q5_K high bits: 8 groups x 64 bytes; byte 4r + i, bit k = bit 4 of q[r][32g + 4k + i]
@@ -20,6 +21,7 @@
 //     Q6_K d[16] fp16, sc[16][16] int8.
 // One 64-byte load holds four inputs of 16 rows (vpdpbusd sums them per row); it serves several x rows.
 #include "kernels.h"
+#include "kquant_layout.h"
 #include "quant_common.h"
 
 #include <torch/extension.h>
@@ -35,16 +37,9 @@ namespace {
 
 using namespace kvserve_quant;
 
-constexpr int64_t kTile = 16;      // output rows per tile
-constexpr int64_t kSuper = 256;    // inputs per super-block
-constexpr int64_t kSubGroups = 8;  // activation groups per super-block
-constexpr int64_t kMaxRows = 8;    // activation rows sharing one pass over a weight tile
-constexpr int64_t kLowBytes = kSubGroups * 4 * 64;
-enum Kind : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2 };
+using namespace kvserve_kquant;
 
-constexpr int64_t high_bytes(int64_t kind) { return kind == kQ4K ? 0 : kind == kQ5K ? 512 : 1024; }
-constexpr int64_t param_bytes(int64_t kind) { return kind == kQ6K ? 32 + 256 : 32 + 32 + 128 + 128; }
-constexpr int64_t block_bytes(int64_t kind) { return kLowBytes + high_bytes(kind) + param_bytes(kind); }
+constexpr int64_t kMaxRows = 8;  // activation rows sharing one pass over a weight tile
 
 struct Problem {
   const uint8_t* packed;
