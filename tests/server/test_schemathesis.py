@@ -45,7 +45,10 @@ STATE_LIMITS = ("context", "KV pool", "the server queues at most", "vocabulary",
                 "does not reason", "chat_template_kwargs cannot set",
                 # a compaction input of reasoning or tool items alone: "at least one message" is a count over
                 # an anyOf of item kinds, which the schema cannot state
-                "nothing to compact")
+                "nothing to compact",
+                # KV compression on a server configured so it cannot run (the tiny app drafts), or with a method the
+                # engine does not run (it scores with the prompt's queries)
+                "KV compression cannot run here", "scores tokens with the prompt's last queries")
 
 
 def _past_seed_range(body) -> bool:

@@ -32,6 +32,10 @@ from kvserve.server.openai.tool_protocol import ChatTool, ChatToolCall, ChatTool
 from kvserve.structured.params import StructuredOutputsParams
 from kvserve.tools.rendering import Turn
 
+# The field's shape, in the schema: "none", or METHOD:RATIO with a known method and a ratio >= 1 (what the engine can
+# run beyond that, e.g. a method reading queries or a server that drafts, is its 400).
+KV_COMPRESSION_PATTERN = r"^\s*(none|(auto|streaming|knorm|keydiff|expected_attention):[1-9][0-9]*(\.[0-9]+)?)\s*$"
+
 # Most choices one request may ask for (OpenAI's bound for n).
 MAX_CHOICES = 128
 # A prompt token id; its upper bound is the model's vocabulary, which the engine checks.
@@ -101,7 +105,7 @@ class _SamplingRequest(NullMeansDefault):
     structured_outputs: StructuredOutputsField | None = None
     # KV compression for this request (vLLM-style extra field): "METHOD:RATIO", or "none" (off) over the server's
     # --kv-compression; usage then reports prompt_tokens_details.kvserve_dropped_tokens.
-    kv_compression: Text | None = None
+    kv_compression: Annotated[str, Field(pattern=KV_COMPRESSION_PATTERN)] | None = None
 
     def check(self) -> None:
         """Checks that need no prompt (call before tokenizing); ranges of sampling values are
