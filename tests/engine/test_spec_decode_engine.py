@@ -137,3 +137,23 @@ def test_abort_with_drafts_in_flight_frees_everything(weights):
         engine.abort(request_id)
         engine.check_integrity()
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+@pytest.mark.parametrize("accepted", [True, False])
+def test_drafts_across_a_block_boundary_with_int4_keys_and_one_request(weights, accepted):
+    """int4 keys keep the block being filled open in float16, one slot per request: a verify that fills it and
+    starts the next (k = 3 on blocks of 4) must fit that slot, and change no token, accepted or rejected."""
+    prompts = repetitive_prompts(count=2)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    config = {"kv_cache_dtype": "int4", "max_num_seqs": 1}
+    _, off = run(weights["float32"], prompts, params, speculative="off", **config)
+    expected = {tuple(p): f.outputs[0].token_ids for p, f in zip(prompts, off)}
+    proposer = OracleProposer(expected) if accepted else AlwaysWrong(expected)
+    engine = Engine(EngineConfig(**{**CONFIG, **config}), loaded=weights["float32"], proposer=proposer,
+                    num_speculative_tokens=3)
+    engine.drafting.policy = FixedK(3)
+    on = finals_of(engine, prompts, params)
+    assert [f.outputs[0].token_ids for f in on] == [f.outputs[0].token_ids for f in off]
+    assert all(f.outputs[0].finish_reason == "length" for f in on)
+    assert (proposer.accepted > 0) == accepted and proposer.proposed > 0
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks

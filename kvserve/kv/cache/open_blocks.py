@@ -15,6 +15,9 @@ request freed while open keeps its slot until that slot is needed: then the
 least recently written block is encoded as it is (its rows so far) and, if it
 is written again, decoded back into a slot (a rare, lossy double rounding that
 only a request starved of steps for longer than the whole batch could meet).
+A run of several rows (a verify of drafts, forced tokens) can fill a request's
+open block and start its next: when the slots run short, the write seals the
+blocks it fills first and then opens the others in the slots they freed.
 Rewrites below a full block's last row (rejected speculative tokens, a context
 shift moving rows in place) reopen it: from its float16 rows where the slot it
 was encoded from still holds them (a sealed slot is taken again last), so a
@@ -54,6 +57,21 @@ class _WritePlan:
     within: torch.Tensor  # [R] the row's place inside its block (head-major, as the layout)
     cached_slots: tuple[int, ...] = ()
     cached_rows: torch.Tensor | None = field(default=None, repr=False)
+    # When the slots run short: (rows of the blocks this write fills, their plan), then the rest (see `write`).
+    parts: list[tuple[torch.Tensor, "_WritePlan"]] | None = field(default=None, repr=False)
+
+
+def _analyse(rows: torch.Tensor, block_rows: int, block_size: int) -> _WritePlan:
+    """What a write of flat rows `rows` touches, block by block."""
+    block = torch.div(rows, block_rows, rounding_mode="floor")
+    within = rows - block * block_rows
+    blocks, row_block = torch.unique(block, return_inverse=True)
+    count = torch.bincount(row_block, minlength=blocks.numel())
+    row = within % block_size
+    first = torch.full_like(blocks, block_size).scatter_reduce_(0, row_block, row, "amin")
+    last = torch.zeros_like(blocks).scatter_reduce_(0, row_block, row, "amax") == block_size - 1
+    return _WritePlan(blocks.tolist(), first.tolist(), last.tolist(), (count == block_rows).tolist(),
+                      row_block, within)
 
 
 class OpenBlocks:
@@ -91,6 +109,16 @@ class OpenBlocks:
     def write(self, tensor: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """New K/V `[R, head_dim]` (any float dtype) at the pool's flat rows `rows` of storage tensor `tensor`."""
         plan = self._plan_for(rows)
+        if self._short_of_slots(tensor, plan) and (parts := self._split(plan, rows)):
+            # A run of several tokens (a verify of drafts, forced tokens) can fill one open block and start the
+            # next while every slot is held by this write: fill and seal the blocks it completes first, then
+            # write the rest into the slots they freed. Same rows, same bits, two passes.
+            for index, part in parts:
+                self._write_plan(tensor, part, k.index_select(0, index), v.index_select(0, index))
+            return
+        self._write_plan(tensor, plan, k, v)
+
+    def _write_plan(self, tensor: int, plan: _WritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         self._clock[tensor] += 1
         slots: list[int] = []
         reopen: list[tuple[int, int]] = []  # (block, slot) whose rows below the write must be decoded back
@@ -175,17 +203,29 @@ class OpenBlocks:
         key = (rows, rows._version)
         if self._plan_key is not None and self._plan_key[0] is rows and self._plan_key[1] == key[1]:
             return self._plan
-        block = torch.div(rows, self.block_rows, rounding_mode="floor")
-        within = rows - block * self.block_rows
-        blocks, row_block = torch.unique(block, return_inverse=True)
-        count = torch.bincount(row_block, minlength=blocks.numel())
-        row = within % self.block_size
-        first = torch.full_like(blocks, self.block_size).scatter_reduce_(0, row_block, row, "amin")
-        last = torch.zeros_like(blocks).scatter_reduce_(0, row_block, row, "amax") == self.block_size - 1
-        self._plan = _WritePlan(blocks.tolist(), first.tolist(), last.tolist(),
-                                (count == self.block_rows).tolist(), row_block, within)
+        self._plan = _analyse(rows, self.block_rows, self.block_size)
         self._plan_key = key
         return self._plan
+
+    def _short_of_slots(self, tensor: int, plan: _WritePlan) -> bool:
+        """Whether the write's blocks without a slot outnumber the slots it could take (free or not its own)."""
+        host = self._map[tensor]
+        need = sum(1 for i, b in enumerate(plan.blocks) if not plan.whole[i] and host[b] < 0)
+        if need == 0:
+            return False
+        mine = set(plan.blocks)
+        return need > sum(1 for owner in self._owner[tensor] if owner < 0 or owner not in mine)
+
+    def _split(self, plan: _WritePlan, rows: torch.Tensor) -> list[tuple[torch.Tensor, _WritePlan]] | None:
+        """The write as (row indices, plan) parts: the rows of the blocks it fills but does not bring whole,
+        then the others; None when it fills none (nothing to seal early) or nothing else."""
+        if plan.parts is None:
+            filled = [i for i, (last, whole) in enumerate(zip(plan.last, plan.whole)) if last and not whole]
+            first = torch.isin(plan.row_block, torch.tensor(filled, dtype=torch.long, device=plan.row_block.device))
+            indices = [first.nonzero().flatten(), (~first).nonzero().flatten()]
+            plan.parts = [] if not filled or not indices[1].numel() else [
+                (index, _analyse(rows.index_select(0, index), self.block_rows, self.block_size)) for index in indices]
+        return plan.parts or None
 
     def _take_slot(self, tensor: int, block: int, kept: int | None = None) -> int:
         """A slot for `block`: `kept` (the free slot holding its rows since it was encoded), else a free one

@@ -108,6 +108,27 @@ def test_a_slot_needed_by_another_block_encodes_the_oldest_open_one():
     assert slot_of[1] >= 0 and (read_k[0] - k[0]).abs().max() < 0.2
 
 
+def test_a_run_that_fills_one_open_block_and_starts_the_next_fits_one_slot():
+    """A verify of drafts (or forced tokens) writes several rows at once: with one slot (max_num_seqs=1), filling
+    the open block and starting the next must seal the first before it opens the second, bits unchanged."""
+    spec = KVSpec(1, HEADS, DIM, "int4")
+    k, v = keys(BLOCK + 3, 6), keys(BLOCK + 3, 7)
+    table = torch.tensor([5, 2])
+    reads = []
+    for runs in ([range(0, BLOCK - 2), range(BLOCK - 2, BLOCK + 3)], [range(0, BLOCK - 2)]
+                 + [range(p, p + 1) for p in range(BLOCK - 2, BLOCK + 3)]):
+        cache = TorchCpuAttentionBackend().allocate_kv_cache(spec, num_blocks=8, block_size=BLOCK, max_num_seqs=1)
+        cache.initialize_blocks_through(7)
+        for run in runs:
+            at = torch.tensor(list(run))
+            cache.write(0, slot_indices(table[at // BLOCK], at % BLOCK, HEADS, BLOCK), k[at], v[at])
+        assert cache.open_blocks.slot_of[0][5] < 0 and cache.open_blocks.slot_of[0][2] >= 0
+        everything = torch.arange(BLOCK + 3)
+        reads.append(cache.read_rows(0, slot_indices(table[everything // BLOCK], everything % BLOCK, HEADS, BLOCK)))
+    (run_k, run_v), (one_k, one_v) = reads  # the same bits as writing one row at a time
+    assert torch.equal(run_k, one_k) and torch.equal(run_v, one_v)
+
+
 def test_a_block_rewritten_below_its_last_row_reopens_from_the_rows_it_was_encoded_from():
     """Rejected drafts that filled a block: the next write below its last row reopens it with the float16 rows
     it had (not decoded back from int4), unless its slot went to another block meanwhile."""
