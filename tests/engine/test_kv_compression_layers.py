@@ -130,11 +130,14 @@ def test_abort_mid_prefill_returns_every_block_and_state(tiny_models, variant):
     assert states is None or states.num_live == states.num_held == 0
 
 
-def test_preempted_compressing_requests_on_a_windowed_model_answer_as_alone(tiny_models):
-    loaded = tiny_models("gemma3")
+@pytest.mark.parametrize("variant, blocks", [("gemma3", 11), ("qwen35", 20)])
+def test_preempted_compressing_requests_answer_as_alone(tiny_models, variant, blocks):
+    # A pool too small for three at once: requests are preempted and come back through their own cached
+    # compressed blocks (and windows, or state snapshots), or recompute them, with the same tokens as alone.
+    loaded = tiny_models(variant)
     prompts = [prompt(60, seed=20 + i) for i in range(3)]
     alone = [run(engine_for(loaded, spec()), tokens, greedy(12))[0] for tokens in prompts]
-    engine = engine_for(loaded, spec(), blocks=11, max_num_batched_tokens=24)
+    engine = engine_for(loaded, spec(), blocks=blocks, max_num_batched_tokens=24)
     ids = [engine.add_request(tokens, greedy(12)) for tokens in prompts]
     finals = run_to_finals(engine)
     assert engine.scheduler.num_preemptions > 0
