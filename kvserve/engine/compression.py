@@ -18,10 +18,10 @@ from kvserve.kv.compression.spec import CompressionSpec
 class RequestCompression:
     """The engine's default spec (`EngineConfig.kv_compression`) and what it can compress."""
 
-    def __init__(self, config: EngineConfig, kv_spec: KVSpec, has_recurrent_state: bool) -> None:
+    def __init__(self, config: EngineConfig, kv_spec: KVSpec) -> None:
         self.block_size = config.block_size
         self.support = EngineSupport(
-            sliding_windows=kv_spec.layout.has_windows, recurrent_state=has_recurrent_state,
+            only_windows=None not in kv_spec.layout.windows,
             shared_layers=bool(kv_spec.layer_kv or kv_spec.layer_sources),
             blockwise_codec=kv_spec.has_open_blocks, explicit_drafting=config.speculative in ("ngram", "suffix"),
             context_shift=config.context_overflow == "shift", disk_tier=config.kv_disk_path is not None,

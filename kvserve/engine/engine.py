@@ -77,7 +77,7 @@ class Engine:
         self.constrained = ConstrainedRequests(self.loaded.tokenizer, self.loaded.config.vocab_size,
                                                self.max_model_len, self.config.max_num_batched_tokens)
         self.drafting = build_drafting(self.config, self.max_model_len, proposer, num_speculative_tokens)
-        self.compression = RequestCompression(self.config, self.kv_spec, self.loaded.model.has_recurrent_state)
+        self.compression = RequestCompression(self.config, self.kv_spec)
         # Where each step's drafts went in the cache, for the lab's map (drafting on only).
         self.draft_slots = DraftSlotLog(self.kv_manager) if self.drafting is not None else None
         self.snapshots = SnapshotKeeper(self.scheduler, self.tiering,

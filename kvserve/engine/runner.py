@@ -133,8 +133,9 @@ class ModelRunner:
         for _, plan in out.shifts:  # before the forward writes into any block a shift freed
             self.apply_shift(plan)
         for item in out.scheduled:  # chunks the last forward completed, before any later token is computed
-            for compaction in item.compactions:
-                compact_chunk(self.attention, self.kv_cache, compaction, self._compression[item.request_id])
+            for compaction in item.compactions:  # one per full-attention group: that group's layers
+                compact_chunk(self.attention, self.kv_cache, compaction, self._compression[item.request_id],
+                              self.kv_cache.spec.layout.groups[compaction.group].layers)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step (after `begin_step`): the accepted tokens of every request that reached its last token."""
@@ -198,9 +199,8 @@ class ModelRunner:
             start = item.num_computed_tokens + offset
             inputs.input_ids.extend(item.token_ids[offset : offset + count])
             inputs.positions.append(torch.arange(start, start + count, device=self.device))
-            # Tables hold slots: a compressing request's tokens sit `num_dropped_tokens` before their positions.
-            inputs.slices.append(SequenceSlice(self._block_tables[item.request_id], start - item.num_dropped_tokens,
-                                               count))
+            # A compressing request's full-attention tables hold slots: its tokens sit `slot_offsets` before.
+            inputs.slices.append(SequenceSlice(self._block_tables[item.request_id], start, count, item.slot_offsets))
             rows.setdefault(item.request_id, []).extend(range(first_row, first_row + count))
             if offset + count < len(item.token_ids):
                 continue  # more of this request's tokens follow in the next units

@@ -30,10 +30,10 @@ class ScheduledRequest:
     forced_token_ids: tuple[int, ...] = ()
     draft_token_ids: tuple[int, ...] = ()
     state: StateStep | None = None  # a hybrid model's recurrent-state slots for this step (opaque ids)
-    # KV compression (kv/compressed_chunks.py): chunks to compress before the forward, and the tokens compression
-    # has dropped from the request's tables once they are (its slot of position p is p - num_dropped_tokens).
+    # KV compression (kv/compressed_chunks.py): chunks to compress before the forward, and per KV group the tokens
+    # compression has dropped from the request's table once they are (its slot of position p is p - that).
     compactions: tuple[Compaction, ...] = ()
-    num_dropped_tokens: int = 0
+    slot_offsets: tuple[int, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:
@@ -81,5 +81,5 @@ def scheduled_request(request: Request, count: int, kv: KVCacheManager) -> Sched
         draft_token_ids=drafts,
         state=kv.state_step(request.request_id, start, count, len(forced) + len(drafts)),
         compactions=kv.take_compactions(request.request_id),
-        num_dropped_tokens=kv.dropped_tokens(request.request_id),
+        slot_offsets=kv.slot_offsets(request.request_id),
     )

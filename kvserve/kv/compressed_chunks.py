@@ -8,6 +8,10 @@ request's kept tokens the same however its prefill was scheduled, cold or cached
 A compressed chunk keeps `budget` slots (whole blocks) per layer and KV head, so `chunk - budget` tokens leave the
 cache: a token at position p after c compressed chunks lives in slot p - c * (chunk - budget). RoPE uses positions;
 block tables and attention metadata use slots. No tensors here: the runner moves the K/V (kv/compression/compact.py).
+
+Only full-attention KV groups compress (a model's windowed groups hold their window and keep positional tables:
+their offset is 0), and a hybrid model's recurrent state runs over every token: slots differ from positions only
+in the full-attention groups' tables.
 """
 
 from __future__ import annotations
@@ -56,13 +60,14 @@ class ChunkPolicy:
 class Compaction:
     """One compressed chunk's K/V work for the runner (opaque ids and counts): the chunk's `src_blocks` (in token
     order, the chunk's positions from `first_position`), the first `num_kept_blocks` of which receive the kept
-    tokens of every layer and KV head (in place: kept row i comes from a row >= i, all read before any written);
-    the others went back to the pool. `chunk_index` 0 keeps its attention sinks."""
+    tokens of every layer of KV `group` and KV head (in place: kept row i comes from a row >= i, all read before
+    any written); the others went back to the pool. `chunk_index` 0 keeps its attention sinks."""
 
     chunk_index: int
     first_position: int
     src_blocks: tuple[int, ...]
     num_kept_blocks: int
+    group: int = 0
 
 
 class CompressedRequests:
@@ -82,6 +87,11 @@ class CompressedRequests:
         """Tokens the request's tables no longer hold (slot = position - this)."""
         policy = self.policies.get(request_id)
         return self._done.get(request_id, 0) * policy.dropped_per_chunk if policy is not None else 0
+
+    def compressed_end(self, request_id: str) -> int:
+        """Tokens of the request's compressed chunks: a cut before this loses what they kept."""
+        policy = self.policies.get(request_id)
+        return self._done.get(request_id, 0) * policy.chunk if policy is not None else 0
 
     def due(self, request_id: str, num_tokens: int) -> list[int]:
         """Chunks to compress before the request's tables grow to `num_tokens` tokens (each computed: the
@@ -107,10 +117,11 @@ class CompressedRequests:
             return kept  # the chunk being computed is rewritten in place when it is compressed
         return kept + max(num_computed_tokens - done * policy.chunk, 0) // block_size
 
-    def compacted(self, request_id: str, compaction: Compaction) -> None:
-        self._done[request_id] = compaction.chunk_index + 1
+    def compacted(self, request_id: str, chunk_index: int, compactions: list[Compaction]) -> None:
+        """Chunk `chunk_index` is compressed in every full-attention group (one compaction each)."""
+        self._done[request_id] = chunk_index + 1
         self.num_dropped_tokens += self.policies[request_id].dropped_per_chunk
-        self._pending.setdefault(request_id, []).append(compaction)
+        self._pending.setdefault(request_id, []).extend(compactions)
 
     def take(self, request_id: str) -> tuple[Compaction, ...]:
         return tuple(self._pending.pop(request_id, ()))

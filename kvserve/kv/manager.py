@@ -129,7 +129,7 @@ class KVCacheManager(CompressedTables):
         """After a step: the request's full computed blocks (and its state snapshots) become hittable."""
         self.prefix.cache_full_blocks(request_id, token_ids, block_hashes, num_computed_tokens)
         if self.states is not None:
-            self.states.after_step(request_id, num_computed_tokens, block_hashes.hashes)
+            self.states.after_step(request_id, num_computed_tokens, self.prefix.state_keys(block_hashes))
 
     def allocate_slots(self, request_id: str, num_tokens: int, keep_watermark: bool = False,
                        prefix: PrefixMatch | None = None, tenant: str | None = None) -> bool:
@@ -137,18 +137,16 @@ class KVCacheManager(CompressedTables):
         `prefix` (only for a request that holds no blocks) shares the matched pool blocks instead; the
         blocks of its tier part are fresh ones, the request's own while they are loaded. New blocks count
         against `tenant`'s share, which decides whose cached blocks they may evict (kv/pool/tenant_quota.py)."""
-        num_tokens -= self._compact_due(request_id, num_tokens, prefix)  # in slots from here on
-        length = len(self.groups[0].tables.get(request_id, ()))
-        hit = prefix if prefix is not None and not length and prefix.num_tokens else None
-        if hit is not None:
-            length = len(hit.tables[0])
-        needed = max(self.blocks_for(num_tokens) - length, 0)  # per group
+        self._compact_due(request_id, num_tokens, prefix)  # a compressing request's full-attention tables
+        held = bool(self.groups[0].tables.get(request_id))
+        hit = prefix if prefix is not None and not held and prefix.num_tokens else None
+        needed = self._blocks_needed(request_id, num_tokens, hit)  # per group (kv/compressed_tables.py)
         shared = hit.blocks if hit is not None else ()
         # Shared blocks nobody holds are still in the free queue: taking them uses free blocks too.
         claimed = sum(1 for block in shared if block.ref_cnt == 0)
         reserve = self.watermark_blocks if keep_watermark else 0
-        free = self.pool.num_free_for(tenant, needed * self.num_groups + claimed + reserve)
-        if needed * self.num_groups + claimed > free - reserve:
+        free = self.pool.num_free_for(tenant, sum(needed) + claimed + reserve)
+        if sum(needed) + claimed > free - reserve:
             return False
         if self.states is not None and not self.states.started(request_id) and not self.states.start(
                 request_id, hit.num_tokens if hit is not None else 0, hit.state_slot if hit is not None else None,
@@ -157,17 +155,17 @@ class KVCacheManager(CompressedTables):
         if hit is not None:
             self.pins.refresh_hit(shared)  # a hit on a pinned prefix renews its TTL
             self.pool.touch(shared)
-            self.prefix.claimed(request_id, length)
+            self.prefix.claimed(request_id, hit.num_pool_tokens // self.block_size)
             for group, table in zip(self.groups, hit.tables):
                 group.start(request_id, table)
             self._updates.changed(request_id)
         elif request_id not in self.groups[0].tables:
             for group in self.groups:
                 group.start(request_id, ())
-        if needed:
-            fresh = self.pool.allocate(needed * self.num_groups, tenant)
-            for index, group in enumerate(self.groups):
-                group.extend(request_id, fresh[index * needed : (index + 1) * needed])
+        if any(needed):
+            fresh = iter(self.pool.allocate(sum(needed), tenant))
+            for group, count in zip(self.groups, needed):
+                group.extend(request_id, [next(fresh) for _ in range(count)])
         return True
 
     def truncate(self, request_id: str, num_tokens: int) -> int:
@@ -176,22 +174,23 @@ class KVCacheManager(CompressedTables):
         content is still what the hash says), and a cached block the cut falls inside leaves the cache.
         Returns the tokens the tables now cover: `num_tokens`, unless the cut falls inside a block other
         requests share (then that block's start) or before blocks a window freed (then 0); the caller
-        recomputes from there. A compressing request counts in slots (only its decode tail is ever cut)."""
-        num_tokens -= (offset := self.compressed.dropped(request_id))
-        if not 0 <= num_tokens <= (held := len(self.groups[0].tables.get(request_id, ())) * self.block_size):
-            raise ValueError(f"cannot truncate request {request_id} to {num_tokens} tokens: its tables hold "
-                             f"{held}")
-        while (kept := min(part.resumable_tokens(request_id, num_tokens) for part in self._cut_parts)) != num_tokens:
-            num_tokens = kept  # every group (and the recurrent state) agrees on a cut point, or it moves back
+        recomputes from there. A compressing request's full-attention tables count slots (kv/compressed_tables.py)."""
+        for group, offset in zip(self.groups, self.slot_offsets(request_id)):
+            if not 0 <= num_tokens <= (held := len(group.tables.get(request_id, ())) * self.block_size + offset):
+                raise ValueError(f"cannot truncate request {request_id} to {num_tokens} tokens: its tables hold "
+                                 f"{held}")
+        kept = self._cut_point(request_id, num_tokens)
+        if kept < self.compressed.compressed_end(request_id):
+            self.compressed.reset(request_id)  # back to 0: it computes (and compresses) its chunks again
         if self.states is not None:
             self.states.cut(request_id, kept)
         self.prefix.cut(request_id, kept // self.block_size)
-        for group in self.groups:
-            dropped = group.cut(request_id, kept)
+        for group, offset in zip(self.groups, self.slot_offsets(request_id)):
+            dropped = group.cut(request_id, kept - offset)
             if dropped:
                 self.pool.free(reversed(dropped))
                 self._updates.changed(request_id)
-        return kept + offset
+        return kept
 
     def state_step(self, request_id: str, start: int, count: int, num_speculative: int) -> StateStep | None:
         """A hybrid model's state slots for a step (kv/state/manager.py); None for other models."""

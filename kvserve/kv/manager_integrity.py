@@ -4,7 +4,7 @@ state slot as often as requests do, and a running request's tables and state fit
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from kvserve.errors import KVIntegrityError
 
@@ -30,17 +30,23 @@ def check_manager_integrity(manager: KVCacheManager) -> None:
                                f"{manager.num_blocks} in the pool")
 
 
-def check_request_tables(manager: KVCacheManager, request_id: str, num_computed_tokens: int) -> None:
+def check_request_tables(manager: KVCacheManager, request_id: str, num_computed_tokens: int,
+                         slot_offsets: Sequence[int] = ()) -> None:
     """A running request's tables are one length, cover its computed tokens and hold every block a
     later query may read (windowed groups: from the window of position `num_computed_tokens` on).
-    A hybrid model's request has a live state after exactly its computed tokens. Raises KVIntegrityError otherwise."""
-    lengths = {len(group.tables.get(request_id, ())) for group in manager.groups}
+    `slot_offsets`: per group, the tokens its table no longer holds (KV compression; whole blocks): that
+    group's table is that much shorter and counts slots. A hybrid model's request has a live state after
+    exactly its computed tokens. Raises KVIntegrityError otherwise."""
+    offsets = tuple(slot_offsets) or (0,) * len(manager.groups)
+    bs = manager.block_size
+    lengths = {len(group.tables.get(request_id, ())) + offset // bs for group, offset in zip(manager.groups, offsets)}
     if len(lengths) > 1:
         raise KVIntegrityError(f"request {request_id}: its group tables differ in length")
-    if lengths.pop() * manager.block_size < num_computed_tokens:
-        held = len(manager.groups[0].tables.get(request_id, ()))
-        raise KVIntegrityError(f"request {request_id} holds {held} blocks for {num_computed_tokens} computed tokens")
-    for group in manager.groups:
-        group.check_table(request_id, num_computed_tokens)
+    for group, offset in zip(manager.groups, offsets):
+        held = len(group.tables.get(request_id, ()))
+        if held * bs < num_computed_tokens - offset:
+            raise KVIntegrityError(f"request {request_id} holds {held} blocks in group {group.group} for "
+                                   f"{num_computed_tokens - offset} computed tokens")
+        group.check_table(request_id, num_computed_tokens - offset)
     if manager.states is not None:
         manager.states.check_request(request_id, num_computed_tokens)

@@ -34,11 +34,13 @@ def single_token_decode(num_new_tokens: int) -> bool:
 @dataclass(frozen=True, slots=True)
 class SequenceSlice:
     """One request's part of a step: its block table in each KV group, tokens already cached, tokens
-    computed now."""
+    computed now, and per group the tokens before them its table no longer holds (KV compression: the
+    group's slots start at num_computed_tokens - slot_offsets[group]; empty: none)."""
 
     block_tables: Sequence[Sequence[int]]
     num_computed_tokens: int
     num_new_tokens: int
+    slot_offsets: Sequence[int] = ()
 
 
 # A K = V layer's keys from its values (Gemma 4's global layers: one projection, V its norm, K that times the key

@@ -151,7 +151,10 @@ def build_attention_metadata(
     row = 0
     for s in slices:
         table = s.block_tables[group]
-        start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+        # In the group's slots: a compressing request's full-attention tables no longer hold the tokens its
+        # compressed chunks dropped (kv/compressed_chunks.py); RoPE uses positions, the model's business.
+        start = s.num_computed_tokens - (s.slot_offsets[group] if s.slot_offsets else 0)
+        end = start + s.num_new_tokens
         if len(table) * block_size < end:
             raise ValueError(f"block table of {len(table)} blocks cannot hold {end} tokens")
         for position in range(start, end):

@@ -10,6 +10,8 @@ way: the engine refuses it with compression (engine_spec.EngineSupport), as it d
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from kvserve.kv.attention.base import AttentionBackend
@@ -39,9 +41,10 @@ def kept_indices(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tens
 
 
 def compact_chunk(backend: AttentionBackend, cache: PagedKVCache, compaction: Compaction, spec: CompressionSpec,
-                  layers: range | None = None) -> list[torch.Tensor]:
-    """Compress one chunk of every stored layer in place (`spec` a resolved engine spec); returns each layer's kept
-    indices `[KVH, budget]` (the lab, tests)."""
+                  layers: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """Compress one chunk in place in `layers` (those of the compaction's KV group: its blocks are that group's
+    pages; None: every stored layer, a model of one group), `spec` a resolved engine spec; returns each layer's
+    kept indices `[KVH, budget]` (the lab, tests)."""
     chunk = len(compaction.src_blocks) * cache.block_size
     budget = compaction.num_kept_blocks * cache.block_size
     src = chunk_slots(backend, cache, list(compaction.src_blocks), chunk)

@@ -3,7 +3,9 @@
 `--kv-compression METHOD:RATIO` sets the engine's default; a request's `kv_compression` field overrides it ("none":
 off for that request). Both resolve to an engine spec (ENGINE_METHODS, auto -> ENGINE_AUTO_METHOD) whose chunk is a
 multiple of the block size. What compression cannot follow yet is refused by name, at startup for the flag and per
-request for the field (the engine turns the ValueError into a ConfigError or a 400).
+request for the field (the engine turns the ValueError into a ConfigError or a 400). Compression applies to the
+full-attention layers: a model's sliding-window layers (Gemma 3) keep their window by position and a hybrid's
+recurrent layers (Qwen3.5, LFM2) their state over every token, beside compressed full-attention layers.
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ OFF = "none"
 class EngineSupport:
     """What of the engine compression must reckon with (None: it can run; else why not)."""
 
-    sliding_windows: bool
-    recurrent_state: bool
+    only_windows: bool  # every layer has a sliding window: no full-attention layer to compress
     shared_layers: bool  # layers that share or pack K/V (Gemma 4)
     blockwise_codec: bool
     explicit_drafting: bool  # --speculative ngram / suffix (auto leaves compressing requests undrafted)
@@ -31,10 +32,8 @@ class EngineSupport:
 
     def refusal(self) -> str | None:
         reasons = [
-            (self.sliding_windows, "sliding-window layers (Gemma 3) free blocks behind their window by position, "
-                                   "which compressed slots no longer are"),
-            (self.recurrent_state, "a hybrid model's recurrent state is snapshotted by token count, which a "
-                                   "compressed table no longer holds"),
+            (self.only_windows, "every layer has a sliding window: compression applies to full-attention "
+                                "layers (a model's windowed layers hold only their window anyway)"),
             (self.shared_layers, "layers that share or pack their K/V (Gemma 4) store rows that compaction "
                                  "cannot move per layer"),
             (self.blockwise_codec, "this cache dtype encodes whole blocks (int4 keys per channel): choose a "

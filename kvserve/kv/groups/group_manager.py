@@ -4,8 +4,9 @@ vLLM's SingleTypeKVCacheManager: the coordinator (kv/manager.py) holds one
 manager per KV group (kv/groups/layout.py) and loops over them; each answers for its
 own kind of attention (kv/groups/full.py, kv/groups/window.py) how long a prefix hit it can
 serve, which blocks a request no longer reads, and what its tables must hold.
-Every group of a request has a table of the same length; a position whose
-block was freed behind a window holds None (the null block).
+Every group of a request has a table of the same length (but where KV compression
+dropped tokens from a full-attention group's table: kv/compressed_tables.py); a
+position whose block was freed behind a window holds None (the null block).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvserve.kv.compressed_chunks import CompressedRequests
-from kvserve.kv.prefix.compressed_keys import slot_keys
+from kvserve.kv.prefix.compressed_prefix import CompressedPrefix
 from kvserve.kv.pool.block_pool import BlockPool
 from kvserve.kv.pool.free_queue import KVBlock
 from kvserve.kv.groups.group_manager import GroupManager
@@ -87,8 +87,10 @@ class PrefixCache:
         self._num_cached: dict[str, int] = {}
         # Per request: blocks from this one on hold shifted K/V (a context shift): never cached under a hash.
         self._cache_limit: dict[str, int] = {}
-        # Compressing requests (kv/compressed_tables.py): their blocks are keyed per slot (compressed_keys.py).
+        # Compressing requests (kv/compressed_tables.py): their blocks are keyed per slot or position
+        # (compressed_keys.py), found and registered by compressed_prefix.py.
         self.compressed = compressed if compressed is not None else CompressedRequests()
+        self._compressed = CompressedPrefix(pool, block_size, self.groups, states, self.compressed)
 
     def longest_hit(self, lookup: GroupLookup, limit: int) -> tuple[tuple[KVBlock | None, ...], ...]:
         """Per group, the blocks of the longest hit of at most `limit` blocks every group can serve."""
@@ -127,7 +129,7 @@ class PrefixCache:
             raise ValueError(f"block hashes were computed over {block_hashes.block_size}-token blocks; "
                              f"this cache uses {self.block_size}")
         if block_hashes.compression is not None:
-            return self._find_compressed(token_ids, block_hashes)
+            return self._compressed.find(token_ids, block_hashes)
         bs, hashes = self.block_size, block_hashes.hashes
 
         def lookup(group: int, index: int) -> KVBlock | None:
@@ -217,7 +219,7 @@ class PrefixCache:
         if not self.enable_caching:
             return
         if request_id in self.compressed:
-            self._cache_compressed(request_id, token_ids, block_hashes, num_computed_tokens)
+            self._compressed.cache(request_id, token_ids, block_hashes, num_computed_tokens)
             return
         length = len(self.groups[0].tables.get(request_id, ()))
         done = self._num_cached.get(request_id, 0)
@@ -236,34 +238,12 @@ class PrefixCache:
                     self.pool.cache_block(block, hashes[index], parent, chunk, group, first=index == 0)
         self._num_cached[request_id] = end
 
-    def _find_compressed(self, token_ids: Sequence[int], block_hashes: BlockHashChain) -> PrefixMatch:
-        """A compressing request's longest hit: its slot blocks while cached, ending where a hit may end
-        (after a chunk's last kept block, or any later block) and short of its last token."""
-        blocks: list[KVBlock] = []
-        num_tokens, num_blocks, last = 0, 0, block_hashes.root
-        for key in slot_keys(block_hashes.compression, block_hashes, token_ids):
-            block = self.pool.lookup(key.block_hash, key.parent, key.token_ids)
-            if block is None or key.end > len(token_ids) - 1:
-                break
-            blocks.append(block)
-            if key.complete:
-                num_tokens, num_blocks, last = key.end, len(blocks), key.block_hash
-        return PrefixMatch((tuple(blocks[:num_blocks]),), num_tokens, last)
-
-    def _cache_compressed(self, request_id: str, token_ids: Sequence[int], block_hashes: BlockHashChain,
-                          num_computed_tokens: int) -> None:
-        """Register a compressing request's final slot blocks under their slot keys."""
-        done = self._num_cached.get(request_id, 0)
-        end = self.compressed.final_slots(request_id, num_computed_tokens, self.block_size)
-        if end <= done:
-            return
-        table = self.groups[0].tables[request_id]
-        keys = slot_keys(block_hashes.compression, block_hashes, token_ids)
-        end = min(end, len(keys), len(table))
-        for index in range(done, end):
-            key = keys[index]
-            self.pool.cache_block(table[index], key.block_hash, key.parent, key.token_ids, 0, first=index == 0)
-        self._num_cached[request_id] = max(end, done)
+    def state_keys(self, block_hashes: BlockHashChain) -> Sequence[BlockHash]:
+        """The keys a hybrid's state snapshots after each of the chain's blocks go under (its hashes, but for a
+        compressing request's: kv/prefix/compressed_keys.py)."""
+        if block_hashes.compression is not None:
+            return self._compressed.state_keys(block_hashes)
+        return block_hashes.hashes
 
     def pinnable_blocks(self, block_hashes: BlockHashChain, num_tokens: int) -> list[CacheKey]:
         """The cached blocks, in every group, that a hit up to token `num_tokens` of the chain needs (or
@@ -279,12 +259,17 @@ class PrefixCache:
         return self._num_cached.get(request_id, 0)
 
     def claimed(self, request_id: str, num_blocks: int) -> None:
-        """The request starts with `num_blocks` blocks of a hit, already registered."""
-        self._num_cached[request_id] = num_blocks
+        """The request starts with `num_blocks` token blocks of a hit, already registered."""
+        if request_id in self.compressed:
+            self._compressed.claimed(request_id, num_blocks)
+        else:
+            self._num_cached[request_id] = num_blocks
 
     def cut(self, request_id: str, num_blocks: int) -> None:
-        """The request's blocks from index `num_blocks` on hold other K/V than their hash says, or are gone."""
-        if self._num_cached.get(request_id, 0) > num_blocks:
+        """The request's blocks from token block `num_blocks` on hold other K/V than their hash says, or are gone."""
+        if request_id in self.compressed:
+            self._compressed.cut(request_id, num_blocks)
+        elif self._num_cached.get(request_id, 0) > num_blocks:
             self._num_cached[request_id] = num_blocks
 
     def never_cache_from(self, request_id: str, index: int) -> None:
@@ -293,5 +278,6 @@ class PrefixCache:
         self._cache_limit[request_id] = index
 
     def forget(self, request_id: str) -> None:
+        self._compressed.forget(request_id)
         self._num_cached.pop(request_id, None)
         self._cache_limit.pop(request_id, None)
