@@ -19,6 +19,7 @@ from kvserve.kv.pool.block_pool import BlockPool
 from kvserve.kv.pool.block_updates import BlockTableUpdate, BlockTableUpdates, table_ids
 from kvserve.kv.compressed_chunks import CompressedRequests
 from kvserve.kv.compressed_tables import CompressedTables
+from kvserve.kv.slot_cuts import SlotCuts
 from kvserve.kv.context_shift import ShiftPlan, plan_shift
 from kvserve.kv.groups.full import FullAttentionManager
 from kvserve.kv.groups.group_manager import GroupManager
@@ -31,7 +32,7 @@ from kvserve.kv.manager_integrity import check_manager_integrity
 from kvserve.kv.state.manager import RecurrentStates, StateStats, StateStep
 
 
-class KVCacheManager(CompressedTables):
+class KVCacheManager(CompressedTables, SlotCuts):
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_caching: bool = False,
                  max_pinned_fraction: float = 0.5, clock: Callable[[], float] | None = None,
                  group_windows: Sequence[int | None] = (None,), tiers: TierConnector | None = None,
@@ -177,7 +178,7 @@ class KVCacheManager(CompressedTables):
         Returns the tokens the tables now cover: `num_tokens`, unless the cut falls inside a block other
         requests share (then that block's start) or before blocks a window freed (then 0); the caller
         recomputes from there. A compressing request counts in slots (only its decode tail is ever cut)."""
-        num_tokens -= (offset := self.compressed.dropped(request_id))
+        num_tokens -= (offset := self._cut_offset(request_id, num_tokens))
         if not 0 <= num_tokens <= (held := len(self.groups[0].tables.get(request_id, ())) * self.block_size):
             raise ValueError(f"cannot truncate request {request_id} to {num_tokens} tokens: its tables hold "
                              f"{held}")

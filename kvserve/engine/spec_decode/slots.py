@@ -2,7 +2,8 @@
 
 The lab's cache map draws them. Taken around the scheduler's `advance()` (which truncates rejected drafts)
 from the KV manager's block tables, for requests that carried drafts only: with drafting off, or a step
-without drafts, nothing here runs.
+without drafts, nothing here runs. A compressing request's tables hold slots (KV compression, issue 43): its
+draft at position p sits in slot p - the tokens compression dropped from its prompt.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class PendingDrafts:
     request_id: str
     first_position: int  # the first draft token's position in the sequence
     first_block: int  # the index of its block in the tables
+    num_dropped: int  # tokens KV compression dropped before it (its slot is its position minus these)
     tables: tuple[tuple[int, ...], ...]  # every group's block ids from `first_block` on, before the rollback
 
 
@@ -78,9 +80,11 @@ class DraftSlotLog:
                 ) -> PendingDrafts:
         """Before `advance()`: the step computed `num_new_tokens` after `num_computed_tokens`, drafts last."""
         first_position = num_computed_tokens + num_new_tokens - num_drafts
-        first_block = first_position // self.kv.block_size  # only the tables' tail: O(drafts), not O(context)
+        num_dropped = self.kv.dropped_tokens(request_id)
+        # Only the tables' tail: O(drafts), not O(context).
+        first_block = (first_position - num_dropped) // self.kv.block_size
         tables = tuple(tuple(ids) for ids in self.kv.block_ids(request_id, first_block))
-        return PendingDrafts(request_id, first_position, first_block, tables)
+        return PendingDrafts(request_id, first_position, first_block, num_dropped, tables)
 
     def settled(self, pending: PendingDrafts, num_drafts: int, num_accepted: int, num_computed_tokens: int) -> None:
         """After `advance()`: the request's K/V now covers `num_computed_tokens` tokens; what lay past them
@@ -91,7 +95,8 @@ class DraftSlotLog:
         written, rolled_back, freed = [], [], []
         for table, kept in zip(pending.tables, after):
             for position in positions:
-                slot = (table[position // size - pending.first_block], position % size)
+                index = position - pending.num_dropped
+                slot = (table[index // size - pending.first_block], index % size)
                 written.append(slot)
                 if position >= num_computed_tokens:
                     rolled_back.append(slot)
