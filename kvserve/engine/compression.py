@@ -24,7 +24,7 @@ class RequestCompression:
             sliding_windows=kv_spec.layout.has_windows, recurrent_state=has_recurrent_state,
             shared_layers=bool(kv_spec.layer_kv or kv_spec.layer_sources),
             blockwise_codec=kv_spec.has_open_blocks, context_shift=config.context_overflow == "shift",
-            disk_tier=config.kv_disk_path is not None, no_kv_cache=not config.enable_kv_cache)
+            no_kv_cache=not config.enable_kv_cache)
         try:
             self.default = engine_spec(config.kv_compression, self.block_size)
         except ValueError as exc:

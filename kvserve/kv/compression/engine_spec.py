@@ -25,7 +25,6 @@ class EngineSupport:
     shared_layers: bool  # layers that share or pack K/V (Gemma 4)
     blockwise_codec: bool
     context_shift: bool
-    disk_tier: bool
     no_kv_cache: bool = False
 
     def refusal(self) -> str | None:
@@ -40,7 +39,6 @@ class EngineSupport:
                                    "per-row dtype (auto, float16, int8, fp8, int8/int4)"),
             (self.context_shift, "a context shift moves tokens by position, which a compressed table no longer "
                                  "holds"),
-            (self.disk_tier, "the disk tier stores plain prefix blocks; compressed blocks are not cached yet"),
             (self.no_kv_cache, "without a KV cache there is nothing to compress"),
         ]
         found = [why for applies, why in reasons if applies]

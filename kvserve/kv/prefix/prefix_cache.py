@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 from kvserve.kv.compressed_chunks import CompressedRequests
 from kvserve.kv.prefix.compressed_keys import slot_keys
+from kvserve.kv.prefix.compressed_tier import loaded_tokens, tier_hit
 from kvserve.kv.pool.block_pool import BlockPool
 from kvserve.kv.pool.free_queue import KVBlock
 from kvserve.kv.groups.group_manager import GroupManager
@@ -155,6 +156,8 @@ class PrefixCache:
         match = self.find_cached_prefix(token_ids, block_hashes)
         if tiers is None:
             return match
+        if block_hashes.compression is not None:
+            return self._continue_compressed(token_ids, block_hashes, match, tiers)
         hit = tiers.lookup(self.keys_after(token_ids, block_hashes, match))
         return match if hit is None else match.continued(hit, self.block_size)
 
@@ -175,6 +178,26 @@ class PrefixCache:
         bs, hashes = self.block_size, block_hashes.hashes
         return [BlockKey(hashes[i], block_hashes.parent(i), tuple(token_ids[i * bs : (i + 1) * bs]))
                 for i in range(match.num_tokens // bs, self.max_hit_blocks(token_ids, block_hashes))]
+
+    def _continue_compressed(self, token_ids: Sequence[int], block_hashes: BlockHashChain, match: PrefixMatch,
+                             tiers: TierConnector) -> PrefixMatch:
+        """A compressing request's `match` continued below the pool by its slot blocks (compressed_tier.py)."""
+        keys = slot_keys(block_hashes.compression, block_hashes, token_ids)[len(match.tables[0]):]
+        found = tier_hit(keys, tiers, len(token_ids) - 1) if self.enable_caching else None
+        if found is None:
+            return match
+        hit, last = found
+        return PrefixMatch(match.tables, last.end, last.block_hash, last.end - match.num_tokens, hit)
+
+    def tier_loaded_tokens(self, token_ids: Sequence[int], block_hashes: BlockHashChain, match: PrefixMatch,
+                           num_blocks: int) -> int:
+        """Tokens a request's blocks hold once the first `num_blocks` blocks of `match`'s tier part arrived (a
+        compressing request's: up to the last whole chunk, or later block, among them)."""
+        if block_hashes.compression is None:
+            return match.num_pool_tokens + num_blocks * self.block_size
+        start = len(match.tables[0])
+        keys = slot_keys(block_hashes.compression, block_hashes, token_ids)[start : start + num_blocks]
+        return loaded_tokens(keys, match.num_pool_tokens)
 
     def find_divergence(self, token_ids: Sequence[int], match: PrefixMatch) -> Divergence | None:
         """Compare the block after the match with every cached block that continues the same
@@ -262,7 +285,8 @@ class PrefixCache:
         end = min(end, len(keys), len(table))
         for index in range(done, end):
             key = keys[index]
-            self.pool.cache_block(table[index], key.block_hash, key.parent, key.token_ids, 0, first=index == 0)
+            self.pool.cache_block(table[index], key.block_hash, key.parent, key.token_ids, 0, first=index == 0,
+                                  extra_keys=key.extra)
         self._num_cached[request_id] = max(end, done)
 
     def pinnable_blocks(self, block_hashes: BlockHashChain, num_tokens: int) -> list[CacheKey]:
