@@ -23,8 +23,7 @@ class RequestCompression:
         self.support = EngineSupport(
             only_windows=None not in kv_spec.layout.windows,
             shared_layers=bool(kv_spec.layer_kv or kv_spec.layer_sources),
-            blockwise_codec=kv_spec.has_open_blocks, explicit_drafting=config.speculative in ("ngram", "suffix"),
-            context_shift=config.context_overflow == "shift", disk_tier=config.kv_disk_path is not None,
+            blockwise_codec=kv_spec.has_open_blocks, context_shift=config.context_overflow == "shift",
             no_kv_cache=not config.enable_kv_cache)
         try:
             self.default = engine_spec(config.kv_compression, self.block_size)

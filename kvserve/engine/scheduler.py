@@ -226,12 +226,12 @@ class Scheduler:
             if request_id not in self.loading:
                 continue  # aborted while its blocks were read
             request, match = self.loading.pop(request_id)
-            request.num_computed_tokens += num_blocks * self.kv.block_size
-            self.kv.cache_full_blocks(request_id, request.all_token_ids, request.block_hashes,
-                                      request.num_computed_tokens)
+            request.num_computed_tokens = self.kv.tier_loaded(request_id, request.all_token_ids, request.block_hashes,
+                                                              match, num_blocks)
+            self.kv.cache_full_blocks(request_id, request.all_token_ids, request.block_hashes, request.num_computed_tokens)
             if request.num_cached_tokens is None:
                 whole = request.num_computed_tokens == match.num_tokens
-                self._account_prompt(request, match if whole else None, num_blocks * self.kv.block_size)
+                self._account_prompt(request, match if whole else None, request.num_computed_tokens - match.num_pool_tokens)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 

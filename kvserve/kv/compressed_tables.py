@@ -11,9 +11,13 @@ group has its own offset (`slot_offsets`: 0 but for the full-attention groups).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from kvserve.errors import KVIntegrityError
 from kvserve.kv.compressed_chunks import ChunkPolicy, Compaction
 from kvserve.kv.manager_integrity import check_request_tables
+from kvserve.kv.prefix.hashing import BlockHashChain
+from kvserve.kv.prefix.prefix_cache import PrefixMatch
 
 
 class CompressedTables:
@@ -41,6 +45,22 @@ class CompressedTables:
         """Per KV group, the tokens its table of the request no longer holds (slot = position - this)."""
         dropped = self.compressed.dropped(request_id)
         return tuple(dropped if window is None else 0 for window in self.group_windows)
+
+    def tier_loaded(self, request_id: str, token_ids: Sequence[int], block_hashes: BlockHashChain,
+                    match: PrefixMatch, num_blocks: int) -> int:
+        """Tokens the request's tables hold once its load delivered the first `num_blocks` blocks of `match`'s
+        tier part (the rest are recomputed). A compressing request holds whole chunks only: where part of a
+        chunk's kept blocks arrived, that chunk is computed again, so its blocks go back and its compressed
+        chunks count up to there (the disk tier serves one-group models: kv/prefix/compressed_tier.py)."""
+        num_tokens = self.prefix.tier_loaded_tokens(token_ids, block_hashes, match, num_blocks)
+        if request_id in self.compressed and num_tokens < match.num_tokens:
+            self.compressed.claim(request_id, num_tokens)
+            self.prefix.cut(request_id, num_tokens // self.block_size)
+            for group, offset in zip(self.groups, self.slot_offsets(request_id)):
+                if dropped := group.cut(request_id, num_tokens - offset):
+                    self.pool.free(reversed(dropped))
+                    self._updates.changed(request_id)
+        return num_tokens
 
     def take_compactions(self, request_id: str) -> tuple[Compaction, ...]:
         """The compactions planned for the request since the last call: the runner moves their K/V."""

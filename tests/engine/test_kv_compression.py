@@ -137,7 +137,6 @@ def test_structured_output_over_a_compressed_prompt(tiny_models):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(speculative="ngram"), "speculative decoding"),
     (dict(context_overflow="shift", max_model_len=128), "context shift"),
     (dict(kv_compression="expected_attention:2"), "queries"),
     (dict(kv_compression="knorm"), "METHOD:RATIO"),

@@ -46,8 +46,8 @@ STATE_LIMITS = ("context", "KV pool", "the server queues at most", "vocabulary",
                 # a compaction input of reasoning or tool items alone: "at least one message" is a count over
                 # an anyOf of item kinds, which the schema cannot state
                 "nothing to compact",
-                # KV compression on a server configured so it cannot run (the tiny app drafts), or with a method the
-                # engine does not run (it scores with the prompt's queries)
+                # KV compression on a server configured so it cannot run (a refusal in engine_spec.py), or with a method
+                # the engine does not run (it scores with the prompt's queries)
                 "KV compression cannot run here", "scores tokens with the prompt's last queries")
 
 

@@ -59,10 +59,10 @@ class Drafting:
     def propose(self, running: Iterable[Request]) -> None:
         # Constrained requests are not drafted: a guess the grammar refuses would need the matcher
         # rolled back per rejected draft, and forced tokens already skip what a grammar fixes.
-        # Compressing requests neither (KV compression, issue 43): their verify would run over compressed slots,
-        # not supported yet (an explicit --speculative method and compression are refused together).
-        decoding = [r for r in running
-                    if r.is_decoding and r.sampling_params.structured_outputs is None and r.compression is None]
+        # Compressing requests are (KV compression, issue 43): a decoding request's prompt chunks are all
+        # compressed, so its drafts are written after them at slot = position - dropped and verified over the
+        # compressed slots; a rollback cuts only its decode tail (KVCacheManager.truncate counts slots).
+        decoding = [r for r in running if r.is_decoding and r.sampling_params.structured_outputs is None]
         for request in decoding:
             # Guesses past max_tokens or past the context would be thrown away unread.
             room = min(self.policy.num_tokens(request.request_id, len(decoding)),

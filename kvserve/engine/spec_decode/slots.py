@@ -2,7 +2,9 @@
 
 The lab's cache map draws them. Taken around the scheduler's `advance()` (which truncates rejected drafts)
 from the KV manager's block tables, for requests that carried drafts only: with drafting off, or a step
-without drafts, nothing here runs.
+without drafts, nothing here runs. A compressing request's tables hold slots (KV compression, issue 43): its
+draft at position p sits in slot p - the tokens compression dropped from its prompt, in each full-attention
+group (a windowed group's tables keep positions).
 """
 
 from __future__ import annotations
@@ -62,8 +64,9 @@ class PendingDrafts:
 
     request_id: str
     first_position: int  # the first draft token's position in the sequence
-    first_block: int  # the index of its block in the tables
-    tables: tuple[tuple[int, ...], ...]  # every group's block ids from `first_block` on, before the rollback
+    offsets: tuple[int, ...]  # per group, tokens KV compression dropped before it (slot = position - this)
+    first_blocks: tuple[int, ...]  # per group, the index of its block in the group's table
+    tables: tuple[tuple[int, ...], ...]  # every group's block ids from its first block on, before the rollback
 
 
 class DraftSlotLog:
@@ -78,20 +81,28 @@ class DraftSlotLog:
                 ) -> PendingDrafts:
         """Before `advance()`: the step computed `num_new_tokens` after `num_computed_tokens`, drafts last."""
         first_position = num_computed_tokens + num_new_tokens - num_drafts
-        first_block = first_position // self.kv.block_size  # only the tables' tail: O(drafts), not O(context)
-        tables = tuple(tuple(ids) for ids in self.kv.block_ids(request_id, first_block))
-        return PendingDrafts(request_id, first_position, first_block, tables)
+        offsets = self.kv.slot_offsets(request_id)
+        first_blocks = tuple((first_position - offset) // self.kv.block_size for offset in offsets)
+        return PendingDrafts(request_id, first_position, offsets, first_blocks,
+                             self._tails(request_id, first_blocks))
+
+    def _tails(self, request_id: str, first_blocks: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each group's block ids from its first block on: O(drafts), not O(context)."""
+        start = min(first_blocks)
+        return tuple(tuple(ids[first - start :])
+                     for ids, first in zip(self.kv.block_ids(request_id, start), first_blocks))
 
     def settled(self, pending: PendingDrafts, num_drafts: int, num_accepted: int, num_computed_tokens: int) -> None:
         """After `advance()`: the request's K/V now covers `num_computed_tokens` tokens; what lay past them
         was rolled back."""
         size = self.kv.block_size
         positions = range(pending.first_position, pending.first_position + num_drafts)
-        after = self.kv.block_ids(pending.request_id, pending.first_block)
+        after = self._tails(pending.request_id, pending.first_blocks)
         written, rolled_back, freed = [], [], []
-        for table, kept in zip(pending.tables, after):
+        for table, kept, offset, first in zip(pending.tables, after, pending.offsets, pending.first_blocks):
             for position in positions:
-                slot = (table[position // size - pending.first_block], position % size)
+                index = position - offset
+                slot = (table[index // size - first], index % size)
                 written.append(slot)
                 if position >= num_computed_tokens:
                     rolled_back.append(slot)

@@ -25,9 +25,7 @@ class EngineSupport:
     only_windows: bool  # every layer has a sliding window: no full-attention layer to compress
     shared_layers: bool  # layers that share or pack K/V (Gemma 4)
     blockwise_codec: bool
-    explicit_drafting: bool  # --speculative ngram / suffix (auto leaves compressing requests undrafted)
     context_shift: bool
-    disk_tier: bool
     no_kv_cache: bool = False
 
     def refusal(self) -> str | None:
@@ -38,12 +36,8 @@ class EngineSupport:
                                  "cannot move per layer"),
             (self.blockwise_codec, "this cache dtype encodes whole blocks (int4 keys per channel): choose a "
                                    "per-row dtype (auto, float16, int8, fp8, int8/int4)"),
-            (self.explicit_drafting, "speculative decoding would verify drafts over compressed slots, not "
-                                     "supported yet: use --speculative off or auto (auto does not draft "
-                                     "compressing requests)"),
             (self.context_shift, "a context shift moves tokens by position, which a compressed table no longer "
                                  "holds"),
-            (self.disk_tier, "the disk tier stores plain prefix blocks; compressed blocks are not cached yet"),
             (self.no_kv_cache, "without a KV cache there is nothing to compress"),
         ]
         found = [why for applies, why in reasons if applies]

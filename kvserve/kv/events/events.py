@@ -32,6 +32,9 @@ class BlockStored:
     # The chain's first block: its parent is the salt's root, not a block (vLLM publishes no parent then).
     # Not compared: it follows from where the parent came from, which equality already checks.
     first: bool = field(default=False, compare=False)
+    # What else the hash chains: empty for a token block; a compressed chunk's kept block names its chunk and
+    # index (kv/prefix/compressed_keys.py), which a lower tier stores with it (kv/tiers/block_file.py).
+    extra_keys: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

@@ -175,10 +175,11 @@ class BlockPool:
                     self.quota.cached_free[block.tenant] += 1
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash | None,
-                    token_ids: tuple[int, ...], group: int = 0, first: bool = False) -> bool:
+                    token_ids: tuple[int, ...], group: int = 0, first: bool = False, extra_keys: bytes = b"") -> bool:
         """Register a full, computed (held) block of `group` under its hash; whether it was registered.
         If another block already holds the same content, that one stays the cached copy. `first`: the
-        chain's first block (its parent hash is the salt's root), for the events' subscribers."""
+        chain's first block (its parent hash is the salt's root), `extra_keys`: what else its hash chains (a
+        compressed chunk's kept block: kv/prefix/compressed_keys.py), both for the events' subscribers."""
         if block.block_hash is not None or (group, block_hash) in self.cached:
             return False
         block.block_hash, block.parent_hash, block.token_ids, block.group = block_hash, parent_hash, token_ids, group
@@ -188,7 +189,8 @@ class BlockPool:
             self.num_cached_free_blocks += 1
             self.quota.cached_free[block.tenant] += 1
         if self._subscribers:
-            self._subscribers.emit(BlockStored(block.block_id, block_hash, parent_hash, token_ids, group, first))
+            self._subscribers.emit(BlockStored(block.block_id, block_hash, parent_hash, token_ids, group, first,
+                                               extra_keys))
         return True
 
     def uncache(self, block: KVBlock) -> None:

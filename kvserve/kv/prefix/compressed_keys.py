@@ -26,14 +26,16 @@ from kvserve.kv.prefix.hashing import BlockHash, BlockHashChain, hash_block
 @dataclass(frozen=True, slots=True)
 class SlotKey:
     """One slot block's key: its hash, its parent's, the tokens it is stored with (a kept block: the chunk's
-    token block of the same index, for the pool's collision check), the tokens a hit through it covers and
-    whether a hit may end there (not inside a chunk's kept blocks)."""
+    token block of the same index, for the pool's collision check), the tokens a hit through it covers,
+    whether a hit may end there (not inside a chunk's kept blocks) and what else its hash chains (a kept
+    block: its chunk and index, which a lower tier stores with it; a later block: nothing)."""
 
     block_hash: BlockHash
     parent: BlockHash
     token_ids: tuple[int, ...]
     end: int
     complete: bool
+    extra: bytes = b""
 
 
 def slot_keys(policy: ChunkPolicy, chain: BlockHashChain, token_ids: Sequence[int]) -> list[SlotKey]:
@@ -49,8 +51,9 @@ def slot_keys(policy: ChunkPolicy, chain: BlockHashChain, token_ids: Sequence[in
         for j in range(kept):
             first = (k * per_chunk + j) * bs
             tokens = tuple(token_ids[first : first + bs])
-            block_hash = hash_block(parent, tokens, hashes[last] + b"kept" + j.to_bytes(4, "little"))
-            keys.append(SlotKey(block_hash, parent, tokens, (k + 1) * policy.chunk, j == kept - 1))
+            extra = hashes[last] + b"kept" + j.to_bytes(4, "little")
+            block_hash = hash_block(parent, tokens, extra)
+            keys.append(SlotKey(block_hash, parent, tokens, (k + 1) * policy.chunk, j == kept - 1, extra))
             parent = block_hash
     for index in range(policy.num_chunks * per_chunk, len(hashes)):
         tokens = tuple(token_ids[index * bs : (index + 1) * bs])

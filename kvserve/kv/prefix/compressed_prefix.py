@@ -100,7 +100,7 @@ class CompressedPrefix:
                 for index in range(done, end):
                     key = keys[index]
                     self.pool.cache_block(table[index], key.block_hash, key.parent, key.token_ids, group,
-                                          first=index == 0)
+                                          first=index == 0, extra_keys=key.extra)
             self._num_slots[request_id] = max(end, done)
         done, end = self._num_positions.get(request_id, 0), min(num_computed_tokens // bs, len(chain))
         if end > done and self._positional:
@@ -115,9 +115,12 @@ class CompressedPrefix:
             self._num_positions[request_id] = end
 
     def claimed(self, request_id: str, num_blocks: int) -> None:
-        """The request starts with a hit of `num_blocks` token blocks (registered already)."""
+        """The request starts with a pool hit of `num_blocks` token blocks (registered already; a part loaded
+        from a lower tier after them is registered once it arrives): as many slot blocks as those tokens keep."""
+        policy, tokens = self.compressed.policies[request_id], num_blocks * self.block_size
         self._num_positions[request_id] = num_blocks
-        self._num_slots[request_id] = num_blocks - self.compressed.dropped(request_id) // self.block_size
+        self._num_slots[request_id] = (tokens - policy.chunks_before(tokens + 1) * policy.dropped_per_chunk
+                                       ) // self.block_size
 
     def cut(self, request_id: str, num_blocks: int) -> None:
         """The request's token blocks from `num_blocks` on (its slot blocks from as many less its dropped

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvserve.kv.compressed_chunks import CompressedRequests
+from kvserve.kv.prefix.compressed_keys import slot_keys
 from kvserve.kv.prefix.compressed_prefix import CompressedPrefix
+from kvserve.kv.prefix.compressed_tier import loaded_tokens, tier_hit
 from kvserve.kv.pool.block_pool import BlockPool
 from kvserve.kv.pool.free_queue import KVBlock
 from kvserve.kv.groups.group_manager import GroupManager
@@ -157,6 +159,8 @@ class PrefixCache:
         match = self.find_cached_prefix(token_ids, block_hashes)
         if tiers is None:
             return match
+        if block_hashes.compression is not None:
+            return self._continue_compressed(token_ids, block_hashes, match, tiers)
         hit = tiers.lookup(self.keys_after(token_ids, block_hashes, match))
         return match if hit is None else match.continued(hit, self.block_size)
 
@@ -177,6 +181,26 @@ class PrefixCache:
         bs, hashes = self.block_size, block_hashes.hashes
         return [BlockKey(hashes[i], block_hashes.parent(i), tuple(token_ids[i * bs : (i + 1) * bs]))
                 for i in range(match.num_tokens // bs, self.max_hit_blocks(token_ids, block_hashes))]
+
+    def _continue_compressed(self, token_ids: Sequence[int], block_hashes: BlockHashChain, match: PrefixMatch,
+                             tiers: TierConnector) -> PrefixMatch:
+        """A compressing request's `match` continued below the pool by its slot blocks (compressed_tier.py)."""
+        keys = slot_keys(block_hashes.compression, block_hashes, token_ids)[len(match.tables[0]):]
+        found = tier_hit(keys, tiers, len(token_ids) - 1) if self.enable_caching else None
+        if found is None:
+            return match
+        hit, last = found
+        return PrefixMatch(match.tables, last.end, last.block_hash, last.end - match.num_tokens, hit)
+
+    def tier_loaded_tokens(self, token_ids: Sequence[int], block_hashes: BlockHashChain, match: PrefixMatch,
+                           num_blocks: int) -> int:
+        """Tokens a request's blocks hold once the first `num_blocks` blocks of `match`'s tier part arrived (a
+        compressing request's: up to the last whole chunk, or later block, among them)."""
+        if block_hashes.compression is None:
+            return match.num_pool_tokens + num_blocks * self.block_size
+        start = len(match.tables[0])
+        keys = slot_keys(block_hashes.compression, block_hashes, token_ids)[start : start + num_blocks]
+        return loaded_tokens(keys, match.num_pool_tokens)
 
     def find_divergence(self, token_ids: Sequence[int], match: PrefixMatch) -> Divergence | None:
         """Compare the block after the match with every cached block that continues the same

@@ -15,6 +15,11 @@ disk_files.py  its directory: startup scan, atomic writes, replicas sharing one 
 block_file.py  its file format (fixed header, key, CRC-32, payload; no pickle)
 
 A host-memory tier under a GPU pool would be one more file here and one more entry in the list.
+
+KV compression (issue 43): a compressed chunk's kept blocks go down and come back as they are, under the slot
+keys that name their chunk and chain the spec (kv/prefix/compressed_keys.py, compressed_tier.py): their keys
+carry the extra keys their hash chains (BlockKey.extra_keys) and their files say so (block_file.py's KVSBLK02),
+so only a request with the same prefix and spec reads them, in a later run of the server too.
 """
 
 from kvserve.kv.tiers.connector import BlockKey, KVTier, LoadResult, Payload, TierConnector, TierHit, TierLoad

@@ -33,11 +33,21 @@ Payload = bytes | memoryview  # one block's K/V bytes, every layer (a view avoid
 
 @dataclass(frozen=True, slots=True)
 class BlockKey:
-    """What identifies a full block's contents: its hash, the hash it chains from, and its tokens."""
+    """What identifies a full block's contents: its hash, the hash it chains from, its tokens and what else its
+    hash chains (`extra_keys`, kv/prefix/hashing.hash_block). A token block has none: its rows are its tokens'
+    K/V at their positions. A compressed chunk's kept block (KV compression, kv/prefix/compressed_keys.py) names
+    its chunk and its index there: its rows are the tokens the chunk kept, its token ids the chunk's token block
+    of the same index (a check against collisions, not its rows' tokens)."""
 
     block_hash: BlockHash
     parent_hash: BlockHash
     token_ids: tuple[int, ...]
+    extra_keys: bytes = b""
+
+    @property
+    def is_kept_block(self) -> bool:
+        """Whether it holds a compressed chunk's kept rows rather than its tokens' own."""
+        return bool(self.extra_keys)
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,7 +53,7 @@ class DiskTier(KVTier):
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.payload_len = payload_len
-        self.file_len = block_file.header_bytes_needed(block_size) + payload_len
+        self.file_len = block_file.header_bytes_needed(block_size) + payload_len  # a token block (a kept one: more)
         self.max_pending_bytes = max(max_pending_bytes, self.file_len)
         self.directory = self.root / fingerprint.hex()
         self._shape = BlockShape(fingerprint, block_size, payload_len)
@@ -199,7 +199,7 @@ class DiskTier(KVTier):
                 raise KVIntegrityError(f"disk tier: entries add up to {total} bytes, the counter says {self._bytes_used}")
             if self._bytes_used > self.capacity_bytes:
                 raise KVIntegrityError(f"disk tier holds {self._bytes_used} bytes, over its capacity {self.capacity_bytes}")
-            check_entries(self._index, self._pending, self._pending_bytes, self._shape, self.file_len)
+            check_entries(self._index, self._pending, self._pending_bytes, self._shape)
 
     # -- the writer thread -----------------------------------------------------------------------
 
@@ -248,7 +248,7 @@ class DiskTier(KVTier):
             self._index[key.block_hash] = entry
             self._bytes_used += entry.size
             if self.subscribers:
-                self.subscribers.emit(BlockStored(-1, key.block_hash, key.parent_hash, key.token_ids, 0))
+                self.subscribers.emit(BlockStored(-1, key.block_hash, key.parent_hash, key.token_ids, 0, False, key.extra_keys))
             self._evict_to_capacity()
 
     # -- helpers ---------------------------------------------------------------------------------

@@ -117,7 +117,7 @@ def read_entry(directory: Path, key: BlockKey, shape: BlockShape) -> DiskEntry |
     try:
         with open(path, "rb") as file:
             size = os.fstat(file.fileno()).st_size
-            header = block_file.read_header(file.read(block_file.header_bytes_needed(shape.block_size)))
+            header = block_file.read_header(file.read(block_file.header_read_size(shape.block_size)))
         check_header(header, shape, path, size)
     except (OSError, block_file.BlockFileError):
         return None
@@ -138,7 +138,7 @@ def scan_own_files(directory: Path, shape: BlockShape) -> tuple[list[DiskEntry],
     (unfinished writes aside) were removed."""
     found: list[tuple[float, DiskEntry]] = []
     rejected = 0
-    needed = block_file.header_bytes_needed(shape.block_size)
+    needed = block_file.header_read_size(shape.block_size)
     # Blocks live in two-hex-digit subdirectories; anything else there (stored responses) is not ours.
     for path in directory.glob("??/*"):
         if ".tmp-" in path.name:
@@ -198,17 +198,18 @@ def unlink(path: Path) -> None:
 
 
 def check_entries(index: Mapping[BlockHash, DiskEntry], pending: Mapping[BlockHash, tuple[BlockKey, bytes | memoryview]],
-                  pending_bytes: int, shape: BlockShape, file_len: int) -> None:
+                  pending_bytes: int, shape: BlockShape) -> None:
     """Raise KVIntegrityError unless every indexed or queued block is filed under its own key, and sized right,
     and the queued bytes add up to `pending_bytes`.
 
-    Every key, on disk or in flight to it, must be the chained digest of its own parent and tokens: a key
-    that is not would let one block's K/V be served for another's tokens."""
+    Every key, on disk or in flight to it, must be the chained digest of its own parent, tokens and extra keys
+    (a compressed chunk's kept block names its chunk there): a key that is not would let one block's K/V be
+    served for another's tokens."""
     keys = [(h, e.key) for h, e in index.items()] + [(h, k) for h, (k, _) in pending.items()]
     for block_hash, key in keys:
         if key.block_hash != block_hash or len(key.token_ids) != shape.block_size:
             raise KVIntegrityError(f"disk tier: entry {block_hash.hex()} is filed under the wrong key")
-        if hash_block(key.parent_hash, key.token_ids) != block_hash:
+        if hash_block(key.parent_hash, key.token_ids, key.extra_keys) != block_hash:
             raise KVIntegrityError(f"disk tier: block {block_hash.hex()} does not hash to its name")
     if sum(len(payload) for _, payload in pending.values()) != pending_bytes:
         raise KVIntegrityError("disk tier: queued payloads and the pending byte count disagree")
@@ -216,7 +217,7 @@ def check_entries(index: Mapping[BlockHash, DiskEntry], pending: Mapping[BlockHa
         if len(payload) != shape.payload_len:
             raise KVIntegrityError(f"disk tier: block {block_hash.hex()} in flight holds {len(payload)} "
                                    f"bytes, not {shape.payload_len}")
-    bad = next((h for h, e in index.items() if e.size != file_len), None)
+    bad = next((h for h, e in index.items() if e.size != block_file.file_len(e.key, shape.payload_len)), None)
     if bad is not None:
         raise KVIntegrityError(f"disk tier: block {bad.hex()} is indexed with a wrong file size")
 

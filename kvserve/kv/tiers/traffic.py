@@ -67,8 +67,9 @@ class TierTraffic:
 
     def _on_cache_event(self, event: KVCacheEvent) -> None:
         if isinstance(event, BlockStored):
+            # A compressed chunk's kept block goes down as it is, its key naming its chunk (extra keys).
             self._newly_cached.append((event.block_id, BlockKey(event.block_hash, event.parent_hash,
-                                                                event.token_ids)))
+                                                                event.token_ids, event.extra_keys)))
 
     def _turn_off(self, index: int, error: BaseException) -> None:
         tier = self.connector.tiers[index]
