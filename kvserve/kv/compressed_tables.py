@@ -8,6 +8,7 @@ move the K/V (`take_compactions`). Everything the manager counts for such a requ
 
 from __future__ import annotations
 
+from kvserve.arith import cdiv
 from kvserve.errors import KVIntegrityError
 from kvserve.kv.compressed_chunks import ChunkPolicy, Compaction
 from kvserve.kv.manager_integrity import check_request_tables
@@ -28,6 +29,12 @@ class CompressedTables:
     def dropped_tokens(self, request_id: str) -> int:
         """Tokens compression took out of the request's tables: its slot of position p is p - this."""
         return self.compressed.dropped(request_id)
+
+    def peak_blocks_compressed(self, policy: ChunkPolicy, num_tokens: int) -> int:
+        """The most blocks a request compressed by `policy` holds at once while it grows to `num_tokens` tokens
+        (prompt and generated; one group: compression refuses others). Chunked prefill does not add to it: a
+        step never crosses a compressed chunk's end."""
+        return cdiv(policy.peak_slots(num_tokens), self.block_size)
 
     def take_compactions(self, request_id: str) -> tuple[Compaction, ...]:
         """The compactions planned for the request since the last call: the runner moves their K/V."""
