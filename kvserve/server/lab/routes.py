@@ -96,9 +96,10 @@ def lab_router(async_engine: AsyncEngine, serving: Serving, access: LabAccess, r
         block_size: int = Query(16, ge=1), overhead: float = Query(0.1, ge=0), layers: int | None = Query(None, ge=1),
         kv_heads: int | None = Query(None, ge=1), head_dim: int | None = Query(None, ge=1),
         heads: int | None = Query(None, ge=1), params: float | None = Query(None, gt=0),
+        kv_compression: str | None = None, max_tokens: int = Query(0, ge=0),
     ) -> dict:
         query = MemoryQuery(model or served.name, context, batch, kv_dtype, weights_dtype, memory or None, block_size,
-                            overhead, layers, kv_heads, head_dim, heads, params)
+                            overhead, layers, kv_heads, head_dim, heads, params, kv_compression or None, max_tokens)
         return await serving.off_loop(memory_plan, query, served)
 
     @api.post("/steps")
