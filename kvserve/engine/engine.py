@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from kvserve.config import EngineConfig
 from kvserve.engine.compression import RequestCompression
+from kvserve.engine.observe.kept_tokens import KeptTokens
 from kvserve.engine.breakpoints import PendingBreakpoints, check_breakpoints
 from kvserve.engine.sample.constrained import ConstrainedRequests
 from kvserve.engine.spec_decode.drafting import Proposer
@@ -69,6 +70,9 @@ class Engine:
                                       self.config.block_size)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.attention_backend, parts.device,
                                   tiers=self.tiers, states=parts.state_cache)
+        # Which tokens KV compression kept, per layer and head (engine/observe/kept_tokens.py): off until the lab
+        # enables it.
+        self.kept_tokens = self.runner.kept_tokens = KeptTokens()
         # Without a KV cache, blocks are scratch for one step: a request holds no cache memory.
         page_bytes = self.kv_spec.page_bytes(self.config.block_size) if self.config.enable_kv_cache else 0
         self.outputs = OutputProcessor(self.loaded.tokenizer, self.kv_manager, page_bytes, self.prefix_caching)
@@ -123,6 +127,7 @@ class Engine:
         request.compression = self.compression.policy(kv_compression, len(token_ids))
         if request.compression is not None:
             self.kv_manager.set_compression(request_id, request.compression)
+            self.kept_tokens.start(request_id, len(token_ids), request.compression.num_chunks)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
         self.runner.add_request(request_id, params, token_ids, matcher, kv_compression)
@@ -212,6 +217,7 @@ class Engine:
         every piece of per-request state is dropped. Returns its final delta."""
         self.scheduler.finish(request, reason)
         self.kv_manager.forget_compression(request.request_id)
+        self.kept_tokens.finish(request.request_id)
         if self.drafting is not None:
             self.drafting.finish(request, reason)
         delta = self.outputs.delta(request, list(new_token_ids), error)
