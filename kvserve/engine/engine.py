@@ -8,7 +8,6 @@ from collections.abc import Callable, Sequence
 
 from kvserve.config import EngineConfig
 from kvserve.engine.compression import RequestCompression
-from kvserve.engine.observe.kept_tokens import KeptTokens
 from kvserve.engine.breakpoints import PendingBreakpoints, check_breakpoints
 from kvserve.engine.sample.constrained import ConstrainedRequests
 from kvserve.engine.spec_decode.drafting import Proposer
@@ -70,9 +69,6 @@ class Engine:
                                       self.config.block_size)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.attention_backend, parts.device,
                                   tiers=self.tiers, states=parts.state_cache)
-        # Which tokens KV compression kept, per layer and head (engine/observe/kept_tokens.py): off until the lab
-        # enables it.
-        self.kept_tokens = self.runner.kept_tokens = KeptTokens()
         # Without a KV cache, blocks are scratch for one step: a request holds no cache memory.
         page_bytes = self.kv_spec.page_bytes(self.config.block_size) if self.config.enable_kv_cache else 0
         self.outputs = OutputProcessor(self.loaded.tokenizer, self.kv_manager, page_bytes, self.prefix_caching)
@@ -87,6 +83,7 @@ class Engine:
         self.snapshots = SnapshotKeeper(self.scheduler, self.tiering,
                                         self.drafting.counters if self.drafting is not None else None,
                                         self.draft_slots, self.constrained)
+        self.kept_tokens = self.runner.kept_tokens = self.snapshots.kept_tokens  # off until the lab enables it
         self._ids = itertools.count()
         # Last: a publisher is a thread and sockets, not to be left behind by a failed start.
         self.kv_events = open_kv_events(self.config, self.kv_manager.pool,
@@ -127,7 +124,6 @@ class Engine:
         request.compression = self.compression.policy(kv_compression, len(token_ids))
         if request.compression is not None:
             self.kv_manager.set_compression(request_id, request.compression)
-            self.kept_tokens.start(request_id, len(token_ids), request.compression.num_chunks)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
         self.runner.add_request(request_id, params, token_ids, matcher, kv_compression)
