@@ -56,6 +56,8 @@ function show(r) {
     `${r.finished ? " (finished)" : " (running)"}`);
   lab.text("kept-cached", r.cached.length ? `chunks ${r.cached.join(", ")}: found compressed in the prefix cache ` +
     `(or not computed yet), so this request did not choose their tokens` : "");
+  lab.text("kept-rows", `rows: layer 0 at the top to layer ${r.layers - 1} at the bottom, ${r.kv_heads} KV head ` +
+    `line(s) each`);
   lab.text("kept-first", "position 0");
   lab.text("kept-last", "position " + lab.int(r.num_chunks * kept.chunk - 1));
   draw();
