@@ -41,6 +41,12 @@ def add_memory_args(memory: argparse.ArgumentParser) -> None:
     memory.add_argument("--memory", default=None, help="device memory to plan for, e.g. 80GiB")
     memory.add_argument("--overhead", type=float, default=0.1,
                         help="activations and runtime, as a fraction of weights + KV (default 0.1)")
+    memory.add_argument("--kv-compression", default=None, metavar="METHOD:RATIO",
+                        help="also size requests whose prompts serve's --kv-compression compresses (e.g. knorm:2, "
+                             "auto:4): the blocks they hold, and what fits, beside the figures without")
+    memory.add_argument("--max-tokens", type=int, default=0,
+                        help="with --kv-compression: tokens of --context that are generated, never compressed "
+                             "(default 0: the whole context is prompt)")
     memory.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
@@ -74,7 +80,7 @@ def run_memory(args: argparse.Namespace) -> int:
         raise KVServeError("--context is required for a custom shape")
     memory = parse_memory(args.memory) if args.memory is not None else None  # checked by check_args
     result = plan(name, config, num_params, context, args.batch, args.kv_dtype, args.block_size, args.weights_dtype,
-                  memory, args.overhead)
+                  memory, args.overhead, args.kv_compression, args.max_tokens)
     print(json.dumps(result.to_json()) if args.json else describe(result))
     return 0
 

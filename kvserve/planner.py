@@ -23,6 +23,14 @@ then costs its context's K/V plus one live state: that is what the batch, the
 requests that fit and the longest context that fits are counted with. (The
 engine keeps more slots than running requests, for snapshots that prefix hits
 resume from: `--state-cache-fraction` of its cache budget.)
+
+With `--kv-compression METHOD:RATIO` (issue 43) a request's prompt is compressed
+in canonical chunks that keep `budget` tokens each, the tail and the generated
+tokens whole: its blocks are ChunkPolicy.peak_slots's (kv/compressed_chunks.py,
+what the engine's admission uses too), the most it holds at once. The figures
+with compression stand beside those without; the largest context is the largest
+for which every shorter request fits too (one more prompt token can compress one
+more chunk, so a request's blocks do not grow with its length one for one).
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from kvserve.config import WEIGHTS_DTYPES, ModelConfig
 from kvserve.memory_sizes import format_memory
 from kvserve.errors import InvalidRequestError
 from kvserve.kv.cache.kv_spec import KVSpec, kv_spec
+from kvserve.kv.compressed_chunks import ChunkPolicy
+from kvserve.kv.compression.engine_spec import OFF, EngineSupport, chunk_policy, engine_spec
 from kvserve.kv.state.state_spec import state_spec
 from kvserve.model.catalog import KNOWN_MODELS, dense_parameters, find_known_model, num_parameters
 from kvserve.model.quantized_linear import held_weight_bytes, resolve_for_config
@@ -85,6 +95,16 @@ class MemoryPlan:
     # if every attention layer stored its own K and V (no layer reading another's cache, no K = V); 0 otherwise.
     kv_bytes_per_request_unshared: int = 0
     max_context_unshared: int | None = None
+    # KV compression (--kv-compression METHOD:RATIO; "" off): `max_new_tokens` of the context are generated (never
+    # compressed), the rest is the prompt. The same figures as above, with compressed chunks keeping their budget.
+    kv_compression: str = ""
+    max_new_tokens: int = 0
+    compressed_chunks_per_request: int = 0  # prompt chunks compressed in a request of `context` tokens
+    dropped_tokens_per_request: int = 0  # prompt tokens those chunks drop from the cache
+    kv_bytes_per_request_compressed: int = 0  # the most one request holds at once, whole blocks
+    kv_bytes_total_compressed: int = 0  # `batch` of them
+    max_concurrent_requests_compressed: int | None = None
+    max_context_compressed: int | None = None  # every context up to it fits, for `batch` requests
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -127,7 +147,7 @@ def resolve_model(model: str | None, layers: int | None = None, kv_heads: int | 
 
 def plan(name: str, config: ModelConfig, num_params: int, context: int, batch: int = 1, kv_dtype: str = "auto",
          block_size: int = 16, weights_dtype: str = "float16", memory_bytes: int | None = None,
-         overhead_fraction: float = 0.1) -> MemoryPlan:
+         overhead_fraction: float = 0.1, kv_compression: str | None = None, max_new_tokens: int = 0) -> MemoryPlan:
     if context < 1 or batch < 1 or block_size < 1:
         raise InvalidRequestError("context, batch and block size must be >= 1")
     if weights_dtype not in WEIGHT_BYTES and weights_dtype not in ENGINE_WEIGHTS_DTYPES:
@@ -183,7 +203,58 @@ def plan(name: str, config: ModelConfig, num_params: int, context: int, batch: i
             result.max_context_unshared = min(_longest_context(
                 unshared, block_size, max(kv_room // batch - fixed_per_request, 0), config.max_position_embeddings),
                 config.max_position_embeddings or longest)
+    if kv_compression is not None and kv_compression.strip().lower() != OFF:
+        _plan_compressed(result, spec, kv_compression, max_new_tokens,
+                         config.max_position_embeddings if config.architecture != "custom" else 0)
     return result
+
+
+def _plan_compressed(p: MemoryPlan, spec: KVSpec, text: str, max_new_tokens: int,
+                     model_max_context: int) -> None:
+    """Fill `p`'s compressed figures. The engine refuses compression for some caches (engine_spec.EngineSupport):
+    so does the planner, with the same reason."""
+    try:
+        compression = engine_spec(text, p.block_size)
+    except ValueError as exc:
+        raise InvalidRequestError(f"kv_compression: {exc}", param="kv_compression") from None
+    why = EngineSupport(only_windows=None not in spec.layout.windows,
+                        shared_layers=bool(spec.layer_kv or spec.layer_sources), blockwise_codec=spec.has_open_blocks,
+                        context_shift=False).refusal()
+    if why is not None:
+        raise InvalidRequestError(why, param="kv_compression")
+    if not 0 <= max_new_tokens < p.context:
+        raise InvalidRequestError("max_new_tokens (generated tokens) must be in [0, context)", param="max_tokens")
+    bs = p.block_size
+
+    def policy(context: int) -> ChunkPolicy:
+        return chunk_policy(compression, bs, context - max_new_tokens)
+
+    asked = policy(p.context)
+    p.kv_compression, p.max_new_tokens = f"{compression.method}:{compression.ratio:g}", max_new_tokens
+    p.compressed_chunks_per_request, p.dropped_tokens_per_request = asked.num_chunks, asked.dropped(p.context)
+    p.kv_bytes_per_request_compressed = spec.compressed_request_bytes(asked.peak_slots(p.context), p.context, bs)
+    p.kv_bytes_total_compressed = p.batch * p.kv_bytes_per_request_compressed
+    if p.kv_room_bytes is None:
+        return
+    p.max_concurrent_requests_compressed = p.kv_room_bytes // p.kv_bytes_per_request_compressed
+    room = p.kv_room_bytes // p.batch
+
+    def fits(context: int) -> bool:  # this context and every shorter one
+        return spec.compressed_request_bytes(policy(context).worst_peak_slots(max_new_tokens), context, bs) <= room
+
+    lo, hi = max_new_tokens + 1, 2 * max(model_max_context, max_new_tokens + 1)
+    if not fits(lo):
+        p.max_context_compressed = 0
+        return
+    while fits(hi):
+        if model_max_context:  # a model runs at most its own context (a custom shape's is no limit)
+            p.max_context_compressed = model_max_context
+            return
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    p.max_context_compressed = min(lo, model_max_context) if model_max_context else lo
 
 
 def _without_layer_savings(config: ModelConfig, kv_dtype: str, linear_dtype: str) -> KVSpec | None:
@@ -276,7 +347,29 @@ def describe(p: MemoryPlan) -> str:
                           f"requests of {p.max_context_for_batch:,} tokens)")
         if p.max_context_unshared is not None:
             lines.append(f"  largest context if every layer stored its own K and V: {p.max_context_unshared:,} tokens")
-    return "\n".join(lines)
+    return "\n".join(lines + _compression_lines(p))
+
+
+def _compression_lines(p: MemoryPlan) -> list[str]:
+    """The compressed figures beside the plain ones (none without --kv-compression)."""
+    if not p.kv_compression:
+        return []
+    prompt = p.context - p.max_new_tokens
+    lines = [
+        f"with --kv-compression {p.kv_compression} ({prompt:,} prompt + {p.max_new_tokens:,} generated tokens): "
+        f"{p.compressed_chunks_per_request:,} prompt chunk(s) compressed, {p.dropped_tokens_per_request:,} tokens "
+        f"dropped",
+        f"  KV per request: {format_memory(p.kv_bytes_per_request_compressed)} "
+        f"({p.kv_bytes_per_request_compressed:,} bytes, without: {format_memory(p.kv_bytes_per_request)}); "
+        f"for the batch: {format_memory(p.kv_bytes_total_compressed)}",
+    ]
+    if p.max_concurrent_requests_compressed is not None:
+        capped = "; the model's context" if p.max_context_compressed == p.model_max_context else ""
+        lines += [f"  concurrent requests of {p.context:,} tokens: {p.max_concurrent_requests_compressed:,} "
+                  f"(without: {p.max_concurrent_requests:,})",
+                  f"  largest context for {p.batch} concurrent request(s): {p.max_context_compressed:,} tokens "
+                  f"(without: {p.max_context_for_batch:,}; every shorter one fits too{capped})"]
+    return lines
 
 
 def _bytes_per_token_line(p: MemoryPlan) -> str:

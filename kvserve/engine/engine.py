@@ -83,6 +83,7 @@ class Engine:
         self.snapshots = SnapshotKeeper(self.scheduler, self.tiering,
                                         self.drafting.counters if self.drafting is not None else None,
                                         self.draft_slots, self.constrained)
+        self.kept_tokens = self.runner.kept_tokens = self.snapshots.kept_tokens  # off until the lab enables it
         self._ids = itertools.count()
         # Last: a publisher is a thread and sockets, not to be left behind by a failed start.
         self.kv_events = open_kv_events(self.config, self.kv_manager.pool,
@@ -112,10 +113,10 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.loaded.require_tokenizer().encode(prompt) if text is not None else list(prompt)
-        self.limits.validate(token_ids, params)
+        kv_compression = self.compression.for_request(params)  # may refuse
+        self.limits.validate(token_ids, params, self.compression.policy(kv_compression, len(token_ids)))
         check_breakpoints(pins, len(token_ids))
         matcher = self.constrained.new_matcher(params)  # compiles (or finds it cached): may refuse
-        kv_compression = self.compression.for_request(params)  # may refuse
         self.outputs.add(request_id, params)  # the last check that can refuse: nothing to undo before it
         request = Request(request_id, token_ids, params, prompt=text, cache_salt=cache_salt,
                           block_size=self.config.block_size if self.prefix_caching else None, tenant=tenant,
@@ -141,8 +142,8 @@ class Engine:
     def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if `add_request` would refuse these; safe from any thread. A structured
         outputs spec is compiled here (bounded in time, then cached, so the add finds it ready)."""
-        self.limits.validate(token_ids, params)
-        self.compression.for_request(params)
+        kv_compression = self.compression.for_request(params)
+        self.limits.validate(token_ids, params, self.compression.policy(kv_compression, len(token_ids)))
         self.constrained.compile(params)
 
     def step(self) -> list[RequestDelta]:
@@ -212,6 +213,7 @@ class Engine:
         every piece of per-request state is dropped. Returns its final delta."""
         self.scheduler.finish(request, reason)
         self.kv_manager.forget_compression(request.request_id)
+        self.kept_tokens.finish(request.request_id)
         if self.drafting is not None:
             self.drafting.finish(request, reason)
         delta = self.outputs.delta(request, list(new_token_ids), error)

@@ -24,7 +24,8 @@ from kvserve.kv.attention import AttentionBackend, SequenceSlice
 from kvserve.kv.context_shift import ShiftPlan, TokenMoves
 from kvserve.kv.cache.packing import pack_tokens, unpack_tokens
 from kvserve.kv.cache.storage import PagedKVCache
-from kvserve.kv.compression.compact import compact_chunk
+from kvserve.engine.observe.kept_tokens import KeptTokens
+from kvserve.kv.compression.compact import compact_chunk, kept_record
 from kvserve.kv.compression.spec import CompressionSpec
 from kvserve.kv.state.context import StateSequence
 from kvserve.kv.state.storage import StateCache
@@ -70,6 +71,7 @@ class ModelRunner:
         self._block_tables: dict[str, list[list[int]]] = {}
         self.tier_reader = TierReader(tiers) if tiers is not None else None
         self._compression: dict[str, CompressionSpec] = {}  # compressing requests' resolved specs
+        self.kept_tokens: KeptTokens | None = None  # the lab's record of kept tokens (the engine sets it)
 
     def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int],
                     matcher: GrammarMatcher | None = None, kv_compression: CompressionSpec | None = None) -> None:
@@ -134,8 +136,13 @@ class ModelRunner:
             self.apply_shift(plan)
         for item in out.scheduled:  # chunks the last forward completed, before any later token is computed
             for compaction in item.compactions:  # one per full-attention group: that group's layers
-                compact_chunk(self.attention, self.kv_cache, compaction, self._compression[item.request_id],
-                              self.kv_cache.spec.layout.groups[compaction.group].layers)
+                layers = self.kv_cache.spec.layout.groups[compaction.group].layers
+                kept = compact_chunk(self.attention, self.kv_cache, compaction, self._compression[item.request_id],
+                                     layers)
+                if self.kept_tokens is not None and self.kept_tokens.enabled:  # only while the lab reads them
+                    self.kept_tokens.record(item.request_id, compaction.chunk_index, compaction.first_position,
+                                            kept_record(kept), len(compaction.src_blocks) * self.kv_cache.block_size,
+                                            tuple(layers))
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step (after `begin_step`): the accepted tokens of every request that reached its last token."""

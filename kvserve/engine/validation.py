@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvserve.config import EngineConfig
 from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import InvalidRequestError
+from kvserve.kv.compressed_chunks import ChunkPolicy
 from kvserve.kv.manager import KVCacheManager
 
 
@@ -19,8 +20,9 @@ class RequestLimits:
     max_model_len: int
     kv_manager: KVCacheManager  # only its fixed geometry is read (can_fit, peak_blocks, num_blocks)
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError if the engine would refuse these."""
+    def validate(self, token_ids: list[int], params: SamplingParams, compression: ChunkPolicy | None = None) -> None:
+        """Raise InvalidRequestError if the engine would refuse these (`compression`: the prompt's chunk geometry
+        under KV compression, None: off)."""
         vocab = self.vocab_size
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
@@ -39,10 +41,18 @@ class RequestLimits:
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                 f"exceeds the model's context of {self.max_model_len} tokens"
             )
-        chunk, kv = self.config.max_num_batched_tokens, self.kv_manager
-        if not kv.can_fit(total, chunk):
+        needed = self.peak_blocks(total, compression)
+        if needed > self.kv_manager.num_blocks:
             raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) needs "
-                f"{kv.peak_blocks(total, chunk)} KV blocks but the whole cache has "
-                f"{kv.num_blocks}; raise kv_cache_memory or lower max_tokens"
+                f"{needed} KV blocks{' (compressed)' if compression is not None else ''} but the whole cache has "
+                f"{self.kv_manager.num_blocks}; raise kv_cache_memory or lower max_tokens"
             )
+
+    def peak_blocks(self, num_tokens: int, compression: ChunkPolicy | None) -> int:
+        """The most blocks a request of `num_tokens` holds at once; a compressing one's compressed chunks count
+        their kept blocks (kv/compressed_chunks.py)."""
+        kv = self.kv_manager
+        if compression is not None:
+            return kv.peak_blocks_compressed(compression, num_tokens, self.config.max_num_batched_tokens)
+        return kv.peak_blocks(num_tokens, self.config.max_num_batched_tokens)

@@ -55,6 +55,31 @@ class ChunkPolicy:
             return boundary - start
         return count
 
+    # The arithmetic of a compressing request's size, for everything that counts its blocks ahead (the planner,
+    # `kvserve memory`, the lab's calculator, the engine's can-it-ever-fit check): one place, counts only.
+
+    def slots(self, num_tokens: int) -> int:
+        """Slots its tables hold with `num_tokens` tokens (prompt, then generated) computed."""
+        return num_tokens - self.dropped(num_tokens)
+
+    def peak_slots(self, num_tokens: int) -> int:
+        """The most slots its tables hold at once while the request grows to `num_tokens` tokens: at the end, or
+        at the end of its last compressed chunk, held whole until the next step compacts it (both whole blocks:
+        chunk and budget are, so blocks = ceil(this / block size))."""
+        last = min(self.num_chunks, num_tokens // self.chunk)
+        return max(self.slots(num_tokens), self.slots(last * self.chunk))
+
+    def worst_peak_slots(self, num_new_tokens: int) -> int:
+        """The most slots any prompt of at most this one's length holds at once with `num_new_tokens` generated
+        after it. A longer prompt can need fewer (one more token can compress one more chunk), so this is this
+        prompt's peak or that of the longest prompt with one compressed chunk fewer, whose tail is the longest."""
+        worst = self.peak_slots(self.num_prompt_tokens + num_new_tokens)
+        if self.num_chunks:
+            shorter = self.num_chunks * self.chunk + max(self.window, 1) - 1
+            fewer = ChunkPolicy(self.chunk, self.budget, self.window, shorter)
+            worst = max(worst, fewer.peak_slots(shorter + num_new_tokens))
+        return worst
+
 
 @dataclass(frozen=True, slots=True)
 class Compaction:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from kvserve.arith import cdiv
 from kvserve.errors import KVIntegrityError
 from kvserve.kv.compressed_chunks import ChunkPolicy, Compaction
 from kvserve.kv.manager_integrity import check_request_tables
@@ -61,6 +62,13 @@ class CompressedTables:
                     self.pool.free(reversed(dropped))
                     self._updates.changed(request_id)
         return num_tokens
+
+    def peak_blocks_compressed(self, policy: ChunkPolicy, num_tokens: int, max_chunk_tokens: int | None = None) -> int:
+        """The most blocks a request compressed by `policy` holds at once while it grows to `num_tokens` tokens
+        (prompt and generated): its full-attention groups' kept slots (chunked prefill does not add to them: a
+        step never crosses a compressed chunk's end), a windowed group's window as for any request."""
+        return sum(cdiv(policy.peak_slots(num_tokens), self.block_size) if group.window is None
+                   else group.peak_blocks(num_tokens, max_chunk_tokens) for group in self.groups)
 
     def take_compactions(self, request_id: str) -> tuple[Compaction, ...]:
         """The compactions planned for the request since the last call: the runner moves their K/V."""

@@ -11,6 +11,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.spec_decode.slots import DraftSlotLog
 from kvserve.engine.spec_decode.counters import DraftCounters
+from kvserve.engine.observe.kept_tokens import KeptTokens
 from kvserve.engine.observe.stats import BlockView, EngineStats, StepWork, take_block_view, take_stats, with_added
 from kvserve.kv.tiers.traffic import TierTraffic
 
@@ -31,6 +32,7 @@ class SnapshotKeeper:
         self.last_step = StepWork()
         self._block_view: BlockView | None = None  # the last one built, carried into later snapshots
         self._block_view_wanted = self._block_view_current = False
+        self.kept_tokens = KeptTokens()  # which tokens KV compression kept, for the lab (off until it enables it)
         self.current = self.take()
 
     def record_step(self, work: StepWork, num_generated_tokens: int) -> None:
@@ -60,6 +62,8 @@ class SnapshotKeeper:
 
     def added(self, request: Request) -> None:
         self.current = with_added(self.current, request, self.scheduler.kv)
+        if request.compression is not None:
+            self.kept_tokens.start(request.request_id, request.num_prompt_tokens, request.compression.num_chunks)
 
     def want_block_view(self, idle: bool) -> None:
         """Have the next snapshot carry a fresh BlockView. An idle engine takes it at once, since no step

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+from kvserve.engine.observe.compression_stats import CompressionStats, compression_stats
 from kvserve.engine.observe.tenant_stats import TenantStats, tenant_stats
 from kvserve.engine.sample.constrained import StructuredOutputStats
 from kvserve.engine.request import Request, RequestStatus
@@ -39,6 +40,7 @@ class RequestStats:
     num_preemptions: int
     ttft: float | None  # seconds, once the first token is out
     tpot: float | None  # mean seconds per output token after the first, so far
+    num_dropped_tokens: int = 0  # prompt tokens KV compression took out of its tables now (its blocks exclude them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +112,7 @@ class EngineStats:
     structured: StructuredOutputStats | None = None  # grammars compiled, constrained requests, forced tokens
     tenants: tuple[TenantStats, ...] = ()  # per-tenant usage (engine/observe/tenant_stats.py)
     states: StateStats | None = None  # a hybrid model's recurrent-state slots (None: no recurrent layers)
+    compression: CompressionStats | None = None  # compressing requests' blocks and dropped tokens (None: none ran)
 
     @property
     def num_running(self) -> int:
@@ -141,7 +144,7 @@ def request_stats(request: Request, kv: KVCacheManager) -> RequestStats:
     return RequestStats(
         request.request_id, status, request.num_prompt_tokens, request.num_cached_tokens or 0,
         request.num_tier_cached_tokens, request.num_computed_tokens, metrics.num_output_tokens, kv.num_blocks_held(request.request_id),
-        request.num_preemptions, metrics.ttft, metrics.tpot,
+        request.num_preemptions, metrics.ttft, metrics.tpot, kv.dropped_tokens(request.request_id),
     )
 
 
@@ -165,6 +168,8 @@ def take_stats(scheduler: Scheduler, num_steps: int, num_generated_tokens: int, 
         last_step=last_step, blocks=blocks,
         tier=tier, pins=pins, spec_decode=spec_decode, draft_slots=draft_slots, structured=structured,
         tenants=tenant_stats(scheduler), states=kv.state_stats(),
+        compression=compression_stats(scheduler.running, kv) if kv.compressed.policies or
+        kv.compressed.num_dropped_tokens else None,
     )
 
 

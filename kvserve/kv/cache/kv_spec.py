@@ -193,6 +193,13 @@ class KVSpec:
         """KV bytes a request with `num_tokens` computed holds between steps: whole pages, windows freed."""
         return self.request_pages(num_tokens, block_size) * self.page_bytes(block_size)
 
+    def compressed_request_bytes(self, num_slots: int, num_tokens: int, block_size: int) -> int:
+        """KV bytes a request compressed by KV compression holds: `num_slots` in each full-attention group (its
+        kept slots), `num_tokens` in a windowed one (which keeps its window, uncompressed)."""
+        pages = sum(blocks_held(None, num_slots, block_size) if window is None
+                    else blocks_held(window, num_tokens, block_size) for window in self.layout.windows)
+        return pages * self.page_bytes(block_size)
+
     def formula(self, block_size: int = REFERENCE_BLOCK) -> str:
         """The factors, e.g. '2 (K, V) x 30 layers x 3 KV heads x (64 x 1 B + 2 B scale) = 11,880 bytes/token'."""
         def row(codec: KVCodec) -> str:

@@ -68,3 +68,10 @@ def move_rows(cache: PagedKVCache, layer: int, src: torch.Tensor, dst: torch.Ten
         for tensor in tensors:
             flat = tensor.view(-1, tensor.shape[-1])
             flat.index_copy_(0, dst, flat.index_select(0, src))
+
+
+def kept_record(kept_by_layer: list[torch.Tensor]) -> torch.Tensor:
+    """What the lab draws of one compacted chunk: `compact_chunk`'s kept indices as one small CPU array
+    `[layers, KVH, budget]` of positions within the chunk (int16: a chunk is far under 32,768 tokens), a copy
+    that later compactions never touch."""
+    return torch.stack(kept_by_layer).to(device="cpu", dtype=torch.int16)

@@ -59,6 +59,8 @@ def kv_cache_report(engine: Engine) -> dict:
         "num_preemptions": stats.num_preemptions, "num_steps": stats.num_steps, "integrity": integrity,
         # KV compression: prompt tokens compaction took out of the pool so far (its kept blocks are counted above).
         "kv_compression": engine.config.kv_compression, "num_compressed_tokens": stats.num_compressed_tokens,
+        # ... and what compressing requests hold now, from the pool's own tables (engine/observe/compression_stats.py)
+        "compression": dataclasses.asdict(stats.compression) if stats.compression is not None else None,
         "tier": dataclasses.asdict(stats.tier) if stats.tier is not None else None,
         "pins": dataclasses.asdict(stats.pins) if stats.pins is not None else None,
         "tenants": [dataclasses.asdict(entry) for entry in stats.tenants],

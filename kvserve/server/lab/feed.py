@@ -12,6 +12,7 @@ an idle server sends a few hundred bytes per tick.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ def _request_json(r: RequestStats) -> dict:
         "id": r.request_id, "status": r.status, "prompt": r.num_prompt_tokens, "cached": r.num_cached_tokens,
         "computed": r.num_computed_tokens, "output": r.num_output_tokens, "blocks": r.num_blocks,
         "preemptions": r.num_preemptions, "ttft": r.ttft, "tpot": r.tpot,
+        "dropped": r.num_dropped_tokens,  # prompt tokens KV compression took out of its blocks now
     }
 
 
@@ -108,6 +110,7 @@ def snapshot_json(stats: EngineStats, include_blocks: bool = True) -> dict:
         "blocks": block_view_json(stats.blocks) if include_blocks and stats.blocks is not None else None,
         "drafts": draft_counts_json(stats.draft_slots) if stats.draft_slots is not None else None,
         "states": state_slots_json(stats.states) if stats.states is not None else None,  # None: no recurrent layers
+        "compression": dataclasses.asdict(stats.compression) if stats.compression is not None else None,
         # Per-tenant usage (the lab is the admin's: every tenant, by its id, never its key).
         "tenants": [{"tenant": t.tenant, "weight": t.weight, "running": t.num_running, "waiting": t.num_waiting,
                      "blocks": t.num_blocks, "cached_free": t.num_cached_free_blocks, "share": t.share_blocks,

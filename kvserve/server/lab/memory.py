@@ -17,6 +17,9 @@ from kvserve.errors import InvalidRequestError
 from kvserve.model.catalog import KNOWN_MODELS, find_known_model, num_parameters
 from kvserve.planner import ENGINE_WEIGHTS_DTYPES, WEIGHT_BYTES, MemoryPlan, plan, resolve_model
 
+# What the page offers (any METHOD:RATIO the engine runs is accepted as a query parameter).
+KV_COMPRESSIONS = ("none", "auto:2", "auto:4", "knorm:2", "knorm:4", "keydiff:2", "keydiff:4", "streaming:2",
+                   "streaming:4")
 KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4", "fp8_e4m3", "fp8_e5m2", "int8/int4")
 CUSTOM = "custom"
 
@@ -47,6 +50,8 @@ class MemoryQuery:
     head_dim: int | None = None
     heads: int | None = None
     params: float | None = None
+    kv_compression: str | None = None  # "METHOD:RATIO" (None or "none": off), as `kvserve memory --kv-compression`
+    max_tokens: int = 0  # of the context, generated tokens (never compressed)
 
 
 def catalog(served: ServedModel) -> dict:
@@ -58,6 +63,7 @@ def catalog(served: ServedModel) -> dict:
         "served": served.name,
         "kv_dtypes": list(KV_DTYPES),
         "weights_dtypes": [*ENGINE_WEIGHTS_DTYPES, *WEIGHT_BYTES],
+        "kv_compressions": list(KV_COMPRESSIONS),
     }
 
 
@@ -83,7 +89,8 @@ def memory_plan(query: MemoryQuery, served: ServedModel) -> dict:
 def _display(p: MemoryPlan) -> dict:
     sizes = {key: format_memory(getattr(p, key)) for key in
              ("kv_bytes_per_request", "kv_bytes_total", "weights_bytes", "overhead_bytes", "total_bytes",
-              "state_bytes_per_request", "state_bytes_total", "bytes_per_request", "kv_bytes_per_request_unshared")}
+              "state_bytes_per_request", "state_bytes_total", "bytes_per_request", "kv_bytes_per_request_unshared",
+              "kv_bytes_per_request_compressed", "kv_bytes_total_compressed")}
     if p.memory_bytes is not None:
         sizes["memory_bytes"] = format_memory(p.memory_bytes)
         sizes["kv_room_bytes"] = format_memory(p.kv_room_bytes)
@@ -110,4 +117,4 @@ def _plan(query: MemoryQuery, served: ServedModel) -> MemoryPlan:
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="memory") from None
     return plan(name, config, num_params, context, query.batch, query.kv_dtype, query.block_size,
-                query.weights_dtype, memory_bytes, query.overhead)
+                query.weights_dtype, memory_bytes, query.overhead, query.kv_compression, query.max_tokens)

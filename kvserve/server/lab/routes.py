@@ -17,6 +17,7 @@ from kvserve.server.core.errors import APIError, RETRY_AFTER_S, bad_request
 from kvserve.server.core.serving import Serving
 from kvserve.server.lab.access import LabAccess
 from kvserve.server.lab.feed import FeedSettings, feed_events, fresh_snapshot, snapshot_json
+from kvserve.server.lab.kept import kept_json, kept_summary
 from kvserve.server.lab.kv_layers import kv_layers_info
 from kvserve.server.lab.memory import MemoryQuery, ServedModel, catalog, memory_plan
 from kvserve.server.compaction.summarizer import COMPACTION_PASS_PREFIX
@@ -24,7 +25,8 @@ from kvserve.server.lab.recent import RecentRequests, explanation_json
 from kvserve.server.lab.steps import StepsBusyError, StepsRunner
 
 STATIC_DIR = Path(__file__).parent / "static"
-PAGES = {"": "cache.html", "/memory": "memory.html", "/steps": "steps.html", "/explain": "explain.html"}
+PAGES = {"": "cache.html", "/memory": "memory.html", "/steps": "steps.html", "/explain": "explain.html",
+         "/kept": "kept.html"}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -96,10 +98,34 @@ def lab_router(async_engine: AsyncEngine, serving: Serving, access: LabAccess, r
         block_size: int = Query(16, ge=1), overhead: float = Query(0.1, ge=0), layers: int | None = Query(None, ge=1),
         kv_heads: int | None = Query(None, ge=1), head_dim: int | None = Query(None, ge=1),
         heads: int | None = Query(None, ge=1), params: float | None = Query(None, gt=0),
+        kv_compression: str | None = None, max_tokens: int = Query(0, ge=0),
     ) -> dict:
         query = MemoryQuery(model or served.name, context, batch, kv_dtype, weights_dtype, memory or None, block_size,
-                            overhead, layers, kv_heads, head_dim, heads, params)
+                            overhead, layers, kv_heads, head_dim, heads, params, kv_compression or None, max_tokens)
         return await serving.off_loop(memory_plan, query, served)
+
+    @api.get("/kept")
+    async def kept_requests() -> dict:
+        """The requests whose kept tokens are recorded. The first call starts the recording (nothing is recorded
+        while no page asked: compactions before it have no record)."""
+        kept = engine.kept_tokens
+
+        def enable_and_list() -> list:
+            kept.enable()
+            return kept.requests()
+
+        records = await async_engine.call(enable_and_list)
+        return {"compression": engine.config.kv_compression, "keep_finished": kept.keep_finished,
+                "requests": [kept_summary(r) for r in records]}
+
+    @api.get("/kept/{request_id}")
+    async def kept_request(request_id: str) -> dict:
+        record = await async_engine.call(lambda: engine.kept_tokens.get(request_id))
+        if record is None:
+            raise APIError(404, f"no kept-token record for {request_id!r} (recorded from the first visit to "
+                                f"/lab/kept on, for running requests and the last {engine.kept_tokens.keep_finished} "
+                                f"finished ones)", type="not_found_error")
+        return await serving.off_loop(kept_json, record)
 
     @api.post("/steps")
     async def run_steps(body: StepsBody) -> StreamingResponse:

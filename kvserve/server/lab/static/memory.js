@@ -2,11 +2,14 @@
 "use strict";
 
 const FIELDS = ["model", "context", "batch", "kv_dtype", "weights_dtype", "memory", "overhead", "block_size",
-                "layers", "kv_heads", "head_dim", "heads", "params"];
+                "layers", "kv_heads", "head_dim", "heads", "params", "kv_compression", "max_tokens"];
+// Controls read and set as they are (the sliders and custom fields have their own handling).
+const PLAIN = ["model", "context", "batch", "kv_dtype", "weights_dtype", "memory", "block_size", "kv_compression",
+               "max_tokens"];
 const CUSTOM_FIELDS = ["layers", "kv_heads", "head_dim", "heads", "params"];
 // The model is the served one (the catalog names it) unless the URL says otherwise.
 const DEFAULTS = { model: null, batch: "1", kv_dtype: "float16", weights_dtype: "float16", memory: "80GiB",
-                   overhead: "0.1", block_size: "16" };
+                   overhead: "0.1", block_size: "16", kv_compression: "none", max_tokens: "0" };
 let catalog = null;
 let pending = 0;
 
@@ -33,7 +36,8 @@ function readURL() {
 function setControls(v) {
   ensureOption(lab.el("memory"), v.memory);
   ensureOption(lab.el("kv_dtype"), v.kv_dtype);
-  for (const f of ["model", "context", "batch", "kv_dtype", "weights_dtype", "memory", "block_size"]) lab.el(f).value = v[f];
+  ensureOption(lab.el("kv_compression"), v.kv_compression);
+  for (const f of PLAIN) lab.el(f).value = v[f];
   if (v.model === "custom") for (const f of CUSTOM_FIELDS) if (v[f]) lab.el(f).value = v[f];
   lab.el("context-slider").value = Math.round(Math.log2(Number(v.context)));
   lab.el("batch-slider").value = v.batch;
@@ -42,7 +46,7 @@ function setControls(v) {
 
 function controls() {
   const v = {};
-  for (const f of ["model", "context", "batch", "kv_dtype", "weights_dtype", "memory", "block_size"]) v[f] = lab.el(f).value;
+  for (const f of PLAIN) v[f] = lab.el(f).value;
   v.overhead = String(Number(lab.el("overhead-slider").value) / 100);
   if (v.model === "custom") {
     for (const f of CUSTOM_FIELDS) v[f] = lab.el(f).value;
@@ -111,6 +115,7 @@ function show(p, d) {
   lab.el("bar-kv").style.width = (100 * p.kv_bytes_total / scale) + "%";
   lab.el("bar-overhead").style.width = (100 * p.overhead_bytes / scale) + "%";
   showStates(p, d, scale);
+  showCompression(p, d);
   const hasMemory = p.memory_bytes !== null;
   lab.el("device-line").style.display = lab.el("device-label").style.display = hasMemory ? "" : "none";
   lab.el("fit-facts").style.display = hasMemory ? "" : "none";
@@ -151,6 +156,26 @@ function showStates(p, d, scale) {
   lab.text("per-request-bytes", lab.int(p.bytes_per_request) + " bytes");
 }
 
+// KV compression (--kv-compression): the same request with its prompt's chunks compressed, beside the plain one.
+function showCompression(p, d) {
+  const on = Boolean(p.kv_compression);
+  lab.el("compressed").style.display = on ? "" : "none";
+  if (!on) return;
+  lab.text("compressed-spec", p.kv_compression);
+  lab.text("compressed-prompt", lab.int(p.context - p.max_new_tokens));
+  lab.text("compressed-generated", lab.int(p.max_new_tokens));
+  lab.text("compressed-chunks", lab.int(p.compressed_chunks_per_request));
+  lab.text("compressed-dropped", lab.int(p.dropped_tokens_per_request));
+  lab.text("compressed-per-request", d.kv_bytes_per_request_compressed);
+  lab.text("compressed-per-request-bytes", lab.int(p.kv_bytes_per_request_compressed) + " bytes");
+  lab.text("compressed-total", d.kv_bytes_total_compressed);
+  const fit = p.max_concurrent_requests_compressed !== null;
+  lab.el("compressed-fit").style.display = fit ? "" : "none";
+  if (!fit) return;
+  lab.text("compressed-max-requests", lab.int(p.max_concurrent_requests_compressed));
+  lab.text("compressed-max-context", lab.int(p.max_context_compressed));
+}
+
 function syncFromSlider(slider, input, transform) {
   lab.el(slider).addEventListener("input", () => { lab.el(input).value = transform(lab.el(slider).value); update(); });
   lab.el(input).addEventListener("input", () => update());
@@ -170,13 +195,15 @@ function syncFromSlider(slider, input, transform) {
   option(lab.el("model"), "custom", "Custom shape…");
   for (const d of catalog.kv_dtypes) option(lab.el("kv_dtype"), d);
   for (const d of catalog.weights_dtypes) option(lab.el("weights_dtype"), d);
+  for (const c of catalog.kv_compressions) option(lab.el("kv_compression"), c);
   setControls(readURL());
   syncFromSlider("context-slider", "context", (x) => String(2 ** Number(x)));
   syncFromSlider("batch-slider", "batch", (x) => x);
   lab.el("batch").addEventListener("input", () => (lab.el("batch-slider").value = lab.el("batch").value));
   lab.el("context").addEventListener("input", () => (lab.el("context-slider").value = Math.round(Math.log2(Number(lab.el("context").value)))));
   lab.el("overhead-slider").addEventListener("input", update);
-  for (const f of ["kv_dtype", "weights_dtype", "memory", "block_size", ...CUSTOM_FIELDS]) lab.el(f).addEventListener("input", update);
+  for (const f of ["kv_dtype", "weights_dtype", "memory", "block_size", "kv_compression", "max_tokens",
+                   ...CUSTOM_FIELDS]) lab.el(f).addEventListener("input", update);
   lab.el("model").addEventListener("input", () => {
     const shape = modelShape(lab.el("model").value);
     if (shape) lab.el("context").value = shape.context; // a preset starts at its own context
