@@ -28,6 +28,7 @@ import torch
 from kvserve.kv.compression import (METHODS, CompressedPrefixContext, CompressionSpec, PromptCapture,
                                     compress_layer)
 from kvserve.model.loader import load_model
+from kv_chunked import METHODS as CHUNK_METHODS, FullCapture, compressed_chunks
 from kv_quant_accuracy import english_text, model_source
 from workloads import save
 
@@ -40,14 +41,21 @@ def unique_text() -> str:
     return "\n\n".join(dict.fromkeys(english_text().split("\n\n")))
 
 
-def compressed_prefixes(capture: PromptCapture, spec: CompressionSpec, layer_windows) -> list:
+def compressed_prefixes(capture: PromptCapture, spec, layer_windows, total_prompt: int) -> list:
+    """`spec`: a CompressionSpec (the whole prefix at once) or (spec, ChunkMethod) (the engine's chunks, for a
+    prompt of `total_prompt` tokens that starts with the prefix)."""
+    if isinstance(spec, tuple):
+        return compressed_chunks(capture, spec[0], spec[1], layer_windows, total_prompt)
     keep_all = CompressionSpec("streaming", 1)
     return [compress_layer(kv, keep_all if window is not None else spec)
             for kv, window in zip(capture.layers(), layer_windows)]
 
 
 def capture_prompt(model, ids: torch.Tensor, query_window: int) -> PromptCapture:
-    capture = PromptCapture(torch.arange(len(ids)), model.layer_windows, query_window)
+    if query_window <= 0:  # every query (the chunk-local methods read each chunk's last ones)
+        capture = FullCapture(torch.arange(len(ids)), model.layer_windows)
+    else:
+        capture = PromptCapture(torch.arange(len(ids)), model.layer_windows, query_window)
     model(ids, torch.arange(len(ids)), capture, torch.tensor([len(ids) - 1]))
     return capture
 
@@ -59,10 +67,14 @@ def continuation_logprobs(model, prefixes, ids: torch.Tensor, start: int) -> tor
     return model(ids, positions, context, torch.arange(len(ids) - 1)).float().log_softmax(-1)
 
 
-def specs(args) -> list[tuple[str, CompressionSpec]]:
+def specs(args) -> list[tuple[str, object]]:
     found = [("none", CompressionSpec("streaming", 1))]
     for ratio in args.ratios:
-        found += [(f"{m}:{ratio:g}", CompressionSpec(m, ratio, args.sinks, args.recent)) for m in args.methods]
+        if args.engine:
+            spec = CompressionSpec("knorm", ratio, args.sinks, args.recent, args.chunk)
+            found += [(f"{m}:{ratio:g}", (spec, CHUNK_METHODS[m])) for m in args.chunk_methods]
+        else:
+            found += [(f"{m}:{ratio:g}", CompressionSpec(m, ratio, args.sinks, args.recent)) for m in args.methods]
     return found
 
 
@@ -73,11 +85,11 @@ def score_windows(model, windows: list[list[int]], args) -> dict[str, dict]:
         prefix, rest = ids[: args.prefix], ids[args.prefix :]
         started = time.perf_counter()
         whole = model(ids, torch.arange(len(ids)), None, torch.arange(args.prefix, len(ids) - 1)).float()
-        capture = capture_prompt(model, prefix, args.query_window)
+        capture = capture_prompt(model, prefix, 0 if args.engine else args.query_window)
         reference = None
         for name, spec in specs(args):
-            logprobs = continuation_logprobs(model, compressed_prefixes(capture, spec, model.layer_windows),
-                                             rest, args.prefix)
+            prefixes = compressed_prefixes(capture, spec, model.layer_windows, len(ids))
+            logprobs = continuation_logprobs(model, prefixes, rest, args.prefix)
             if reference is None:
                 reference = logprobs
                 drift = (logprobs - whole.log_softmax(-1)).abs().max().item()
@@ -118,14 +130,15 @@ def greedy_answer(model, prefixes, question: list[int], start: int, steps: int =
     return ids[len(question) :]
 
 
-def passkey(model, tokenizer, args) -> dict[str, float]:
+def passkey(model, tokenizer, args, context: int) -> dict[str, float]:
     found = {name: 0 for name, _ in specs(args)}
-    prompts = passkey_prompts(tokenizer, args.passkey, args.passkey_context)
+    prompts = passkey_prompts(tokenizer, args.passkey, context)
     for document, question, key in prompts:
-        capture = capture_prompt(model, torch.tensor(document), args.query_window)
+        capture = capture_prompt(model, torch.tensor(document), 0 if args.engine else args.query_window)
+        total = len(document) + len(question)  # the engine compresses chunks the whole prompt goes on past
         for name, spec in specs(args):
-            answer = tokenizer.decode(greedy_answer(model, compressed_prefixes(capture, spec, model.layer_windows),
-                                                    question, len(document)))
+            prefixes = compressed_prefixes(capture, spec, model.layer_windows, total)
+            answer = tokenizer.decode(greedy_answer(model, prefixes, question, len(document)))
             found[name] += key in answer
             if name == "none":
                 print(f"passkey {key} in {len(document)} tokens: uncompressed answers {answer!r}", flush=True)
@@ -145,7 +158,11 @@ def main() -> None:
     parser.add_argument("--query-window", type=int, default=256, help="last queries Expected Attention fits")
     parser.add_argument("--weights-dtype", default="float32")
     parser.add_argument("--passkey", type=int, default=0, help="passkey retrievals (0: none)")
-    parser.add_argument("--passkey-context", type=int, default=1536)
+    parser.add_argument("--passkey-context", type=int, nargs="+", default=[1536])
+    parser.add_argument("--engine", action="store_true", help="the engine's setting: canonical chunks, each "
+                        "compressed from its own K/V (bench/kv_chunked.py), --chunk-methods instead of --methods")
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--chunk-methods", nargs="+", default=list(CHUNK_METHODS))
     args = parser.parse_args()
     loaded = load_model(model_source(args.model), weights_dtype=args.weights_dtype)
     model, tokenizer = loaded.model, loaded.require_tokenizer()
@@ -160,21 +177,27 @@ def main() -> None:
           f"{args.continuation} scored tokens (Python Language Reference prose); sinks {args.sinks}, window "
           f"{args.recent}, Expected Attention over the last {args.query_window} queries", flush=True)
     totals = score_windows(model, windows, args)
-    retrieved = passkey(model, tokenizer, args) if args.passkey else {}
+    retrieved = {}
+    for context in args.passkey_context if args.passkey else []:
+        for key, value in passkey(model, tokenizer, args, context).items():
+            retrieved.setdefault(key, {})[context] = value
     rows, base = [], math.exp(totals["none"]["nll"] / totals["none"]["count"])
     for key, row in totals.items():
         ppl = math.exp(row["nll"] / row["count"])
         rows.append({"method": key, "perplexity": ppl, "change_pct": 100 * (ppl / base - 1),
                      "mean_kl": row["kl"] / row["count"], "top1": row["top1"] / row["count"],
                      "passkey": retrieved.get(key)})
-    print("\n| method:ratio | perplexity | vs none | mean KL | top-1 agree |" + (" passkey |" if retrieved else ""))
-    print("|---|---|---|---|---|" + ("---|" if retrieved else ""))
+    contexts = args.passkey_context if retrieved else []
+    print("\n| method:ratio | perplexity | vs none | mean KL | top-1 agree |"
+          + "".join(f" passkey {c} |" for c in contexts))
+    print("|---|---|---|---|---|" + "---|" * len(contexts))
     for r in rows:
         line = (f"| {r['method']} | {r['perplexity']:.4f} | {r['change_pct']:+.2f}% | {r['mean_kl']:.4f} | "
                 f"{100 * r['top1']:.1f}% |")
-        print(line + (f" {100 * r['passkey']:.0f}% |" if retrieved else ""))
+        print(line + "".join(f" {100 * r['passkey'][c]:.0f}% |" for c in contexts))
     payload = {"model": name, "args": vars(args), "rows": rows}
-    print(f"saved {save('kv_compression' + ('_' + args.model if args.model else ''), payload)}")
+    tag = ('_' + args.model if args.model else '') + ('_chunked' if args.engine else '')
+    print(f"saved {save('kv_compression' + tag, payload)}")
 
 
 if __name__ == "__main__":
