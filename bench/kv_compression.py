@@ -10,9 +10,16 @@ the vocabulary, top-1 agreement. "none" itself is checked against one forward ov
 
 Layers with a sliding window (Gemma 3's local layers) are not compressed: their cache holds only the window.
 
+--engine: the engine's setting (bench/kv_chunked.py): canonical --chunk-token chunks, each compressed from its own
+K/V when the prompt goes on >= 64 tokens past it, kept counts rounded to whole 16-token blocks, chunk 0 keeping the
+sinks, the rest exact; --chunk-methods name the ways of scoring a chunk (key-only; chunk-local Expected / observed
+attention over the chunk's own last 64 queries; a protected recent tail; AdaKV budgets; larger chunks). The scored
+tokens follow the prompt (generated after it: --prefix 2112 compresses 4 chunks and keeps 64 exact), or, with
+--scored-in-prompt, are part of it (the engine's prompt logprobs: every chunk of a 2,048-token prefix compressed).
+
 --passkey N: N retrievals (a 5-digit number hidden at spread depths in ~--passkey-context tokens of filler);
 the filler is the compressed prefix, the question follows it (as a request reusing a cached document would),
-greedy answer; fraction retrieved per method and ratio.
+greedy answer; fraction retrieved per method and ratio, at each --passkey-context.
 
     .venv/bin/python bench/kv_compression.py [--windows 2] [--model gemma3-270m] [--passkey 5]
 """
@@ -88,7 +95,8 @@ def score_windows(model, windows: list[list[int]], args) -> dict[str, dict]:
         capture = capture_prompt(model, prefix, 0 if args.engine else args.query_window)
         reference = None
         for name, spec in specs(args):
-            prefixes = compressed_prefixes(capture, spec, model.layer_windows, len(ids))
+            total = len(ids) if args.scored_in_prompt else args.prefix
+            prefixes = compressed_prefixes(capture, spec, model.layer_windows, total)
             logprobs = continuation_logprobs(model, prefixes, rest, args.prefix)
             if reference is None:
                 reference = logprobs
@@ -162,6 +170,9 @@ def main() -> None:
     parser.add_argument("--engine", action="store_true", help="the engine's setting: canonical chunks, each "
                         "compressed from its own K/V (bench/kv_chunked.py), --chunk-methods instead of --methods")
     parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--scored-in-prompt", action="store_true", help="--engine: the scored tokens are part of "
+                        "the prompt (as the engine's prompt logprobs score them): every chunk of the prefix is "
+                        "compressed; default: they follow the prompt (generated), whose last >= 64 tokens stay exact")
     parser.add_argument("--chunk-methods", nargs="+", default=list(CHUNK_METHODS))
     args = parser.parse_args()
     loaded = load_model(model_source(args.model), weights_dtype=args.weights_dtype)
@@ -169,20 +180,24 @@ def main() -> None:
     torch.set_grad_enabled(False)
     length = args.prefix + args.continuation
     tokens = tokenizer.encode(unique_text())
-    if len(tokens) < args.windows * length:
+    if len(tokens) < args.windows * length:  # --windows 0: the passkey alone
         raise SystemExit(f"only {len(tokens)} tokens of text; lower --windows")
     windows = [tokens[i * length : (i + 1) * length] for i in range(args.windows)]
     name = args.model or "SmolLM2-135M-Instruct"
     print(f"model: {name}, weights {args.weights_dtype}; {args.windows} windows of {args.prefix} prefix + "
           f"{args.continuation} scored tokens (Python Language Reference prose); sinks {args.sinks}, window "
           f"{args.recent}, Expected Attention over the last {args.query_window} queries", flush=True)
-    totals = score_windows(model, windows, args)
+    totals = score_windows(model, windows, args) if windows else {}
     retrieved = {}
     for context in args.passkey_context if args.passkey else []:
         for key, value in passkey(model, tokenizer, args, context).items():
             retrieved.setdefault(key, {})[context] = value
-    rows, base = [], math.exp(totals["none"]["nll"] / totals["none"]["count"])
-    for key, row in totals.items():
+        print(f"passkey at {context}: " + ", ".join(f"{k} {100 * v[context]:.0f}%" for k, v in retrieved.items()),
+              flush=True)
+    rows, empty = [], {"nll": math.nan, "count": 1, "kl": math.nan, "top1": math.nan}
+    base = math.exp(totals.get("none", empty)["nll"] / totals.get("none", empty)["count"])
+    for key, _ in specs(args):
+        row = totals.get(key, empty)
         ppl = math.exp(row["nll"] / row["count"])
         rows.append({"method": key, "perplexity": ppl, "change_pct": 100 * (ppl / base - 1),
                      "mean_kl": row["kl"] / row["count"], "top1": row["top1"] / row["count"],
