@@ -22,6 +22,25 @@ the filler is the compressed prefix, the question follows it (as a request reusi
 greedy answer; fraction retrieved per method and ratio, at each --passkey-context.
 
     .venv/bin/python bench/kv_compression.py [--windows 2] [--model gemma3-270m] [--passkey 5]
+
+Figures, --engine (2026-11-28, AMD EPYC, 2 cores shared with other jobs: quality figures only; float32 weights;
+perplexity change vs none, mean KL, top-1; chunk 512 unless @N; "+r64": the chunk's newest 64 kept, "+third": the
+newest third of its budget; "_ada": AdaKV budgets; ea/snap_local: the chunk's own last 64 queries):
+
+  SmolLM2, --scored-in-prompt --windows 2 (every chunk of the 2,048 prefix compressed; none 17.6243):
+    2x: knorm +4.64% .059 89.8 | knorm+r64 +3.47% .047 90.6 | knorm+third +3.90% | streaming +2.90% .029 90.8 |
+        keydiff +7.69% | knormv +2.84% .082 85.7 | ea_local +2.52% .027 92.4 | snap_local_ada +2.92% .029 93.7 |
+        snap_local@2048 +1.83% .020 95.5 | ea_local@2048 +0.89% .017 95.1 | knorm@2048 +5.84%
+    4x: knorm +11.40% .112 | knorm+r64 +8.14% .082 | knorm+third +7.22% | streaming +8.92% | ea_local +8.00% |
+        snap_local@2048 +5.26% | ea_local@2048 +4.58% .049 89.6 | knorm@2048 +13.01%
+  SmolLM2, --prefix 2112 --windows 1 (4 chunks compressed, the last 64 prompt tokens exact; none 10.5422):
+    2x: knorm +2.33% .017 94.5 | streaming +1.65% .013 95.3 | knorm+third +3.04% | knormv +1.23% .043 88.6 |
+        snap_local_ada +2.20% .012 96.1 | ea_local_ada +2.69% | keydiff +3.95% | knorm@2048 +2.57%
+    4x: knorm +3.48% .029 93.3 | streaming +4.53% | knorm+third +4.90% | snap_local_ada +4.98% | knorm@2048 +3.12%
+  Gemma 3 270M, --scored-in-prompt --windows 1 (global layers only; none 12.4557; one KV head, so _ada = plain):
+    2x: knorm +2.80% .040 94.1 | streaming +0.25% .014 95.7 | knorm+third +2.46% | knormv +1.53% |
+        ea_local +1.13% .012 96.1 | snap_local +2.06% .010 96.9 | snap_local@2048 -0.07% .008 98.4 | knorm@2048 +4.39%
+    4x: knorm +2.90% .071 91.8 | streaming +4.70% | knorm+third +2.10% | ea_local +2.33% | snap_local@2048 +1.93%
 """
 
 from __future__ import annotations
