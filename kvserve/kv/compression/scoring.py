@@ -44,26 +44,6 @@ def knorm(kv: PromptKV) -> torch.Tensor:
     return -kv.keys.float().norm(dim=-1)
 
 
-# knorm_recent: the newest tokens of what it scores (an engine chunk) kept before any older one.
-RECENT_TOKENS = 64
-
-
-def knorm_recent(kv: PromptKV) -> torch.Tensor:
-    """Knorm with the newest RECENT_TOKENS of the scored span first (newest first among them): in the engine each
-    512-token chunk is scored alone, and plain Knorm drops tokens right before the chunk's end that the next chunk's
-    first tokens lean on. The recent tokens rank above every older one by a finite margin (selection refuses
-    non-finite scores), so with a budget smaller than sinks + RECENT_TOKENS the newest are kept, as the window
-    of protected_mask would be. bench/kv_compression.py --engine names it knorm+r64."""
-    scores = knorm(kv)
-    length = scores.shape[1]
-    recent = min(RECENT_TOKENS, length)
-    if recent:
-        margin = scores.max() - scores.min() + 1.0
-        order = torch.arange(1, recent + 1, dtype=scores.dtype, device=scores.device)  # newest highest
-        scores[:, length - recent :] = scores.max() + margin * order
-    return scores
-
-
 def keydiff(kv: PromptKV) -> torch.Tensor:
     """KeyDiff (Park et al. 2025): keep the keys least similar to the head's mean key direction (the distinctive
     ones); a key like the average one adds little that the others do not."""
@@ -98,6 +78,5 @@ def expected_attention(kv: PromptKV) -> torch.Tensor:
 
 
 SCORERS: dict[str, Scorer] = {
-    "streaming": streaming, "knorm": knorm, "knorm_recent": knorm_recent, "keydiff": keydiff,
-    "expected_attention": expected_attention,
+    "streaming": streaming, "knorm": knorm, "keydiff": keydiff, "expected_attention": expected_attention,
 }

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 
 # The question-agnostic methods (scoring.py has one scorer per name).
-METHODS = ("streaming", "knorm", "knorm_recent", "keydiff", "expected_attention")
+METHODS = ("streaming", "knorm", "keydiff", "expected_attention")
 # What `auto` resolves to, by bench/kv_compression.py (2,048-token prefixes, 256 scored tokens): the lowest KL and
 # highest top-1 agreement at 2x and 4x on SmolLM2-135M and Gemma 3 270M, the lowest perplexity change on both at 4x
 # and on Gemma at 2x (SmolLM2 2x: +1.64% against StreamingLLM's +1.44%). Its known weakness: fitted to the last
@@ -20,7 +20,7 @@ AUTO_METHOD = "expected_attention"
 # Methods the engine runs: they score a chunk from its cached keys alone, so the kept tokens are a function of the
 # chunk's K/V and never of how the scheduler chunked the prefill. Expected Attention reads the chunk's last queries,
 # which depend on that chunking (a cache hit would change the answer): the bench runs it, the engine refuses it.
-ENGINE_METHODS = ("streaming", "knorm", "knorm_recent", "keydiff")
+ENGINE_METHODS = ("streaming", "knorm", "keydiff")
 # What `auto` resolves to in the engine, by bench/kv_compression.py on SmolLM2-135M (2,048-token prefixes): Knorm's
 # perplexity change is lower than KeyDiff's at 2x (+3.69% against +5.15%) and 4x (+7.41% against +9.58%), and both
 # retrieve the passkey 5 of 5 at 2x; StreamingLLM (+1.44% at 2x) keeps only the recent tail and retrieved 2 of 5.

@@ -103,24 +103,3 @@ def test_heads_keep_different_tokens():
     kv = prompt(7)
     kept = compress_layer(kv, CompressionSpec("knorm", 4, window=16))
     assert not torch.equal(kept.indices[0], kept.indices[1])
-
-
-def test_knorm_recent_keeps_the_span_end_then_the_lowest_key_norms():
-    from kvserve.kv.compression.scoring import RECENT_TOKENS, knorm
-
-    kv = prompt(11)
-    kept = compress_layer(kv, CompressionSpec("knorm_recent", 2, sinks=4, window=0))
-    budget = T // 2
-    plain = compress_layer(kv, CompressionSpec("knorm", 2, sinks=4, window=0))
-    for head in range(KV_HEADS):
-        row = set(kept.indices[head].tolist())
-        assert set(range(4)) | set(range(T - RECENT_TOKENS, T)) <= row
-        older = [i for i in range(4, T - RECENT_TOKENS)]
-        by_norm = sorted(older, key=lambda i: (-float(knorm(kv)[head, i]), i))
-        assert row == set(range(4)) | set(range(T - RECENT_TOKENS, T)) | set(by_norm[: budget - 4 - RECENT_TOKENS])
-    assert not torch.equal(kept.indices, plain.indices)
-
-
-def test_knorm_recent_with_a_budget_under_its_recent_tokens_keeps_the_newest():
-    kept = compress_layer(prompt(12), CompressionSpec("knorm_recent", 10, sinks=4, window=0))  # budget 20
-    assert kept.indices.tolist() == [list(range(4)) + list(range(T - 16, T))] * KV_HEADS
