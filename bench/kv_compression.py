@@ -41,6 +41,8 @@ newest third of its budget; "_ada": AdaKV budgets; ea/snap_local: the chunk's ow
     2x: knorm +2.80% .040 94.1 | streaming +0.25% .014 95.7 | knorm+third +2.46% | knormv +1.53% |
         ea_local +1.13% .012 96.1 | snap_local +2.06% .010 96.9 | snap_local@2048 -0.07% .008 98.4 | knorm@2048 +4.39%
     4x: knorm +2.90% .071 91.8 | streaming +4.70% | knorm+third +2.10% | ea_local +2.33% | snap_local@2048 +1.93%
+    knorm+r64 (a second run, same window): 2x +2.70% .044 92.5, 4x +1.93% .058 91.0 (SmolLM2 with the prompt's
+    last 64 exact, same way: 2x +2.89% .015 95.7, 4x +4.77% .025 94.5)
   SmolLM2 passkey, --engine --windows 0 --ratios 2 (--passkey 2 --passkey-context 1024 2048; --passkey 1 4096),
   the question in the prompt (the document's last >= 64 tokens exact); uncompressed retrieved every one:
     1024: knorm 2/2, knorm+r64 2/2, streaming 1/2, snap_local_ada 1/2, ea_local_ada 1/2
