@@ -46,6 +46,7 @@ newest third of its budget; "_ada": AdaKV budgets; ea/snap_local: the chunk's ow
   SmolLM2 passkey, --engine --windows 0 --ratios 2 (--passkey 2 --passkey-context 1024 2048; --passkey 1 4096),
   the question in the prompt (the document's last >= 64 tokens exact); uncompressed retrieved every one:
     1024: knorm 2/2, knorm+r64 2/2, streaming 1/2, snap_local_ada 1/2, ea_local_ada 1/2
+    2048: knorm 2/2, knorm+r64 1/2, streaming 1/2, snap_local_ada 1/2, ea_local_ada 1/2
     4096: knorm 1/1, streaming 1/1, knorm+r64 0/1, snap_local_ada 0/1, ea_local_ada 0/1
 """
 
