@@ -21,9 +21,14 @@ AUTO_METHOD = "expected_attention"
 # chunk's K/V and never of how the scheduler chunked the prefill. Expected Attention reads the chunk's last queries,
 # which depend on that chunking (a cache hit would change the answer): the bench runs it, the engine refuses it.
 ENGINE_METHODS = ("streaming", "knorm", "keydiff")
-# What `auto` resolves to in the engine, by bench/kv_compression.py on SmolLM2-135M (2,048-token prefixes): Knorm's
-# perplexity change is lower than KeyDiff's at 2x (+3.69% against +5.15%) and 4x (+7.41% against +9.58%), and both
-# retrieve the passkey 5 of 5 at 2x; StreamingLLM (+1.44% at 2x) keeps only the recent tail and retrieved 2 of 5.
+# What `auto` resolves to in the engine, by bench/kv_compression.py --engine (the engine's 512-token chunks, each
+# scored alone; figures in its docstring): no key-only way beat Knorm everywhere. Per-chunk StreamingLLM (each
+# chunk's newest half) has the lower perplexity change at 2x (SmolLM2 +1.65% against +2.33% with the prompt's
+# last 64 tokens exact, +2.90% against +4.64% with every chunk compressed; Gemma 3 +0.25% against +2.80%) but the
+# higher at 4x (+4.53% / +8.92% / +4.70% against +3.48% / +11.40% / +2.90%), and it drops whatever lies in a
+# chunk's first half (passkey at 1k: 1 of 2, Knorm 2 of 2). Knorm with each chunk's newest 64 tokens kept did
+# better with every chunk compressed (+3.47% / +8.14%) but worse with the prompt's tail exact (+2.89% / +4.77%)
+# and lost the passkey at 4k that Knorm kept. KeyDiff was worse than Knorm in every setting.
 ENGINE_AUTO_METHOD = "knorm"
 # Tokens per canonical chunk (a multiple of the block size): chunk k is prompt tokens [k * chunk, (k + 1) * chunk),
 # compressed as soon as it is computed, so a request's kept tokens are the same cold and cached.
