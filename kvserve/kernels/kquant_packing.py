@@ -155,17 +155,19 @@ def pack_kquant_reference(matrix: KQuantCodes) -> torch.Tensor:
     codes = _tiled(fields.codes.view(rows, supers, 8, 32), tiles)
     split = codes.reshape(tiles, supers, TILE_ROWS, 8, 2, 4, 4)  # [.., r, g, half, j, i]
     low = (split[..., 0, :, :] & 0x0F) | ((split[..., 1, :, :] & 0x0F) << 4)  # [t, s, r, g, j, i]
-    parts = [_bytes(low.permute(0, 1, 3, 4, 2, 5), tiles, supers)]  # [t, s, g, j, r, i]
+    groups = [low.permute(0, 1, 3, 4, 2, 5).reshape(tiles, supers, 8, -1)]  # [t, s, g, (j, r, i)]
     if matrix.kind == "Q5_K":
         bit = ((codes >> 4) & 1).reshape(tiles, supers, TILE_ROWS, 8, 8, 4)  # [.., r, g, k, i]: input 4k + i
         weights = (1 << torch.arange(8, dtype=torch.uint8)).view(8, 1)
         plane = (bit * weights).sum(dim=4, dtype=torch.uint8)  # [t, s, r, g, i]
-        parts.append(_bytes(plane.permute(0, 1, 3, 2, 4), tiles, supers))
+        groups.append(plane.permute(0, 1, 3, 2, 4).reshape(tiles, supers, 8, -1))
     elif matrix.kind == "Q6_K":
         pair = ((codes >> 4) & 3).reshape(tiles, supers, TILE_ROWS, 8, 2, 4, 4)  # [.., r, g, h, j, i]
         weights = (1 << (2 * torch.arange(4, dtype=torch.uint8))).view(4, 1)
         plane = (pair * weights).sum(dim=5, dtype=torch.uint8)  # [t, s, r, g, h, i]
-        parts.append(_bytes(plane.permute(0, 1, 3, 4, 2, 5), tiles, supers))
+        groups.append(plane.permute(0, 1, 3, 4, 2, 5).reshape(tiles, supers, 8, -1))
+    # Each group's low nibbles, then its high bits (one run of bytes a group), then the parameters.
+    parts = [_bytes(torch.cat(groups, dim=3), tiles, supers)]
     per_block = (rows, supers)
     parts.append(_bytes(_tiled(fields.d.view(per_block), tiles), tiles, supers))
     if matrix.kind == "Q6_K":

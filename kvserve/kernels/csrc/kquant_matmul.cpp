@@ -11,14 +11,13 @@
 //
 // Packed layout (kquant_repack.cpp repacks the file's blocks into it at load, kvserve/kernels/kquant_packing.py
 // is its reference; sizes in kquant_layout.h; the same for every instruction set): output rows in tiles of
-// 16, and for each (tile, super-block) one block of
-//   low nibbles: 8 groups x 4 vectors of 64 bytes; group g, vector j, byte 4r + i: low nibble = the low 4
-//     bits of q[r][32g + 4j + i], high nibble those of q[r][32g + 16 + 4j + i] (quant_matmul.cpp's 4-bit tile)
-//   Q5_K high bits: 8 groups x 64 bytes; byte 4r + i, bit k = bit 4 of q[r][32g + 4k + i]
-//   Q6_K high bits: 8 groups x 2 x 64 bytes; half h, byte 4r + i, bits 2j..2j+1 = bits 4-5 of
-//     q[r][32g + 16h + 4j + i]
-//   parameters, row r of the tile at index r: Q4_K / Q5_K d[16], dmin[16] fp16, sc[8][16], mn[8][16] uint8;
-//     Q6_K d[16] fp16, sc[16][16] int8.
+// 16, and for each (tile, super-block) one block of 8 groups of 32 inputs, each group (group_bytes) its
+//   low nibbles: 4 vectors of 64 bytes; vector j, byte 4r + i: low nibble = the low 4 bits of
+//     q[r][32g + 4j + i], high nibble those of q[r][32g + 16 + 4j + i] (quant_matmul.cpp's 4-bit tile)
+//   then its high bits: Q5_K 64 bytes, byte 4r + i, bit k = bit 4 of q[r][32g + 4k + i]; Q6_K 2 x 64 bytes,
+//     half h, byte 4r + i, bits 2j..2j+1 = bits 4-5 of q[r][32g + 16h + 4j + i]
+// and after the 8 groups the parameters, row r of the tile at index r: Q4_K / Q5_K d[16], dmin[16] fp16,
+//   sc[8][16], mn[8][16] uint8; Q6_K d[16] fp16, sc[16][16] int8.
 // One 64-byte load holds four inputs of 16 rows (vpdpbusd sums them per row); it serves several x rows.
 #include "kernels.h"
 #include "kquant_layout.h"
@@ -56,19 +55,19 @@ struct Problem {
 void group_codes(int64_t kind, const uint8_t* blk, int64_t g, int64_t r, int32_t q[32]) {
   for (int64_t j = 0; j < 4; ++j) {
     for (int64_t i = 0; i < 4; ++i) {
-      const uint8_t byte = blk[256 * g + 64 * j + 4 * r + i];
+      const uint8_t byte = blk[group_bytes(kind) * g + 64 * j + 4 * r + i];
       q[4 * j + i] = byte & 0x0F;
       q[16 + 4 * j + i] = byte >> 4;
     }
   }
-  const uint8_t* high = blk + kLowBytes;
+  const uint8_t* high = blk + group_bytes(kind) * g + 256;
   for (int64_t i = 0; i < 4; ++i) {
     if (kind == kQ5K) {
-      const uint8_t bits = high[64 * g + 4 * r + i];
+      const uint8_t bits = high[4 * r + i];
       for (int64_t k = 0; k < 8; ++k) q[4 * k + i] |= ((bits >> k) & 1) << 4;
     } else if (kind == kQ6K) {
       for (int64_t h = 0; h < 2; ++h) {
-        const uint8_t bits = high[128 * g + 64 * h + 4 * r + i];
+        const uint8_t bits = high[64 * h + 4 * r + i];
         for (int64_t j = 0; j < 4; ++j) q[16 * h + 4 * j + i] |= ((bits >> (2 * j)) & 3) << 4;
       }
     }
@@ -143,22 +142,19 @@ void tile_vnni(const Problem& p, int64_t t, int64_t m0) {
   for (int m = 0; m < ROWS; ++m) xrow[m] = p.xq + (m0 + m) * p.K;
   for (int64_t s = 0; s < p.supers; ++s) {
     const uint8_t* blk = p.packed + (t * p.supers + s) * block_bytes(KIND);
-    const uint8_t* high = blk + kLowBytes;
-    const uint8_t* params = high + high_bytes(KIND);
+    const uint8_t* params = blk + kLowBytes + high_bytes(KIND);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 32)));
     for (int64_t g = 0; g < kSubGroups; ++g) {
       const int64_t group = s * kSubGroups + g;
       __m512i dot[ROWS][2];
       for (int m = 0; m < ROWS; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_si512();
+      const uint8_t* low = blk + group_bytes(KIND) * g;
       __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
-      if constexpr (KIND == kQ5K) h0 = _mm512_loadu_si512(high + 64 * g);
-      if constexpr (KIND == kQ6K) {
-        h0 = _mm512_loadu_si512(high + 128 * g);
-        h1 = _mm512_loadu_si512(high + 128 * g + 64);
-      }
+      if constexpr (KIND != kQ4K) h0 = _mm512_loadu_si512(low + 256);
+      if constexpr (KIND == kQ6K) h1 = _mm512_loadu_si512(low + 320);
       for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(blk + 256 * g + 64 * j);
+        const __m512i v = _mm512_loadu_si512(low + 64 * j);
         __m512i lo = _mm512_and_si512(v, low4);
         __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         if constexpr (KIND == kQ5K) {
@@ -251,20 +247,20 @@ void tile_avx2(const Problem& p, int64_t t, int64_t m0) {
   const __m256i bit4 = _mm256_set1_epi8(0x10), bits45 = _mm256_set1_epi8(0x30);
   for (int64_t s = 0; s < p.supers; ++s) {
     const uint8_t* blk = p.packed + (t * p.supers + s) * block_bytes(KIND);
-    const uint8_t* high = blk + kLowBytes;
-    const uint8_t* params = high + high_bytes(KIND);
+    const uint8_t* params = blk + kLowBytes + high_bytes(KIND);
     for (int64_t g = 0; g < kSubGroups; ++g) {
       const int64_t group = s * kSubGroups + g;
+      const uint8_t* low = blk + group_bytes(KIND) * g;
       for (int half = 0; half < 2; ++half) {  // rows 8 * half .. 8 * half + 7 of the tile
         __m256i dot[ROWS][2];
         for (int m = 0; m < ROWS; ++m) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
         const auto load = [&](const uint8_t* at) {
           return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * half));
         };
-        const __m256i h0 = KIND == kQ5K ? load(high + 64 * g) : KIND == kQ6K ? load(high + 128 * g) : low4;
-        const __m256i h1 = KIND == kQ6K ? load(high + 128 * g + 64) : low4;
+        const __m256i h0 = KIND == kQ4K ? low4 : load(low + 256);
+        const __m256i h1 = KIND == kQ6K ? load(low + 320) : low4;
         for (int j = 0; j < 4; ++j) {
-          const __m256i v = load(blk + 256 * g + 64 * j);
+          const __m256i v = load(low + 64 * j);
           __m256i lo = _mm256_and_si256(v, low4);
           __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
           if constexpr (KIND == kQ5K) {

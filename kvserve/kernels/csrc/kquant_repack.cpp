@@ -49,24 +49,25 @@ void decode_codes(int64_t kind, const uint8_t* b, uint8_t q[kSuper]) {
 void repack_row(int64_t kind, const uint8_t* b, int64_t r, uint8_t* block) {
   uint8_t q[kSuper];
   decode_codes(kind, b, q);
-  uint8_t *low = block, *high = block + kLowBytes, *params = high + high_bytes(kind);
+  uint8_t* params = block + kLowBytes + high_bytes(kind);
   for (int g = 0; g < 8; ++g) {
     const uint8_t* qg = q + 32 * g;
+    uint8_t *low = block + group_bytes(kind) * g, *high = low + 256;
     for (int j = 0; j < 4; ++j) {
       for (int i = 0; i < 4; ++i) {
-        low[256 * g + 64 * j + 4 * r + i] = (qg[4 * j + i] & 0x0F) | ((qg[16 + 4 * j + i] & 0x0F) << 4);
+        low[64 * j + 4 * r + i] = (qg[4 * j + i] & 0x0F) | ((qg[16 + 4 * j + i] & 0x0F) << 4);
       }
     }
     for (int i = 0; i < 4 && kind == kQ5K; ++i) {
       uint8_t bits = 0;
       for (int k = 0; k < 8; ++k) bits |= ((qg[4 * k + i] >> 4) & 1) << k;
-      high[64 * g + 4 * r + i] = bits;
+      high[4 * r + i] = bits;
     }
     for (int h = 0; h < 2 && kind == kQ6K; ++h) {
       for (int i = 0; i < 4; ++i) {
         uint8_t pairs = 0;
         for (int j = 0; j < 4; ++j) pairs |= ((qg[16 * h + 4 * j + i] >> 4) & 3) << (2 * j);
-        high[128 * g + 64 * h + 4 * r + i] = pairs;
+        high[64 * h + 4 * r + i] = pairs;
       }
     }
   }
