@@ -90,11 +90,11 @@ struct SplitPartials {
       : KVH(rows.KVH), G(rows.G), D(rows.D), max(capacity * KVH * G), sum(capacity * KVH * G),
         acc(capacity * KVH * G * D) {}
 
-  void reset(int64_t item, int64_t h0, int64_t h1) {  // KV heads [h0, h1) of the item
-    const int64_t p = (item * KVH + h0) * G, n = (h1 - h0) * G;
-    std::fill(&max[p], &max[p] + n, kEmpty);
-    std::fill(&sum[p], &sum[p] + n, 0.f);
-    std::fill(&acc[p * D], &acc[p * D] + n * D, 0.f);
+  void reset(int64_t item) {
+    const int64_t p = item * KVH * G;
+    std::fill(&max[p], &max[p] + KVH * G, kEmpty);
+    std::fill(&sum[p], &sum[p] + KVH * G, 0.f);
+    std::fill(&acc[p * D], &acc[p * D] + KVH * G * D, 0.f);
   }
 
   // Item `item` (a split of row b), KV head h, over blocks [lo, hi) of the `blocks` / `valid` it is given.
@@ -122,17 +122,12 @@ constexpr int64_t kMaxItems = 1024;  // split items whose partials are held at o
 // with its tile's other rows changes, so its bits do not. One 4,096-token chunk: see bench/decode_attention.py.
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kTileBlocks = 4;
-// Work items a thread should have at least (a lone 576-token decode is 3 splits of 16 blocks: one thread
-// took two of them, the other one; shared out by KV heads too, 8 KV heads x 32 query heads: 138 -> ~90 us).
-constexpr int64_t kItemsPerThread = 4;
 
-// Attention of every row: fn(partials, item, b, blocks, valid, lo, hi, h0, h1) attends blocks [lo, hi) of split
-// `item` of row b (blocks[0 .. n), valid [n, BS]: the keys the row sees) for KV heads [h0, h1) into
-// `partials`, on at::parallel_for's threads; the splits are merged row by row. Returns [B, H * D]. Which
-// thread runs a split, and which rows run beside it, never changes a row's result: its splits are fixed by
-// its own position, each walked block by block in order, and merged in order. Where there are fewer splits
-// than threads can share evenly (a lone decode), each split's KV heads are shared out too: heads never
-// meet before the output, so that changes no bits either.
+// Attention of every row: fn(partials, item, b, blocks, valid, lo, hi) attends blocks [lo, hi) of split `item`
+// of row b (blocks[0 .. n), valid [n, BS]: the keys the row sees) into `partials`, on at::parallel_for's
+// threads; the splits are merged row by row. Returns [B, H * D]. Which thread runs a split, and which rows
+// run beside it, never changes a row's result: its splits are fixed by its own position, each walked block
+// by block in order, and merged in order.
 template <typename Fn>
 torch::Tensor attend_splits(const DecodeRows& rows, Fn fn) {
   auto out = torch::empty({rows.B, rows.H * rows.D}, rows.q.options());
@@ -165,16 +160,11 @@ torch::Tensor attend_splits(const DecodeRows& rows, Fn fn) {
     for (int64_t t = tile_begin; t < tile_end; ++t) {
       for (int64_t s = 0; s < tile_splits[t]; ++s) work.emplace_back(t, s);
     }
-    const int64_t splits = static_cast<int64_t>(work.size());
-    const int64_t parts = std::min(rows.KVH, (kItemsPerThread * at::get_num_threads() + splits - 1) / splits);
-    at::parallel_for(0, splits * parts, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
       thread_local std::vector<uint8_t> valid;  // bool flags, as the attend functions read them, row by row
       int64_t count[kTileRows], stride = 0;
-      for (int64_t item = begin; item < end; ++item) {
-        // Part-major: a thread's run of items is a few heads over every split, not a few long splits.
-        const auto [t, s] = work[item % splits];
-        const int64_t part = item / splits;
-        const int64_t h0 = rows.KVH * part / parts, h1 = rows.KVH * (part + 1) / parts;
+      for (int64_t w = begin; w < end; ++w) {
+        const auto [t, s] = work[w];
         const int64_t b0 = tile_start[t], b1 = tile_start[t + 1];
         int64_t widest_run = 0;
         for (int64_t b = b0; b < b1; ++b) {
@@ -190,7 +180,7 @@ torch::Tensor attend_splits(const DecodeRows& rows, Fn fn) {
           const int64_t key0 = (rows.first_block(b) + s * step) * BS;  // position of the split's first key
           uint8_t* flags = valid.data() + (b - b0) * stride;
           for (int64_t i = 0; i < count[b - b0] * BS; ++i) flags[i] = key0 + i >= rows.low[b] && key0 + i <= rows.pos[b];
-          partials.reset(rows.split_start[b] + s - first, h0, h1);
+          partials.reset(rows.split_start[b] + s - first);
         }
         for (int64_t lo = 0; lo < widest_run; lo += kTileBlocks) {
           for (int64_t b = b0; b < b1; ++b) {
@@ -198,7 +188,7 @@ torch::Tensor attend_splits(const DecodeRows& rows, Fn fn) {
             if (lo >= hi) continue;
             const int64_t step = rows.split_blocks > 0 ? rows.split_blocks : rows.num_blocks(b);
             fn(partials, rows.split_start[b] + s - first, b, rows.blocks + rows.table[b] + rows.first_block(b) + s * step,
-               reinterpret_cast<const bool*>(valid.data() + (b - b0) * stride), lo, hi, h0, h1);
+               reinterpret_cast<const bool*>(valid.data() + (b - b0) * stride), lo, hi);
           }
         }
       }

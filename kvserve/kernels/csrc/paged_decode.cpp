@@ -109,13 +109,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                                       k_cache.size(2), scale, split_blocks, sinks);
   TORCH_CHECK(k_cache.size(3) == rows.D, "paged_decode: shapes disagree");
   torch::Tensor out;
-  const int64_t KVH = rows.KVH, head_elems = rows.BS * rows.D, block_elems = KVH * head_elems;
+  const int64_t KVH = rows.KVH, block_elems = KVH * rows.BS * rows.D;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "paged_decode", [&] {
   const scalar_t* kp = k_cache.data_ptr<scalar_t>();
   const scalar_t* vp = v_cache.data_ptr<scalar_t>();
   out = attend_splits(rows, [&](SplitPartials& partials, int64_t item, int64_t b, const int64_t* blocks,
-                                const bool* valid, int64_t lo, int64_t hi, int64_t h0, int64_t h1) {
+                                const bool* valid, int64_t lo, int64_t hi) {
     // A block's KV heads lie side by side: each block is read for every head before the next one, so
     // memory is read in runs of KVH * BS * D elements, where one head at a time would stride through it
     // KVH times; the next block is asked for while this one is computed (its place is known only from
@@ -127,15 +127,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       // consecutive blocks by itself, and prefetching them too made that case slower (0.15 -> 0.22 ms).
       // A few blocks ahead: one block's compute is shorter than a memory round trip.
       const int64_t ahead = idx + kPrefetchBlocks;
-      if (ahead < hi && blocks[ahead] != blocks[ahead - 1] + 1) {  // this item's heads of it
-        const scalar_t* next_k = kp + blocks[ahead] * block_elems + h0 * head_elems;
-        const scalar_t* next_v = vp + blocks[ahead] * block_elems + h0 * head_elems;
-        for (int64_t e = 0; e < (h1 - h0) * head_elems; e += kLine) {
+      if (ahead < hi && blocks[ahead] != blocks[ahead - 1] + 1) {
+        const scalar_t* next_k = kp + blocks[ahead] * block_elems;
+        const scalar_t* next_v = vp + blocks[ahead] * block_elems;
+        for (int64_t e = 0; e < block_elems; e += kLine) {
           __builtin_prefetch(next_k + e, 0, 3);
           __builtin_prefetch(next_v + e, 0, 3);
         }
       }
-      for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t h = 0; h < KVH; ++h) {
         partials.attend<scalar_t>(rows, item, b, h, kp, vp, blocks, valid, idx, idx + 1, KVH, h);
       }
     }

@@ -184,7 +184,7 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
   static const int64_t kIota[kChunk] = {0, 1, 2, 3, 4, 5, 6, 7};
 
   return attend_splits(rows, [&](SplitPartials& partials, int64_t item, int64_t b, const int64_t* blocks,
-                                 const bool* valid, int64_t lo, int64_t hi, int64_t h0, int64_t h1) {
+                                 const bool* valid, int64_t lo, int64_t hi) {
     thread_local std::vector<float> k_buffer, v_buffer;
     if (static_cast<int64_t>(k_buffer.size()) < kChunk * BS * D) {
       k_buffer.resize(kChunk * BS * D);
@@ -195,7 +195,7 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
     const int64_t own_block = own >= 0 ? rows.blocks[rows.table[b] + rows.pos[b] / BS] : -1;
     for (int64_t idx = lo; idx < hi;) {
       if (blocks[idx] == own_block) {  // as an open block is read: alone, fp16
-        for (int64_t h = h0; h < h1; ++h) {
+        for (int64_t h = 0; h < KVH; ++h) {
           partials.attend<c10::Half>(rows, item, b, h, sk, sv, &own, valid + idx * BS, 0, 1, KVH, h);
         }
         ++idx;
@@ -203,7 +203,7 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
       }
       const int64_t slot = has_open ? slot_of[blocks[idx]] : -1;
       if (slot >= 0) {  // an open block, attended in place (fp16)
-        for (int64_t h = h0; h < h1; ++h) {
+        for (int64_t h = 0; h < KVH; ++h) {
           partials.attend<c10::Half>(rows, item, b, h, ok, ov, &slot, valid + idx * BS, 0, 1, KVH, h);
         }
         ++idx;
@@ -214,7 +214,7 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
              blocks[idx + run] != own_block) {
         ++run;
       }
-      for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t h = 0; h < KVH; ++h) {
         for (int64_t c = 0; c < run; ++c) {
           widen_block(ks, blocks[idx + c], KVH, h, BS, D, k_buffer.data() + c * BS * D);
           widen_block(vs, blocks[idx + c], KVH, h, BS, D, v_buffer.data() + c * BS * D);
