@@ -133,14 +133,16 @@ def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     return True
 
 
-def quant_matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features: int, isa: int = -1) -> torch.Tensor:
-    """x `[M, K]` fp32 @ W^T -> `[M, out_features]` for W packed as `bits`-bit groups (kernels/packing.py).
-    `isa`: -1 the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). No torch path:
-    a layer holds these weights only where the kernel is built."""
+def quant_matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features: int, isa: int = -1,
+                 table: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[M, K]` fp32 @ W^T -> `[M, out_features]` for W packed as `bits`-bit groups (kernels/packing.py);
+    `table` (uint8 `[16]`, values below 128): what each 4-bit code stands for (GroupCodes.table). `isa`: -1
+    the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). No torch path: a layer
+    holds these weights only where the kernel is built."""
     ext = kernels()
     if ext is None or not (x.is_cpu and packed.is_cpu and x.dtype is _F32 and packed.dtype is _U8):
         _refuse("quant_matmul", ext, x=(x, (_F32,)), packed=(packed, (_U8,)))
-    return ext.quant_matmul(x, packed, bits, out_features, isa)
+    return ext.quant_matmul(x, packed, bits, out_features, isa, _NO_U8 if table is None else table)
 
 
 def kquant_matmul(x: torch.Tensor, packed: torch.Tensor, kind: int, out_features: int,
@@ -181,8 +183,8 @@ class RowTables(NamedTuple):
 
 
 # The kernels' "none" for optional tensors: made once, not once per call (every layer of every step passes them).
-_NO_F32, _NO_F16, _NO_LONG = (torch.empty(0, dtype=dtype, device="cpu") for dtype in (torch.float32, torch.float16,
-                                                                                      torch.long))
+_NO_F32, _NO_F16, _NO_LONG, _NO_U8 = (torch.empty(0, dtype=dtype, device="cpu")
+                                     for dtype in (torch.float32, torch.float16, torch.long, torch.uint8))
 
 
 def _sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:

@@ -23,32 +23,48 @@ _FP16_MAX = torch.finfo(torch.float16).max
 
 @dataclass
 class GroupCodes:
-    """Weights as codes: w[r, c] = scales[r, c // 32] * codes[r, c] + offsets[r, c // 32]."""
+    """Weights as codes: w[r, c] = scales[r, c // 32] * level[r, c] + offsets[r, c // 32], the level being the
+    code itself, or `table[code]` for 4-bit codes of a format whose 16 levels are not evenly spaced (MXFP4)."""
 
     codes: torch.Tensor  # uint8 [rows, cols], below 2**bits
     scales: torch.Tensor  # float16 [rows, cols // 32]
     offsets: torch.Tensor  # float16 [rows, cols // 32]
     bits: int  # 4 or 8: the packed width (5-bit GGUF codes travel as 8-bit)
+    table: torch.Tensor | None = None  # uint8 [16], values below 128: the level of each 4-bit code
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
+    def levels(self) -> torch.Tensor:
+        """uint8 [rows, cols]: what each code stands for (the codes themselves without a table)."""
+        return self.codes if self.table is None else self.table[self.codes.long()]
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight these codes stand for."""
         rows, cols = self.codes.shape
-        grouped = self.codes.view(rows, cols // GROUP_SIZE, GROUP_SIZE).float()
+        grouped = self.levels().view(rows, cols // GROUP_SIZE, GROUP_SIZE).float()
         return (grouped * self.scales.float()[..., None] + self.offsets.float()[..., None]).view(rows, cols)
 
     def select_rows(self, index: torch.Tensor) -> GroupCodes:
-        return GroupCodes(self.codes[index], self.scales[index], self.offsets[index], self.bits)
+        return GroupCodes(self.codes[index], self.scales[index], self.offsets[index], self.bits, self.table)
+
+    def untabled(self) -> GroupCodes:
+        """The same weights with their levels as 8-bit codes (exact: every level is below 128)."""
+        if self.table is None:
+            return self
+        return GroupCodes(self.levels(), self.scales, self.offsets, 8)
 
     @staticmethod
     def cat(parts: list[GroupCodes]) -> GroupCodes:
-        """Row blocks stacked (the shards of a fused projection), at the widest width among them."""
+        """Row blocks stacked (the shards of a fused projection), at the widest width among them; parts of one
+        table keep it, mixed ones hold their levels as 8-bit codes."""
+        table = parts[0].table
+        if table is None or any(p.table is None or not torch.equal(p.table, table) for p in parts):
+            parts, table = [p.untabled() for p in parts], None
         bits = max(p.bits for p in parts)
         return GroupCodes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                          torch.cat([p.offsets for p in parts]), bits)
+                          torch.cat([p.offsets for p in parts]), bits, table)
 
 
 def fits_fp16(values: torch.Tensor) -> bool:
@@ -84,7 +100,8 @@ def packed_bytes(rows: int, cols: int, bits: int) -> int:
 
 
 def pack(weights: GroupCodes) -> torch.Tensor:
-    """GroupCodes -> uint8 `[tiles, groups, block_bytes]`, the layout csrc/quant_matmul.cpp reads."""
+    """GroupCodes -> uint8 `[tiles, groups, block_bytes]`, the layout csrc/quant_matmul.cpp reads (a table's
+    4-bit codes as they are: the kernel takes the table beside them)."""
     rows, cols = weights.shape
     tiles, groups = -(-rows // TILE_ROWS), cols // GROUP_SIZE
     pad = tiles * TILE_ROWS - rows

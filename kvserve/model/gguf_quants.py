@@ -194,13 +194,34 @@ def _grouped(type_name: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.
         d = _raw_f16(blocks, 0)
         codes = (blocks[:, 2:34].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
         return codes, d, d * -128, 8
+    if type_name == "MXFP4":
+        return _mxfp4_grouped(blocks)
     return None
+
+
+# MXFP4's doubled E2M1 values (_E2M1_DOUBLED) shifted by 12 to be unsigned codes 0..24: w = s * (code - 12).
+_E2M1_CODES = (_E2M1_DOUBLED + 12).to(torch.uint8)
+# Exponents whose half scale 2^(e - 128) and offset -12 * 2^(e - 128) are both exact fp16 values.
+_MXFP4_FP16_EXPONENTS = (104, 140)
+
+
+def _mxfp4_grouped(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+    """MXFP4 as group codes: the file's 4-bit codes, whose levels (`_E2M1_CODES`: doubled E2M1 value + 12) the
+    group's table holds, scale 2^(e - 128), offset -12 scale; every weight exactly the file's. None where an
+    exponent lies outside fp16's exact range (the caller then dequantizes, as before)."""
+    e = blocks[:, 0].to(torch.int32)
+    low, high = _MXFP4_FP16_EXPONENTS
+    if bool(((e < low) | (e > high)).any()):
+        return None
+    scales = torch.ldexp(torch.ones(e.shape), (e - 128).float()).half()
+    return _nibbles(blocks[:, 1:17]), scales, scales * -12, 4
 
 
 def group_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> GroupCodes | None:
     """The raw bytes of a 2-D GGUF matrix as group codes (kvserve.kernels.packing), exactly the file's
-    values, where its type is a 32-element group of w = d * q + m (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); None
-    for other types, or where an offset (-8d, -16d, -128d: exact multiples) would overflow fp16."""
+    values, where its type is a 32-element group of w = d * q + m (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), or of
+    w = s * level[q] - 12 s (MXFP4: its codes and their table of levels); None for other types, or where an
+    offset (-8d, -16d, -128d, -12s: exact multiples) would overflow fp16."""
     if len(shape) != 2 or type_name not in _TYPES:
         return None
     grouped = _grouped(type_name, _blocks(raw, type_name, shape))
@@ -212,7 +233,8 @@ def group_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Grou
     rows, cols = shape
     groups = cols // 32
     return GroupCodes(codes.reshape(rows, cols).contiguous(), scales.reshape(rows, groups).contiguous(),
-                      offsets.reshape(rows, groups).contiguous(), bits)
+                      offsets.reshape(rows, groups).contiguous(), bits,
+                      _E2M1_CODES if type_name == "MXFP4" else None)
 
 
 def kquant_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> KQuantCodes | None:

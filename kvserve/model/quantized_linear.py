@@ -49,8 +49,9 @@ from kvserve.model.layers import Linear, UnquantizedLinearMethod
 from kvserve.model.weights import hf_name
 
 # GGUF types whose weights "int4" holds exactly: Q4_0 / Q4_1 as 4-bit groups (the file's codes, scale and
-# offset), K-quants as their own super-blocks (kvserve.model.kquant_linear) under int4 and int8 alike.
-EXACT_INT4_SOURCES = frozenset({"Q4_0", "Q4_1", *KQUANT_KINDS})
+# offset), MXFP4 as 4-bit codes through its table of levels, K-quants as their own super-blocks
+# (kvserve.model.kquant_linear); K-quants and MXFP4 so under int4 and int8 alike.
+EXACT_INT4_SOURCES = frozenset({"Q4_0", "Q4_1", "MXFP4", *KQUANT_KINDS})
 GROUP_BITS = {"int8": 8, "int4": 4}
 
 # The source of a checkpoint's own group codes: HF name of a weight -> its codes, or None.
@@ -107,7 +108,12 @@ class GroupQuantizedLinearMethod(UnquantizedLinearMethod):
         self.bits = bits
 
     def process_weights_after_loading(self, layer: Linear, source: GroupCodes | None = None) -> None:
-        if source is not None and source.bits <= self.bits:  # the checkpoint's own codes: held exactly
+        if source is not None and source.table is not None:
+            # 4-bit codes of uneven levels (MXFP4): held as they are, exactly, whether the layers hold 4 or 8
+            # bits (the table's levels as 8-bit codes would be the same weights in twice the bytes).
+            self.bits, codes = 4, source
+            layer.register_buffer("code_table", source.table.contiguous(), persistent=False)
+        elif source is not None and source.bits <= self.bits:  # the checkpoint's own codes: held exactly
             codes = GroupCodes(source.codes, source.scales, source.offsets, self.bits)
         else:
             codes = quantize_groups(layer.weight.detach(), self.bits)
@@ -116,7 +122,8 @@ class GroupQuantizedLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        y = ops.quant_matmul(rows, layer.packed, self.bits, layer.output_size)
+        y = ops.quant_matmul(rows, layer.packed, self.bits, layer.output_size,
+                             table=getattr(layer, "code_table", None))
         if layer.bias is not None:
             y += layer.bias
         return y if x.dim() == 2 else y.view(*x.shape[:-1], layer.output_size)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvserve.kernels import ops
-from kvserve.kernels.packing import GROUP_SIZE, pack, quantize_groups
+from kvserve.kernels.packing import GROUP_SIZE, GroupCodes, pack, quantize_groups
 from tests.helpers import int8_activation_matmul
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="the C++ kernels could not be built here (no compiler or "
@@ -46,6 +46,43 @@ def test_eight_bit_codes_use_their_whole_range():
     for isa in RUNNABLE:
         y = ops.quant_matmul(x, pack(weights), 8, 16, ISAS[isa])
         torch.testing.assert_close(y, reference(x, weights).float(), rtol=1e-5, atol=1e-5)
+
+
+MXFP4_LEVELS = torch.tensor([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0], dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("table", ["mxfp4", "widest"])
+@pytest.mark.parametrize("rows,cols,outputs", [(1, 32, 16), (1, 576, 960), (3, 64, 20), (9, 128, 48)])
+def test_four_bit_codes_through_a_table(isa, table, rows, cols, outputs):
+    """4-bit codes standing for uneven levels (MXFP4's E2M1 values, doubled and shifted by 12; and the widest
+    table the kernel takes, up to 127, where AVX2's byte multiply-add is nearest its saturation)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + cols)
+    levels = MXFP4_LEVELS if table == "mxfp4" else torch.tensor([0, 127, 1, 126, 64, 3, 100, 7, 127, 0, 90, 45,
+                                                                  12, 127, 33, 120], dtype=torch.uint8)
+    scales = (torch.rand(outputs, cols // GROUP_SIZE, generator=gen) * 0.01).half()
+    weights = GroupCodes(torch.randint(0, 16, (outputs, cols), dtype=torch.uint8, generator=gen), scales,
+                         (scales.float() * -12).half(), 4, levels)
+    x = torch.randn(rows, cols, generator=gen)
+    x[0, -GROUP_SIZE:] = -127.0  # a group of the most negative activations: 127 x 127 pairs on AVX2
+    y = ops.quant_matmul(x, pack(weights), 4, outputs, ISAS[isa], table=levels)
+    expected = reference(x, weights)
+    assert (y.double() - expected).abs().max() <= 1e-5 * max(float(expected.abs().max()), 1.0)
+    alone = ops.quant_matmul(x[-1:], pack(weights), 4, outputs, ISAS[isa], table=levels)
+    assert torch.equal(alone[0], y[-1])
+    # Without the table the same bytes are other weights: the table is read, not ignored.
+    assert not torch.allclose(ops.quant_matmul(x, pack(weights), 4, outputs, ISAS[isa]), y)
+
+
+def test_a_bad_code_table_is_refused():
+    packed = pack(quantize_groups(torch.randn(16, 64), 4))
+    with pytest.raises(RuntimeError, match="below 128"):
+        ops.quant_matmul(torch.randn(2, 64), packed, 4, 16, -1, table=torch.full((16,), 128, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="16 uint8 values"):
+        ops.quant_matmul(torch.randn(2, 64), packed, 4, 16, -1, table=torch.zeros(8, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="16 uint8 values"):
+        ops.quant_matmul(torch.randn(2, 64), pack(quantize_groups(torch.randn(16, 64), 8)), 8, 16, -1,
+                         table=MXFP4_LEVELS)
 
 
 def test_mismatched_shapes_are_refused():

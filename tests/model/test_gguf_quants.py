@@ -7,7 +7,7 @@ import torch
 from gguf.quants import dequantize as reference_dequantize
 
 from kvserve.errors import UnsupportedModelError
-from kvserve.model.gguf_quants import SUPPORTED_TYPES, dequantize
+from kvserve.model.gguf_quants import SUPPORTED_TYPES, dequantize, group_codes
 
 # Byte offsets of the fp16 scale fields in each block, which must hold finite
 # values (random bytes would give NaN/inf scales that compare unequal).
@@ -86,3 +86,21 @@ def test_mxfp4_matches_gguf_reference_and_roundtrips():
     decoded = dequantize(packed, "MXFP4", (8, 64)).numpy()
     np.testing.assert_array_equal(decoded, reference_dequantize(packed, gguf.GGMLQuantizationType.MXFP4))
     assert np.abs(decoded - weights).max() < 1.0  # 4-bit E2M1: steps of up to a third of the block's top
+
+
+def test_mxfp4_as_group_codes_is_exactly_the_files_weights():
+    """gpt-oss's experts held as the file's 4-bit codes and a table of their levels (doubled E2M1 value + 12),
+    scale 2^(e - 128), offset -12 scale: every weight bit-equal to the file's, the same as 8-bit codes; an
+    exponent outside fp16's exact range gives None."""
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, size=(8 * 4, 17), dtype=np.uint8)
+    raw[:, 0] = rng.integers(104, 141, size=len(raw))
+    raw[:2, 0] = (104, 140)
+    codes = group_codes(raw.reshape(-1), "MXFP4", (8, 4 * 32))
+    assert codes is not None and codes.bits == 4 and codes.table is not None and int(codes.table.max()) == 24
+    expected = dequantize(raw.reshape(-1), "MXFP4", (8, 4 * 32))
+    assert torch.equal(codes.dequantize(), expected)
+    assert torch.equal(codes.untabled().dequantize(), expected) and codes.untabled().bits == 8
+    for exponent in (103, 141, 0):
+        raw[5, 0] = exponent
+        assert group_codes(raw.reshape(-1), "MXFP4", (8, 4 * 32)) is None

@@ -241,6 +241,30 @@ def test_gguf_matches_dequantized_reference(mix, tmp_path):
 needs_kernels = pytest.mark.skipif(not ops.available(), reason="the C++ kernels are not built")
 
 
+@needs_kernels
+@pytest.mark.parametrize("weights_dtype", ["int4", "int8"])
+def test_mxfp4_experts_are_held_as_the_files_own_values(weights_dtype, tmp_path):
+    """Experts from an MXFP4 file hold its 4-bit codes and their table of levels (doubled E2M1 value + 12,
+    scale 2^(e - 128)), under int4 and int8 alike: its weights exactly, in 4-bit groups' bytes; not a
+    re-quantization of them (min / max groups over {0, +-0.5, .., +-6} x 2^e are off by ~1e-3)."""
+    from kvserve.kernels.packing import packed_bytes
+    from tests.helpers import int8_activation_matmul
+
+    path = tmp_path / "tiny.gguf"
+    write_gpt_oss_gguf(build_hf_gpt_oss(), path, GGUF_MIXES["mxfp4"])
+    packed, exact = load_model(path, weights_dtype=weights_dtype), load_model(path, weights_dtype="float32")
+    for layer_index in range(len(packed.model.layers)):
+        for expert in (0, 3):
+            for name in ("gate_up_proj", "down_proj"):
+                layer = packed.model.layers[layer_index].mlp.experts[expert].get_submodule(name)
+                assert layer.code_table.tolist() == [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0]
+                assert layer.packed.numel() == packed_bytes(layer.output_size, layer.input_size, 4)
+                reference = exact.model.layers[layer_index].mlp.experts[expert].get_submodule(name)
+                x = torch.randn(3, layer.input_size)
+                expected = int8_activation_matmul(x, reference.weight) + reference.bias
+                assert (layer(x).double() - expected).abs().max() < 1e-5 * expected.abs().max(), name
+
+
 @pytest.mark.slow
 @needs_kernels
 def test_engine_tokens_are_the_same_cold_cached_chunked_and_drafted(hf_model, tmp_path):

@@ -13,7 +13,9 @@
 // output rows in tiles of 16, and for each (tile, group) one block of
 //   4-bit: 4 vectors of 64 bytes; vector j, byte 4r + i: low nibble = q[r][4j + i], high = q[r][16 + 4j + i]
 //   8-bit: 8 vectors of 64 bytes; vector j, byte 4r + i = q[r][4j + i]
-// (r: row in the tile, indices within the group), then a[16] and b[16] as fp16. So one 64-byte load
+// (r: row in the tile, indices within the group), then a[16] and b[16] as fp16. 4-bit codes may index a
+// table of 16 unsigned values below 128 (`table`): w = a * table[q] + b, for a format whose 16 levels are not
+// evenly spaced (MXFP4's E2M1 values, doubled and shifted by 12: 0..24) held at 4 bits exactly. So one 64-byte load
 // holds four consecutive inputs of each of 16 rows: a dot-product instruction that sums 4 u8 x s8
 // products per 32-bit lane (AVX512-VNNI's vpdpbusd) gives 16 rows' partial dot products with no
 // horizontal reduction, and one weight load serves several activation rows.
@@ -52,6 +54,7 @@ struct Problem {
   const float* sx;
   float* y;
   int64_t M, K, N, groups, bits, block;
+  const uint8_t* table;  // 16 values a 4-bit code stands for, or nullptr: the code itself
 };
 
 // ---- portable C++ --------------------------------------------------------------------------------
@@ -67,8 +70,8 @@ void tile_portable(const Problem& p, int64_t t, int64_t m0, int64_t rows) {
         for (int64_t j = 0; j < 4; ++j) {
           for (int64_t i = 0; i < 4; ++i) {
             const uint8_t byte = blk[64 * j + 4 * r + i];
-            q[4 * j + i] = byte & 0x0F;
-            q[16 + 4 * j + i] = byte >> 4;
+            q[4 * j + i] = p.table ? p.table[byte & 0x0F] : byte & 0x0F;
+            q[16 + 4 * j + i] = p.table ? p.table[byte >> 4] : byte >> 4;
           }
         }
       } else {
@@ -97,11 +100,14 @@ void tile_portable(const Problem& p, int64_t t, int64_t m0, int64_t rows) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")
 
-template <int BITS, int ROWS>
+template <int BITS, int ROWS, bool TABLE>
 void tile_vnni(const Problem& p, int64_t t, int64_t m0) {
   __m512 acc[ROWS];
   for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // The table in every 128-bit lane: vpshufb looks a code up within its own lane.
+  const __m512i lut = TABLE ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.table)))
+                            : low4;
   const int8_t* xrow[ROWS];
   for (int m = 0; m < ROWS; ++m) xrow[m] = p.xq + (m0 + m) * p.K;
   const uint8_t* blk = p.packed + t * p.groups * p.block;
@@ -111,8 +117,12 @@ void tile_vnni(const Problem& p, int64_t t, int64_t m0) {
     if constexpr (BITS == 4) {
       for (int j = 0; j < 4; ++j) {
         const __m512i v = _mm512_loadu_si512(blk + 64 * j);
-        const __m512i lo = _mm512_and_si512(v, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        __m512i lo = _mm512_and_si512(v, low4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if constexpr (TABLE) {
+          lo = _mm512_shuffle_epi8(lut, lo);
+          hi = _mm512_shuffle_epi8(lut, hi);
+        }
         for (int m = 0; m < ROWS; ++m) {
           int32_t x_lo, x_hi;
           std::memcpy(&x_lo, xrow[m] + g * kGroup + 4 * j, 4);
@@ -145,17 +155,17 @@ void tile_vnni(const Problem& p, int64_t t, int64_t m0) {
   for (int m = 0; m < ROWS; ++m) _mm512_mask_storeu_ps(p.y + (m0 + m) * p.N + t * kTile, mask, acc[m]);
 }
 
-template <int BITS>
+template <int BITS, bool TABLE = false>
 void tile_vnni_rows(const Problem& p, int64_t t, int64_t m0, int64_t rows) {
   switch (rows) {
-    case 1: return tile_vnni<BITS, 1>(p, t, m0);
-    case 2: return tile_vnni<BITS, 2>(p, t, m0);
-    case 3: return tile_vnni<BITS, 3>(p, t, m0);
-    case 4: return tile_vnni<BITS, 4>(p, t, m0);
-    case 5: return tile_vnni<BITS, 5>(p, t, m0);
-    case 6: return tile_vnni<BITS, 6>(p, t, m0);
-    case 7: return tile_vnni<BITS, 7>(p, t, m0);
-    default: return tile_vnni<BITS, 8>(p, t, m0);
+    case 1: return tile_vnni<BITS, 1, TABLE>(p, t, m0);
+    case 2: return tile_vnni<BITS, 2, TABLE>(p, t, m0);
+    case 3: return tile_vnni<BITS, 3, TABLE>(p, t, m0);
+    case 4: return tile_vnni<BITS, 4, TABLE>(p, t, m0);
+    case 5: return tile_vnni<BITS, 5, TABLE>(p, t, m0);
+    case 6: return tile_vnni<BITS, 6, TABLE>(p, t, m0);
+    case 7: return tile_vnni<BITS, 7, TABLE>(p, t, m0);
+    default: return tile_vnni<BITS, 8, TABLE>(p, t, m0);
   }
 }
 
@@ -172,11 +182,13 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 
-template <int BITS, int ROWS>
+template <int BITS, int ROWS, bool TABLE>
 void tile_avx2(const Problem& p, int64_t t, int64_t m0) {
   __m256 acc[ROWS][2];
   for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i lut = TABLE ? _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.table)))
+                            : low4;
   const int8_t* xrow[ROWS];
   for (int m = 0; m < ROWS; ++m) xrow[m] = p.xq + (m0 + m) * p.K;
   const uint8_t* blk = p.packed + t * p.groups * p.block;
@@ -188,8 +200,12 @@ void tile_avx2(const Problem& p, int64_t t, int64_t m0) {
     for (int j = 0; j < kVectors; ++j) {
       for (int half = 0; half < 2; ++half) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
-        const __m256i lo = _mm256_and_si256(v, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        __m256i lo = _mm256_and_si256(v, low4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if constexpr (TABLE) {  // values below 128: a pair sums to at most 2 * 127 * 127, within vpmaddubsw
+          lo = _mm256_shuffle_epi8(lut, lo);
+          hi = _mm256_shuffle_epi8(lut, hi);
+        }
         for (int m = 0; m < ROWS; ++m) {
           if constexpr (BITS == 4) {
             int32_t x_lo, x_hi;
@@ -234,13 +250,13 @@ void tile_avx2(const Problem& p, int64_t t, int64_t m0) {
   }
 }
 
-template <int BITS>
+template <int BITS, bool TABLE = false>
 void tile_avx2_rows(const Problem& p, int64_t t, int64_t m0, int64_t rows) {
   switch (rows) {
-    case 1: return tile_avx2<BITS, 1>(p, t, m0);
-    case 2: return tile_avx2<BITS, 2>(p, t, m0);
-    case 3: return tile_avx2<BITS, 3>(p, t, m0);
-    default: return tile_avx2<BITS, 4>(p, t, m0);
+    case 1: return tile_avx2<BITS, 1, TABLE>(p, t, m0);
+    case 2: return tile_avx2<BITS, 2, TABLE>(p, t, m0);
+    case 3: return tile_avx2<BITS, 3, TABLE>(p, t, m0);
+    default: return tile_avx2<BITS, 4, TABLE>(p, t, m0);
   }
 }
 
@@ -254,9 +270,11 @@ int64_t rows_per_pass(Isa isa) { return isa == kAvx512Vnni ? 8 : isa == kAvx2 ? 
 void run_tile(Isa isa, const Problem& p, int64_t t, int64_t m0, int64_t rows) {
 #if defined(__x86_64__)
   if (isa == kAvx512Vnni) {
+    if (p.table) return tile_vnni_rows<4, true>(p, t, m0, rows);
     return p.bits == 4 ? tile_vnni_rows<4>(p, t, m0, rows) : tile_vnni_rows<8>(p, t, m0, rows);
   }
   if (isa == kAvx2) {
+    if (p.table) return tile_avx2_rows<4, true>(p, t, m0, rows);
     return p.bits == 4 ? tile_avx2_rows<4>(p, t, m0, rows) : tile_avx2_rows<8>(p, t, m0, rows);
   }
 #endif
@@ -275,12 +293,21 @@ std::string quant_matmul_isa() {
 }
 
 // x [M, K] fp32 (K a multiple of 32), packed [tiles, K / 32, block bytes] uint8 -> y [M, N] fp32.
-// isa: -1 = the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests).
-torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t N, int64_t isa) {
+// isa: -1 = the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). table: uint8 [16],
+// the values 4-bit codes stand for (each below 128), or empty: the codes themselves.
+torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t N, int64_t isa,
+                           torch::Tensor table) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "quant_matmul: x must be 2-D fp32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
               "quant_matmul: packed weights must be contiguous uint8 [tiles, groups, bytes]");
   TORCH_CHECK(bits == 4 || bits == 8, "quant_matmul: 4 or 8 bits");
+  const bool tabled = table.numel() > 0;
+  TORCH_CHECK(!tabled || (bits == 4 && table.scalar_type() == at::kByte && table.numel() == 16 &&
+                          table.is_contiguous() && table.is_cpu()),
+              "quant_matmul: a code table is 16 uint8 values, for 4-bit codes");
+  for (int64_t i = 0; tabled && i < 16; ++i) {
+    TORCH_CHECK(table.data_ptr<uint8_t>()[i] < 128, "quant_matmul: a code table's values are below 128");
+  }
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t groups = K / kGroup, tiles = packed.size(0);
@@ -299,7 +326,7 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, 
   auto y = torch::empty({M, N}, x.options());
   quantize_rows(x.data_ptr<float>(), M, K, xq.data(), dx, sx);
   const Problem p{packed.data_ptr<uint8_t>(), xq.data(), dx, sx, y.data_ptr<float>(), M, K, N, groups, bits,
-                  block_bytes(bits)};
+                  block_bytes(bits), tabled ? table.data_ptr<uint8_t>() : nullptr};
   const int64_t per_pass = rows_per_pass(chosen);
   // Work items are tiles of 16 outputs; each walks every row of x (the tile's weights stay in L1).
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
