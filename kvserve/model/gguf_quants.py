@@ -200,13 +200,13 @@ def _grouped(type_name: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 # MXFP4's doubled E2M1 values (_E2M1_DOUBLED) shifted by 12 to be unsigned codes 0..24: w = s * (code - 12).
-_E2M1_CODES = (_E2M1_DOUBLED + 12).to(torch.uint8)
+MXFP4_LEVELS = (_E2M1_DOUBLED + 12).to(torch.uint8)
 # Exponents whose half scale 2^(e - 128) and offset -12 * 2^(e - 128) are both exact fp16 values.
 _MXFP4_FP16_EXPONENTS = (104, 140)
 
 
 def _mxfp4_grouped(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
-    """MXFP4 as group codes: the file's 4-bit codes, whose levels (`_E2M1_CODES`: doubled E2M1 value + 12) the
+    """MXFP4 as group codes: the file's 4-bit codes, whose levels (`MXFP4_LEVELS`: doubled E2M1 value + 12) the
     group's table holds, scale 2^(e - 128), offset -12 scale; every weight exactly the file's. None where an
     exponent lies outside fp16's exact range (the caller then dequantizes, as before)."""
     e = blocks[:, 0].to(torch.int32)
@@ -234,7 +234,7 @@ def group_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Grou
     groups = cols // 32
     return GroupCodes(codes.reshape(rows, cols).contiguous(), scales.reshape(rows, groups).contiguous(),
                       offsets.reshape(rows, groups).contiguous(), bits,
-                      _E2M1_CODES if type_name == "MXFP4" else None)
+                      MXFP4_LEVELS if type_name == "MXFP4" else None)
 
 
 def kquant_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> KQuantCodes | None:
