@@ -270,8 +270,9 @@ def write_gguf(model, path: Path, quant_types: dict[str, str], tokenizer_metadat
                 ggml_type = gguf.GGMLQuantizationType[qtype]
                 quantizer = quantize
                 if qtype in KQUANT_KINDS:  # the gguf package has no K-quant quantizer: kvserve's
-                    def quantizer(values, _, kind=qtype):
-                        return quantize_kquant(torch.from_numpy(values), kind).numpy()
+                    def quantizer(values, _, kind=qtype):  # stacked experts: row by row all the same
+                        rows = torch.from_numpy(np.ascontiguousarray(values)).reshape(-1, values.shape[-1])
+                        return quantize_kquant(rows, kind).numpy().reshape(*values.shape[:-1], -1)
                 packed = quantizer(np.ascontiguousarray(stored), ggml_type)
                 writer.add_tensor(gguf_name, packed, raw_dtype=ggml_type)
                 # Quantization blocks lie within rows, so quantizing commutes with the row permutation.

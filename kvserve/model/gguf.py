@@ -25,7 +25,8 @@ from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.kernels.kquant_packing import KQUANT_KINDS, KQuantCodes
 from kvserve.kernels.packing import GroupCodes
 from kvserve.model.gguf_file import GGUFFile, GGUFTensorInfo
-from kvserve.model.gguf_quants import dequantize, ggml_type_name, group_codes, kquant_codes, tensor_nbytes
+from kvserve.model.gguf_quants import (dequantize, ggml_type_name, group_codes, kquant_codes, mxfp4_held_exactly,
+                                      tensor_nbytes)
 from kvserve.model.family import GGUF_GLOBAL_TENSORS
 from kvserve.model.registry import GGUF, Architecture, find_architecture
 
@@ -68,7 +69,8 @@ class GGUFModel:
 
         GGUF's `rope_freqs` (Llama 3.1-style scaling) comes as ("rope_freqs", divisors), a family's other
         extra tensors by the names it gives them (kvserve.model.family), flattened like it. `codes_held`: the
-        layers' 2-D K-quant matrices come as meta tensors (a shape, no data), not dequantized, for a loader
+        layers' K-quant matrices (and MXFP4 ones: `_codes_held`), whole or an expert's, come as meta tensors
+        (a shape, no data), not dequantized, for a loader
         whose linear layers take the file's codes instead (`group_codes`; a fused projection mixing them with
         other types too) and write nothing for them (UnquantizedLinearMethod.load), so a 1B-class file
         neither dequantizes a billion weights only to drop them nor fills 4 GB of fp32 with zeros.
@@ -76,10 +78,8 @@ class GGUFModel:
         extras = _extra_tensors(self.architecture)
         fix = self.architecture.family.gguf_tensor_fix
         for part in self._parts:
-            tensor = part.tensor
-            if (codes_held and part.expert is None and tensor.name.startswith("blk.") and len(tensor.shape) == 2
-                    and ggml_type_name(tensor.ggml_type) in KQUANT_KINDS):
-                yield part.hf_name, torch.empty(tuple(int(n) for n in tensor.shape), device="meta")
+            if codes_held and self._codes_held(part):
+                yield part.hf_name, torch.empty(self._raw(part)[2], device="meta")
                 continue
             type_name, raw, shape = self._raw(part)
             value = dequantize(raw, type_name, shape)
@@ -96,6 +96,18 @@ class GGUFModel:
             if fix is not None:
                 value = fix(hf_name, value)
             yield hf_name, value
+
+    def _codes_held(self, part: TensorPart) -> bool:
+        """Whether group-quantized layers take this part's own codes whole, so that its fp32 is never made: a
+        layer's K-quant matrix, or one expert's (a 30B MoE's experts in fp32 would not fit in memory), or an
+        MXFP4 one whose scales fp16 holds exactly (gpt-oss's experts; `group_codes`)."""
+        tensor = part.tensor
+        type_name = ggml_type_name(tensor.ggml_type)
+        if not tensor.name.startswith("blk.") or len(tensor.shape) - (part.expert is not None) != 2:
+            return False
+        if type_name in KQUANT_KINDS:
+            return True
+        return type_name == "MXFP4" and mxfp4_held_exactly(*self._raw(part)[1:])
 
     def group_codes(self, hf_name: str) -> GroupCodes | KQuantCodes | None:
         """The file's own codes of the matrix loaded as `hf_name` (Q/K rows unpermuted as in `weights`): group

@@ -205,6 +205,13 @@ MXFP4_LEVELS = (_E2M1_DOUBLED + 12).to(torch.uint8)
 _MXFP4_FP16_EXPONENTS = (104, 140)
 
 
+def mxfp4_held_exactly(raw: np.ndarray, shape: tuple[int, ...]) -> bool:
+    """Whether every block of an MXFP4 matrix has an exponent `group_codes` holds exactly (its scale bytes only)."""
+    exponents = _blocks(raw, "MXFP4", shape, copy=False)[:, 0]
+    low, high = _MXFP4_FP16_EXPONENTS
+    return bool(exponents.numel()) and low <= int(exponents.min()) and int(exponents.max()) <= high
+
+
 def _mxfp4_grouped(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
     """MXFP4 as group codes: the file's 4-bit codes, whose levels (`MXFP4_LEVELS`: doubled E2M1 value + 12) the
     group's table holds, scale 2^(e - 128), offset -12 scale; every weight exactly the file's. None where an

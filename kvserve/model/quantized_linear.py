@@ -115,8 +115,8 @@ class GroupQuantizedLinearMethod(UnquantizedLinearMethod):
             layer.register_buffer("code_table", source.table.contiguous(), persistent=False)
         elif source is not None and source.bits <= self.bits:  # the checkpoint's own codes: held exactly
             codes = GroupCodes(source.codes, source.scales, source.offsets, self.bits)
-        else:
-            codes = quantize_groups(layer.weight.detach(), self.bits)
+        else:  # from the codes' values where there are codes: a file's matrix held as codes is never loaded
+            codes = quantize_groups(layer.weight.detach() if source is None else source.dequantize(), self.bits)
         layer.packed = _frozen(pack(codes))
         layer.weight = None  # a tied head only lets go of the embedding's tensor
 

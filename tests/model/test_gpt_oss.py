@@ -250,8 +250,15 @@ def test_mxfp4_experts_are_held_as_the_files_own_values(weights_dtype, tmp_path)
     from kvserve.kernels.packing import packed_bytes
     from tests.helpers import int8_activation_matmul
 
+    from kvserve.model.gguf import load_gguf
+
     path = tmp_path / "tiny.gguf"
     write_gpt_oss_gguf(build_hf_gpt_oss(), path, GGUF_MIXES["mxfp4"])
+    # The experts' fp32 is never made (a 20B model's would not fit): they stream as shapes only.
+    streamed = dict(load_gguf(path).weights(codes_held=True))
+    experts = [name for name in streamed if ".experts." in name and name.endswith("proj.weight")]
+    assert experts and all(streamed[name].is_meta for name in experts)
+    assert not any(value.is_meta for name, value in streamed.items() if name not in experts)
     packed, exact = load_model(path, weights_dtype=weights_dtype), load_model(path, weights_dtype="float32")
     for layer_index in range(len(packed.model.layers)):
         for expert in (0, 3):

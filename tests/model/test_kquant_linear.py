@@ -109,3 +109,36 @@ def test_parts_that_do_not_make_the_layer_are_refused():
         KQuantLinearMethod().process_weights_after_loading(layer, [random_kquant("Q4_K", 32, 256, 1)])
     with pytest.raises(ValueError, match="of 512 inputs in a layer of 256"):
         KQuantLinearMethod().process_weights_after_loading(layer, [random_kquant("Q4_K", 48, 512, 1)])
+
+
+def test_a_moe_files_k_quant_experts_are_held_from_their_codes(tmp_path):
+    """Experts in K-quants (a Qwen3-MoE Q4_K_M file's) stream as shapes only, never as fp32 (a 30B MoE's
+    would not fit in memory), and each expert's layers hold the file's super-blocks exactly."""
+    import transformers
+
+    from kvserve.model.gguf import load_gguf
+    from tests.helpers import TINY_VOCAB, int8_activation_matmul
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=TINY_VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+        norm_topk_prob=True, max_position_embeddings=256)
+    torch.manual_seed(0)
+    path = tmp_path / "moe.gguf"
+    write_gguf(transformers.Qwen3MoeForCausalLM(config).eval(), path,
+               {"down_proj": "Q6_K", "experts": "Q4_K", "q_proj": "Q8_0"})
+    streamed = dict(load_gguf(path).weights(codes_held=True))
+    experts = [name for name in streamed if ".experts." in name]
+    assert experts and all(streamed[name].is_meta for name in experts)
+    packed, exact = load_model(path, weights_dtype="int8"), load_model(path, weights_dtype="float32")
+    gen = torch.Generator().manual_seed(1)
+    for index in range(2):
+        for expert in range(4):
+            for name, kinds in (("gate_up_proj", ["Q4_K", "Q4_K"]), ("down_proj", ["Q6_K"])):
+                layer = packed.model.layers[index].mlp.experts[expert].get_submodule(name)
+                assert isinstance(layer.method, KQuantLinearMethod), name
+                assert [part[0] for part in layer.method.parts] == [KQUANT_KINDS[k] for k in kinds], name
+                weight = exact.model.layers[index].mlp.experts[expert].get_submodule(name).weight
+                x = torch.randn(2, layer.input_size, generator=gen)
+                expected = int8_activation_matmul(x, weight)
+                assert (layer(x).double() - expected).abs().max() < 1e-5 * expected.abs().max(), name
