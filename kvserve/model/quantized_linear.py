@@ -106,6 +106,7 @@ class GroupQuantizedLinearMethod(UnquantizedLinearMethod):
 
     def __init__(self, bits: int) -> None:
         self.bits = bits
+        self.table: torch.Tensor | None = None  # what each 4-bit code stands for (GroupCodes.table), if not itself
 
     def process_weights_after_loading(self, layer: Linear, source: GroupCodes | None = None) -> None:
         if source is not None and source.table is not None:
@@ -113,6 +114,7 @@ class GroupQuantizedLinearMethod(UnquantizedLinearMethod):
             # bits (the table's levels as 8-bit codes would be the same weights in twice the bytes).
             self.bits, codes = 4, source
             layer.register_buffer("code_table", source.table.contiguous(), persistent=False)
+            self.table = layer.code_table  # read per call from here, not through the module's __getattr__
         elif source is not None and source.bits <= self.bits:  # the checkpoint's own codes: held exactly
             codes = GroupCodes(source.codes, source.scales, source.offsets, self.bits)
         else:  # from the codes' values where there are codes: a file's matrix held as codes is never loaded
@@ -122,8 +124,7 @@ class GroupQuantizedLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        y = ops.quant_matmul(rows, layer.packed, self.bits, layer.output_size,
-                             table=getattr(layer, "code_table", None))
+        y = ops.quant_matmul(rows, layer.packed, self.bits, layer.output_size, table=self.table)
         if layer.bias is not None:
             y += layer.bias
         return y if x.dim() == 2 else y.view(*x.shape[:-1], layer.output_size)
