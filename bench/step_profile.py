@@ -10,7 +10,7 @@ the plain step's time (the timing slows the profiled steps down). The floor is t
 linear weights it multiplies, plus the K/V it attends over) divided by this
 machine's memory bandwidth, measured here by summing a 1 GiB tensor.
 
-    .venv/bin/python bench/step_profile.py [--weights-dtype auto] [--steps 40]
+    .venv/bin/python bench/step_profile.py [--model PATH] [--weights-dtype auto] [--steps 40] [--workloads W2 W4 W1]
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ from kvserve.model.layers import Linear
 from kvserve.model.loader import load_model
 from workloads import freeze_setup, greedy, random_prompts, save
 
-WEIGHT_OPS = {"quant_matmul", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul"}
-ATTENTION_OPS = {"paged_decode", "aten::index_copy_", "aten::_to_copy"}  # the kernel, and the new K/V's write
+WEIGHT_OPS = {"quant_matmul", "kquant_matmul_", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul"}
+# the kernels, and the new K/V's write
+ATTENTION_OPS = {"paged_decode", "paged_decode_quant", "store_kv_", "aten::index_copy_", "aten::_to_copy"}
+WORKLOADS = {"W2": (512, 1), "W4": (4096, 1), "W1": (256, 32)}  # prompt tokens, requests
 
 
 class _TimedKernels(ModuleType):
@@ -102,20 +104,23 @@ def profile_steps(engine: Engine, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a GGUF file or checkpoint directory (default: the embedded model)")
     parser.add_argument("--weights-dtype", default="auto")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     args = parser.parse_args()
     if ops.kernels() is None:
         raise SystemExit("the C++ kernels are not built here: nothing to break down")
     print(f"CPU: {describe_cpu()}, {torch.get_num_threads()} threads", flush=True)
-    loaded = load_model(weights_dtype=args.weights_dtype)
+    loaded = load_model(args.model, weights_dtype=args.weights_dtype)
     bandwidth = memory_bandwidth()
     weight_bytes = linear_bytes(loaded.model)
     print(f"linear weights {loaded.linear_dtype}: {weight_bytes / 2**20:.1f} MiB read per step; "
           f"memory bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     freeze_setup()
     results = {}
-    for name, prompt_len, batch in (("W2", 512, 1), ("W4", 4096, 1), ("W1", 256, 32)):
+    for name in args.workloads:
+        prompt_len, batch = WORKLOADS[name]
         engine = Engine(EngineConfig(kv_cache_memory="2GiB"), loaded=loaded)
         for prompt in random_prompts(batch, prompt_len, seed=prompt_len):
             engine.add_request(prompt, greedy(args.steps * 2 + 200))
