@@ -205,11 +205,15 @@ MXFP4_LEVELS = (_E2M1_DOUBLED + 12).to(torch.uint8)
 _MXFP4_FP16_EXPONENTS = (104, 140)
 
 
-def mxfp4_held_exactly(raw: np.ndarray, shape: tuple[int, ...]) -> bool:
-    """Whether every block of an MXFP4 matrix has an exponent `group_codes` holds exactly (its scale bytes only)."""
-    exponents = _blocks(raw, "MXFP4", shape, copy=False)[:, 0]
+def _mxfp4_exponents_fit(exponents: torch.Tensor) -> bool:
+    """Whether every block's exponent byte gives a scale and offset fp16 holds exactly."""
     low, high = _MXFP4_FP16_EXPONENTS
     return bool(exponents.numel()) and low <= int(exponents.min()) and int(exponents.max()) <= high
+
+
+def mxfp4_held_exactly(raw: np.ndarray, shape: tuple[int, ...]) -> bool:
+    """Whether every block of an MXFP4 matrix has an exponent `group_codes` holds exactly (its scale bytes only)."""
+    return _mxfp4_exponents_fit(_blocks(raw, "MXFP4", shape, copy=False)[:, 0])
 
 
 def _mxfp4_grouped(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
@@ -217,8 +221,7 @@ def _mxfp4_grouped(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     group's table holds, scale 2^(e - 128), offset -12 scale; every weight exactly the file's. None where an
     exponent lies outside fp16's exact range (the caller then dequantizes, as before)."""
     e = blocks[:, 0].to(torch.int32)
-    low, high = _MXFP4_FP16_EXPONENTS
-    if bool(((e < low) | (e > high)).any()):
+    if not _mxfp4_exponents_fit(e):
         return None
     scales = torch.ldexp(torch.ones(e.shape), (e - 128).float()).half()
     return _nibbles(blocks[:, 1:17]), scales, scales * -12, 4
