@@ -62,18 +62,32 @@ void attend_item(const float* qh, int64_t G, int64_t D, const scalar_t* kp, cons
 // k + 1 queries, or one token of a prefill chunk; each is attended alone, the same way wherever it runs.
 // Row b at position pos[b] sees the keys at positions low[b] .. pos[b] (low: its window's first key, else
 // 0), block j of them being tables[table[b] + j]: the rows of one request share its block table.
+constexpr int64_t kSplitMultiple = 4;  // a row's splits come in multiples of this (DecodeRows::step)
+
 struct DecodeRows {
   torch::Tensor q, tables, row_table, row_low, row_pos, sinks;
   const float* qp;
   const float* sink = nullptr;  // [H] learned sink logits (gpt-oss), or none: one more term in each denominator
   const int64_t *table, *low, *pos, *blocks;
   int64_t B, H, KVH, G, D, BS;
-  int64_t split_blocks;    // blocks per split (a row's last split may be shorter); <= 0: one split per row
+  int64_t split_blocks;    // the most blocks per split (DecodeRows::step); <= 0: one split per row
   std::vector<int64_t> split_start;  // [B + 1]: row b's splits are items split_start[b] .. split_start[b + 1]
   float scale;
 
   int64_t first_block(int64_t b) const { return low[b] / BS; }
   int64_t num_blocks(int64_t b) const { return pos[b] / BS - low[b] / BS + 1; }
+  // Row b's blocks per split: at most split_blocks, in a multiple of kSplitMultiple splits of even length
+  // where it has that many blocks, so that a short row's splits share the threads evenly (33 blocks in
+  // splits of 16 ran 16 + 16 on one thread and 1 on the other: 9 + 9 | 9 + 6 now). Its own block count
+  // alone decides it, never the batch or the machine.
+  int64_t step(int64_t b) const {
+    const int64_t count = num_blocks(b);
+    if (split_blocks <= 0) return count;
+    int64_t splits = (count + split_blocks - 1) / split_blocks;
+    splits = std::min(count, (splits + kSplitMultiple - 1) / kSplitMultiple * kSplitMultiple);
+    return (count + splits - 1) / splits;
+  }
+  int64_t num_splits(int64_t b) const { return (num_blocks(b) + step(b) - 1) / step(b); }
 };
 
 // The shared prologue: checks q [B, H, D] fp32 against KVH KV heads of BS-row blocks and lays out each
@@ -168,7 +182,7 @@ torch::Tensor attend_splits(const DecodeRows& rows, Fn fn) {
         const int64_t b0 = tile_start[t], b1 = tile_start[t + 1];
         int64_t widest_run = 0;
         for (int64_t b = b0; b < b1; ++b) {
-          const int64_t step = rows.split_blocks > 0 ? rows.split_blocks : rows.num_blocks(b);
+          const int64_t step = rows.step(b);
           count[b - b0] = s < splits_of(b) ? std::min(rows.num_blocks(b), s * step + step) - s * step : 0;
           widest_run = std::max(widest_run, count[b - b0]);
         }
@@ -176,7 +190,7 @@ torch::Tensor attend_splits(const DecodeRows& rows, Fn fn) {
         valid.resize((b1 - b0) * stride);
         for (int64_t b = b0; b < b1; ++b) {
           if (count[b - b0] == 0) continue;
-          const int64_t step = rows.split_blocks > 0 ? rows.split_blocks : rows.num_blocks(b);
+          const int64_t step = rows.step(b);
           const int64_t key0 = (rows.first_block(b) + s * step) * BS;  // position of the split's first key
           uint8_t* flags = valid.data() + (b - b0) * stride;
           for (int64_t i = 0; i < count[b - b0] * BS; ++i) flags[i] = key0 + i >= rows.low[b] && key0 + i <= rows.pos[b];
@@ -186,7 +200,7 @@ torch::Tensor attend_splits(const DecodeRows& rows, Fn fn) {
           for (int64_t b = b0; b < b1; ++b) {
             const int64_t hi = std::min(count[b - b0], lo + kTileBlocks);
             if (lo >= hi) continue;
-            const int64_t step = rows.split_blocks > 0 ? rows.split_blocks : rows.num_blocks(b);
+            const int64_t step = rows.step(b);
             fn(partials, rows.split_start[b] + s - first, b, rows.blocks + rows.table[b] + rows.first_block(b) + s * step,
                reinterpret_cast<const bool*>(valid.data() + (b - b0) * stride), lo, hi);
           }

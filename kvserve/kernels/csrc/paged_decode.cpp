@@ -49,9 +49,7 @@ DecodeRows decode_rows(const char* op, torch::Tensor q, torch::Tensor tables, to
   for (int64_t b = 0; b < rows.B; ++b) {
     TORCH_CHECK(rows.low[b] >= 0 && rows.low[b] <= rows.pos[b] && rows.table[b] >= 0 &&
                     rows.table[b] + rows.pos[b] / BS < num_entries, op, ": row ", b, " reads outside its table");
-    const int64_t count = rows.num_blocks(b);
-    const int64_t splits = split_blocks > 0 ? (count + split_blocks - 1) / split_blocks : 1;
-    rows.split_start[b + 1] = rows.split_start[b] + splits;
+    rows.split_start[b + 1] = rows.split_start[b] + rows.num_splits(b);
   }
   return rows;
 }
