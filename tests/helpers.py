@@ -286,8 +286,9 @@ def write_gguf(model, path: Path, quant_types: dict[str, str], tokenizer_metadat
     return reference
 
 
-def paged_logits(model, token_ids: list[int], chunks: list[int], block_size: int = 4) -> torch.Tensor:
-    """Run one sequence through the paged cache in steps of `chunks` tokens (then 1 per step).
+def paged_logits(model, token_ids: list[int], chunks: list[int], block_size: int = 4,
+                 cache_dtype: str = "auto") -> torch.Tensor:
+    """Run one sequence through the paged cache (of `cache_dtype`) in steps of `chunks` tokens (then 1 per step).
 
     Each KV group's block table is a scrambled subset of the pool, disjoint from the other groups', so
     wrong addressing cannot pass by luck. A hybrid model's recurrent layers keep their state in slot 1 of a
@@ -301,7 +302,7 @@ def paged_logits(model, token_ids: list[int], chunks: list[int], block_size: int
 
     backend = CpuAttentionBackend()
     # The model's own windows (a test may give a layer one the config does not have).
-    spec = replace(kv_spec(model.config), layer_windows=tuple(model.layer_windows))
+    spec = replace(kv_spec(model.config, cache_dtype), layer_windows=tuple(model.layer_windows))
     num_groups = spec.layout.num_groups
     num_blocks = -(-len(token_ids) // block_size)
     pool_blocks = num_blocks * num_groups * 2 + 1

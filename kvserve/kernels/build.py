@@ -1,7 +1,7 @@
 """kvserve's C++ CPU kernels (csrc/), compiled for this machine on first use, or None.
 
 One extension: paged decode attention, the group-quantized matmul, the
-fused per-layer ops and the gated delta rule. Built with -march=native and OpenMP (torch's
+fused per-layer ops, the gated delta rule and the decoder stack. Built with -march=native and OpenMP (torch's
 `at::parallel_for` is serial in an extension compiled without it: the decode
 kernel had run on one thread) and kept in the environment (the venv), one
 build per CPU feature set and torch version, so an environment shared by
@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("bindings.cpp", "paged_decode.cpp", "paged_decode_quant.cpp", "quant_matmul.cpp",
-                         "kquant_matmul.cpp", "kquant_repack.cpp", "fused_ops.cpp", "gated_delta.cpp")]
+                         "kquant_matmul.cpp", "kquant_repack.cpp", "fused_ops.cpp", "gated_delta.cpp",
+                                     "decoder_stack.cpp")]
 _lock = threading.Lock()
 # How long a start waits for another process's build of the same directory before running without it.
 DEFAULT_WAIT_LIMIT_S = 600.0

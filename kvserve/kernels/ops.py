@@ -222,6 +222,35 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return ext.paged_decode(q, k_cache, v_cache, *rows, scale, split_blocks, _sinks(sinks, q))
 
 
+def decoder_stack(linears: Sequence[tuple[list[torch.Tensor], list[int], list[int], list[int], int,
+                                           torch.Tensor | None, torch.Tensor | None, int]],
+                  norms: Sequence[torch.Tensor], heads: int, kv_heads: int, head_dim: int, eps: float,
+                  activation: int) -> object:
+    """A Llama-family decoder's layers for `decoder_stack_forward_` (csrc/decoder_stack.cpp): per layer its
+    QKV, O, gate-up and down projections (packed parts, kinds: -1 group codes else a K-quant kind, first
+    columns, outputs, bits, code table, bias, outputs in all) and its input and post-attention norm weights."""
+    ext = kernels()
+    if ext is None:
+        raise KernelInputError("decoder_stack needs kvserve's C++ kernels, which are not built here")
+    return ext.DecoderStack([ext.StackLinear(packed, kinds, columns, outputs, bits,
+                                             _NO_U8 if table is None else table, _NO_F32 if bias is None else bias,
+                                             out_features)
+                             for packed, kinds, columns, outputs, bits, table, bias, out_features in linears],
+                            list(norms), heads, kv_heads, head_dim, eps, activation)
+
+
+def decoder_stack_forward_(stack: object, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor], slots: torch.Tensor,
+                           rows: RowTables, scale: float, split_blocks: int) -> None:
+    """x `[T, hidden]` fp32 (the residual stream, in place) through every layer of `stack`: each stores its
+    new K, V at `slots` of its float cache and attends as `paged_decode` does; cos, sin `[T, head_dim]`."""
+    if not (_rows(x) and x.is_contiguous() and _cpu_fp32(cos) and _cpu_fp32(sin) and slots.is_cpu
+            and slots.dtype is _LONG and _cpu_longs(rows)
+            and all(c.is_cpu and c.dtype in CACHE_DTYPES for c in (*k_caches, *v_caches))):
+        raise KernelInputError("decoder_stack_forward_: CPU fp32 rows, RoPE tables and float caches, int64 slots")
+    stack.forward_(x, cos.contiguous(), sin.contiguous(), k_caches, v_caches, slots, *rows, scale, split_blocks)
+
+
 # paged_decode_quant's kinds of quantized sides (kv/cache/quant.py's codecs; the C++ enum).
 INT8_ROW, INT4_ROW, INT4_CHANNEL = 1, 2, 3
 _F16 = torch.float16

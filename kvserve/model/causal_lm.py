@@ -76,6 +76,12 @@ class CausalLM(nn.Module):
         """Final norm and output projection of the rows logits are wanted for."""
         return self.lm_head(self.norm(hidden))
 
+    def run_layers_at_once(self, x: torch.Tensor, positions: torch.Tensor, kv: AttentionContext) -> bool:
+        """Every layer over x (in place) in one kernel call where the family and the step allow it, with the
+        bits the layers' own forward gives (kvserve.model.decoder_stack); False: nothing ran, the layers
+        run one by one."""
+        return False
+
     def extra_checkpoint_tensors(self) -> dict[str, Callable[[torch.Tensor], None]]:
         """Checkpoint tensors that are not parameters, by name -> what takes them (e.g. GGUF `rope_freqs`)."""
         return {}
@@ -101,8 +107,9 @@ class CausalLM(nn.Module):
                 raise ValueError("a hybrid model's forward over a KV cache needs its recurrent-state context")
             states = ContiguousStateContext(input_ids.shape[0])  # one whole sequence, as its attention
         x = self.embed(input_ids)
-        for index, (layer, (cos, sin)) in enumerate(zip(self.layers, self.rope_tables(positions))):
-            x = layer(x, cos, sin, kv, index) if states is None else layer(x, cos, sin, kv, index, states)
+        if states is not None or not self.run_layers_at_once(x, positions, kv):
+            for index, (layer, (cos, sin)) in enumerate(zip(self.layers, self.rope_tables(positions))):
+                x = layer(x, cos, sin, kv, index) if states is None else layer(x, cos, sin, kv, index, states)
         if logits_indices is not None:
             x = x[logits_indices]
         return self.compute_logits(x)

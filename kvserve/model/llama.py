@@ -24,6 +24,7 @@ from kvserve.config import ModelConfig
 from kvserve.errors import UnsupportedModelError
 from kvserve.kernels import ops
 from kvserve.kv.attention import AttentionContext
+from kvserve.model import decoder_stack
 from kvserve.model.causal_lm import CausalLM
 from kvserve.model.family import (GGUF, GGUF_PROJECTION_TENSORS, HF, Architecture, ModelFamily, gguf_config,
                                   hf_rope)
@@ -87,6 +88,35 @@ class LlamaForCausalLM(CausalLM):
 
     def extra_checkpoint_tensors(self) -> dict[str, Callable[[torch.Tensor], None]]:
         return {"rope_freqs": self.rotary_emb.load_freq_divisors}  # GGUF: Llama 3.1-style scaling as divisors
+
+    def run_layers_at_once(self, x: torch.Tensor, positions: torch.Tensor, kv: AttentionContext) -> bool:
+        if not decoder_stack.ENABLED:
+            return False
+        step = kv.plain_paged_step()
+        if step is None or len(step.k_caches) != len(self.layers):
+            return False
+        if "_decoder_stack" not in self.__dict__:  # built once, on the first step that can use it
+            self.__dict__["_decoder_stack"] = self._build_decoder_stack()
+        stack = self.__dict__["_decoder_stack"]
+        if stack is None:
+            return False
+        cos, sin = self.rotary_emb(positions)
+        decoder_stack.run_stack(stack, x, cos, sin, step, self.config.attention_scale)
+        return True
+
+    def _build_decoder_stack(self) -> object | None:
+        """The stack of these layers if they are plain Llama layers (a family built on them that changes a
+        layer, its RoPE per layer or rotates part of a head keeps its own forward), else None."""
+        config = self.config
+        plain = (type(self).rope_tables is CausalLM.rope_tables and self.rotary_emb.head_dim == config.head_dim
+                 and all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention
+                         and type(layer.mlp) is GatedMLP and layer.self_attn.rotates
+                         and layer.self_attn.scale == config.attention_scale
+                         and isinstance(layer.mlp.activation, int) for layer in self.layers))
+        if not plain:
+            return None
+        return decoder_stack.build_decoder_stack(self.layers, config.num_heads, config.num_kv_heads, config.head_dim,
+                                                 config.rms_norm_eps)
 
 
 def read_hf_config(cfg: dict[str, Any], arch: str) -> ModelConfig:

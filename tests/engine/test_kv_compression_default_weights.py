@@ -11,6 +11,7 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.kernels import ops
 from kvserve.kv.attention.cpu import PagedKVContext
+from kvserve.model import decoder_stack
 from tests.helpers import run_to_finals
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not ops.available(), reason="the C++ kernels are not built")]
@@ -62,9 +63,11 @@ def test_a_compressing_request_answers_the_same_cold_cached_and_chunked(smollm2,
 
 
 def prompt_queries(loaded, tokens: list[int], monkeypatch, **overrides) -> list[torch.Tensor]:
-    """Per layer, the queries `[T, H, D]` the engine's attention received for the prompt's tokens, in order."""
+    """Per layer, the queries `[T, H, D]` the engine's attention received for the prompt's tokens, in order
+    (from the layers one by one: the decoder stack computes the same bits, tests/model/test_decoder_stack.py)."""
     seen: dict[int, list[torch.Tensor]] = {}
     original = PagedKVContext.attend
+    monkeypatch.setattr(decoder_stack, "ENABLED", False)
 
     def recording(self, layer, q, *args, **kwargs):
         seen.setdefault(layer, []).append(q.detach().clone())

@@ -15,4 +15,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_delta_rule_", &gated_delta_rule_, "the gated delta rule token by token over state slots");
   m.def("gated_delta_isa", &gated_delta_isa, "the instruction set gated_delta_rule_ runs on this build");
   m.def("store_kv_", &store_kv_, "new tokens' K and V into float cache rows");
+  bind_decoder_stack(m);
 }

@@ -1,7 +1,7 @@
 // The functions of kvserve's CPU kernels extension: declared once here, defined in paged_decode.cpp,
 // paged_decode_quant.cpp, quant_matmul.cpp,
-// kquant_matmul.cpp, fused_ops.cpp and gated_delta.cpp (the attention files share attend_blocks*.h
-// and decode_splits.h), bound to Python in bindings.cpp. Python reaches them only through
+// kquant_matmul.cpp, fused_ops.cpp, gated_delta.cpp and decoder_stack.cpp (the attention files share
+// attend_blocks*.h and decode_splits.h), bound to Python in bindings.cpp. Python reaches them only through
 // kvserve/kernels/ops.py, which checks devices and dtypes before a call (a CUDA tensor here would be read
 // as host memory).
 #pragma once
@@ -50,3 +50,7 @@ void gated_delta_rule_(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
                        torch::Tensor row_starts, torch::Tensor read_slots, torch::Tensor write_slots,
                        torch::Tensor snapshots, bool normalize_qk, double scale, int64_t isa);
 std::string gated_delta_isa();
+
+// decoder_stack.cpp: a Llama-family decoder's layers in one call (the kernels above, in the layers' order);
+// its classes are bound here.
+void bind_decoder_stack(pybind11::module& m);

@@ -22,6 +22,7 @@ from typing import Callable, ClassVar, Sequence
 
 import torch
 
+from kvserve.kernels.ops import RowTables
 from kvserve.kv.cache.kv_spec import KVSpec
 from kvserve.kv.cache.storage import PagedKVCache
 
@@ -49,11 +50,29 @@ class SequenceSlice:
 KeysFromValues = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True, slots=True)
+class PlainPagedStep:
+    """A step whose every layer stores its new K/V in its own float cache and attends each row over its blocks
+    with the C++ paged decode (`ops.paged_decode`): what a decoder's layers need to run as one kernel call
+    (`ops.decoder_stack_forward_`). Layer i's caches are k_caches[i], v_caches[i]."""
+
+    k_caches: Sequence[torch.Tensor]
+    v_caches: Sequence[torch.Tensor]
+    slots: torch.Tensor  # [T * KVH] the flat cache rows of the new tokens' K/V
+    rows: RowTables
+    split_blocks: int
+
+
 class AttentionContext(ABC):
     """What the model's attention layers see for one forward.
 
     Built by a backend for one step; valid for that forward only.
     """
+
+    def plain_paged_step(self) -> PlainPagedStep | None:
+        """This step's caches and tables where every layer attends as `PlainPagedStep` says, else None (the
+        layers call `attend`). A layer attending through them must store and attend exactly as `attend` would."""
+        return None
 
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,

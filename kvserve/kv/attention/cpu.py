@@ -23,7 +23,8 @@ from typing import Callable, Sequence
 import torch
 
 from kvserve.kernels import ops
-from kvserve.kv.attention.base import AttentionBackend, AttentionContext, KeysFromValues, SequenceSlice
+from kvserve.kv.attention.base import (AttentionBackend, AttentionContext, KeysFromValues, PlainPagedStep,
+                                       SequenceSlice)
 from kvserve.kv.attention.cpu_decode import cpp_decode, cpp_decode_reads, split_kv_decode, union_decode
 from kvserve.kv.attention.cpu_metadata import (UNION_SHARING_FACTOR, AttentionMetadata, DecodeMetadata,
                                                PrefillMetadata, build_attention_metadata)
@@ -69,6 +70,19 @@ class PagedKVContext(AttentionContext):
         self._materialized: dict[int, MaterializedLayer] = {}  # per packed stored layer, for its readers
         self._open_rows: dict[int, tuple] = {}  # per stored layer with open blocks: (rows before, new K, new V, own)
         self._own_plans: dict[int, OwnBlocksPlan | None] = {}  # per group, with open blocks (cpu_own_blocks.py)
+
+    def plain_paged_step(self) -> PlainPagedStep | None:
+        """One KV group of plain float layers, every row attended by the C++ kernel, read in place: what
+        `_attend_plain` then does per layer (the one-pass store, then `cpp_decode` without open blocks)."""
+        if not self._uniform or len(self.group_metadata) != 1 or self.decode_kernel is not cpp_decode:
+            return None
+        meta, cache = self.group_metadata[0], self.cache
+        if (meta.decode is None or meta.prefills or meta.decode.union_block_ids is not None
+                or not cache.one_pass_store or cache.open_blocks is not None or cache.k_params or cache.v_params):
+            return None
+        decode = meta.decode
+        return PlainPagedStep(cache.k, cache.v, self._slots[0],
+                              ops.RowTables(decode.tables, decode.row_table, decode.row_low, decode.row_pos), SPLIT_BLOCKS)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
                sinks: torch.Tensor | None = None, keys_from_values: KeysFromValues | None = None) -> torch.Tensor:

@@ -163,7 +163,7 @@ class PagedKVCache:
             self.open_blocks = OpenBlocks(self, spec.layout.page_layers, slots, num_blocks, spec.num_kv_heads,
                                           block_size, spec.head_dim, self.device, use_cpp_kernels)
         # Plain float rows on both sides (no parameters, no fp8 bytes, one dtype): the one-pass C++ store.
-        self._one_pass_store = (use_cpp_kernels and spec.k_codec.kind == "float" and spec.v_codec.kind == "float"
+        self.one_pass_store = (use_cpp_kernels and spec.k_codec.kind == "float" and spec.v_codec.kind == "float"
                                 and self.k[0].dtype == self.v[0].dtype and self.k[0].dtype in ops.CACHE_DTYPES)
         # Blocks [0, _zeroed_upto) have been zeroed. A fresh pool hands blocks
         # out in id order, so zeroing up to a high-water mark in contiguous
@@ -252,7 +252,7 @@ class PagedKVCache:
             self.open_blocks.write(self.spec.layout.layer_slot[layer], slot_indices, k.reshape(-1, head_dim),
                                    v.reshape(-1, head_dim))
             return
-        if self._one_pass_store and ops.store_kv_(self.k[layer].view(-1, head_dim), self.v[layer].view(-1, head_dim),
+        if self.one_pass_store and ops.store_kv_(self.k[layer].view(-1, head_dim), self.v[layer].view(-1, head_dim),
                                               slot_indices, k, v):
             return
         self.keys.write(layer, slot_indices, k.reshape(-1, head_dim))

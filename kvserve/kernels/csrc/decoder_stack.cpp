@@ -1,0 +1,108 @@
+// A Llama-family decoder's layers run as one call per step: the same kernels, in the same order, on the same
+// tensors as the Python layers call them one by one (kvserve/model/llama.py), so the same bits; what goes is
+// the Python between them. At the embedded model's size a batch-1 decode step spent ~2 ms of ~8 in the
+// layers' Python (module calls, argument checks, views): ~66 us a layer for ~11 kernel calls.
+//
+// Per layer: h = rms_norm(x); qkv = h W_qkv^T (+ b); RoPE on Q and K; K, V stored into the float cache rows
+// `slots`; paged decode attention of every row over its blocks; h = add_rms_norm_(x, attn W_o^T);
+// x += down(act(gate(h)) * up(h)). The weights are held as the layers hold them: 4- or 8-bit group codes
+// (quant_matmul) or GGUF K-quant super-blocks (kquant_matmul_), one or several row blocks of one output.
+#include "kernels.h"
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+// One projection's weights: `packed[i]` fills output columns columns[i] .. columns[i] + outputs[i]; kinds[i]
+// is -1 for group codes of `bits` (through `table` when it is not empty), else a K-quant kind number.
+struct StackLinear {
+  std::vector<torch::Tensor> packed;
+  std::vector<int64_t> kinds, columns, outputs;
+  int64_t bits;
+  torch::Tensor table;  // uint8 [16] or empty
+  torch::Tensor bias;   // fp32 [N] or empty
+  int64_t out_features;
+
+  StackLinear(std::vector<torch::Tensor> packed_, std::vector<int64_t> kinds_, std::vector<int64_t> columns_,
+              std::vector<int64_t> outputs_, int64_t bits_, torch::Tensor table_, torch::Tensor bias_,
+              int64_t out_features_)
+      : packed(std::move(packed_)), kinds(std::move(kinds_)), columns(std::move(columns_)),
+        outputs(std::move(outputs_)), bits(bits_), table(std::move(table_)), bias(std::move(bias_)),
+        out_features(out_features_) {
+    const size_t parts = packed.size();
+    TORCH_CHECK(parts > 0 && kinds.size() == parts && columns.size() == parts && outputs.size() == parts,
+                "StackLinear: one kind, column and output count per packed part");
+    TORCH_CHECK(parts == 1 || kinds[0] >= 0, "StackLinear: several parts are K-quant matrices only");
+  }
+
+  // x [M, K] -> [M, out_features]: what the layer's method (GroupQuantized / KQuant) computes.
+  torch::Tensor apply(const torch::Tensor& x) const {
+    torch::Tensor y;
+    if (kinds[0] < 0) {
+      y = quant_matmul(x, packed[0], bits, out_features, -1, table);
+    } else {
+      y = torch::empty({x.size(0), out_features}, x.options());
+      for (size_t i = 0; i < packed.size(); ++i) kquant_matmul_(x, packed[i], kinds[i], outputs[i], y, columns[i], -1);
+    }
+    if (bias.numel() > 0) y.add_(bias);
+    return y;
+  }
+};
+
+// The layers' weights and shapes, built once from a converted model (kvserve/model/decoder_stack.py).
+struct DecoderStack {
+  std::vector<StackLinear> linears;  // per layer: qkv, o, gate_up, down
+  std::vector<torch::Tensor> norms;  // per layer: input, post-attention
+  int64_t heads, kv_heads, head_dim, activation;
+  double eps;
+  torch::Tensor no_sinks = torch::empty({0}, torch::kFloat);
+
+  DecoderStack(std::vector<StackLinear> linears_, std::vector<torch::Tensor> norms_, int64_t heads_,
+               int64_t kv_heads_, int64_t head_dim_, double eps_, int64_t activation_)
+      : linears(std::move(linears_)), norms(std::move(norms_)), heads(heads_), kv_heads(kv_heads_),
+        head_dim(head_dim_), activation(activation_), eps(eps_) {
+    TORCH_CHECK(linears.size() == 2 * norms.size() && !norms.empty(),
+                "DecoderStack: four projections and two norms per layer");
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(norms.size()) / 2; }
+
+  // x [T, hidden] (the residual stream, updated in place) through every layer; cos, sin [T, head_dim];
+  // per layer its float K and V caches [blocks, KVH, block_size, D]; slots [T * KVH] the rows the new
+  // tokens are stored at; tables .. row_pos what each row attends over (ops.RowTables).
+  void forward_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
+                std::vector<torch::Tensor> v_caches, torch::Tensor slots, torch::Tensor tables,
+                torch::Tensor row_table, torch::Tensor row_low, torch::Tensor row_pos, double scale,
+                int64_t split_blocks) const {
+    const int64_t layers = num_layers();
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
+                "DecoderStack: one K and one V cache per layer");
+    const int64_t T = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+    for (int64_t l = 0; l < layers; ++l) {
+      const StackLinear* w = &linears[4 * l];
+      torch::Tensor qkv = w[0].apply(rms_norm(x, norms[2 * l], eps));
+      rope_(qkv, cos, sin, heads + kv_heads, head_dim);
+      torch::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads, head_dim});
+      torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim});
+      torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
+      store_kv_(k_caches[l].view({-1, head_dim}), v_caches[l].view({-1, head_dim}), slots, k, v);
+      torch::Tensor attended = paged_decode(q, k_caches[l], v_caches[l], tables, row_table, row_low, row_pos, scale,
+                                            split_blocks, no_sinks);
+      torch::Tensor h = add_rms_norm_(x, w[1].apply(attended), norms[2 * l + 1], eps);
+      x.add_(w[3].apply(gated_activation(w[2].apply(h), activation)));
+    }
+  }
+};
+
+void bind_decoder_stack(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<StackLinear>(m, "StackLinear")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                    int64_t, torch::Tensor, torch::Tensor, int64_t>());
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<std::vector<StackLinear>, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
+                    int64_t>())
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("forward_", &DecoderStack::forward_);
+}
