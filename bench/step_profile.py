@@ -1,12 +1,15 @@
 """Where a decode step goes: weight matmuls, attention, other ops, Python; against the physical floor.
 
 One request decodes after a W2 (512-token) or W4 (4,096-token) prompt, and
-W1's 32 requests decode together. The step time is measured plain; then the
-same steps run with every C++ kernel call timed (kvserve/kernels) and under
+W1's 32 requests decode together, drafting off. The step time is measured plain, as the
+engine runs it (a Llama-family model's layers in one C++ call where it can:
+kvserve/model/decoder_stack.py), and with the layers called one by one from
+Python; then the one-by-one steps run with every C++ kernel call timed (kvserve/kernels) and under
 torch's profiler for the torch ops: weights = the quantized matmuls (or fp32 / bf16 GEMMs), attention =
 the decode kernel plus writing the new K/V, other ops = every other torch op
 or kernel, Python = the rest of the profiled step; the four are scaled to
-the plain step's time (the timing slows the profiled steps down). The floor is the bytes a step must read (the
+the plain one-by-one step's time (the timing slows the profiled steps down). The stack runs the same
+kernels, so what it saves is the Python between them. The floor is the bytes a step must read (the
 linear weights it multiplies, plus the K/V it attends over) divided by this
 machine's memory bandwidth, measured here by summing a 1 GiB tensor.
 
@@ -27,6 +30,7 @@ from kvserve.config import EngineConfig
 from kvserve.cpu_features import describe_cpu
 from kvserve.engine.engine import Engine
 from kvserve.kernels import build, ops
+from kvserve.model import decoder_stack
 from kvserve.model.layers import Linear
 from kvserve.model.loader import load_model
 from workloads import freeze_setup, greedy, random_prompts, save
@@ -72,16 +76,22 @@ def linear_bytes(model: torch.nn.Module) -> int:
                for p in m.parameters(recurse=False))
 
 
-def profile_steps(engine: Engine, steps: int) -> dict:
+def _plain_step_s(engine: Engine, steps: int) -> float:
     for _ in range(5):
         engine.step()
     started = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    step_s = (time.perf_counter() - started) / steps
+    return (time.perf_counter() - started) / steps
+
+
+def profile_steps(engine: Engine, steps: int) -> dict:
+    stacked_s = _plain_step_s(engine, steps)
     timed = _TimedKernels(ops.kernels())
-    build._state["module"] = timed
+    decoder_stack.ENABLED = False  # the kernels called one by one, each timed
     try:
+        step_s = _plain_step_s(engine, steps)
+        build._state["module"] = timed
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             started = time.perf_counter()
             for _ in range(steps):
@@ -89,6 +99,7 @@ def profile_steps(engine: Engine, steps: int) -> dict:
             profiled_s = (time.perf_counter() - started) / steps
     finally:
         build._state["module"] = timed.inner
+        decoder_stack.ENABLED = True
     torch_ops = {event.key: event.self_cpu_time_total / 1e6 for event in prof.key_averages()}
     kernel = dict(timed.seconds)
     weights = sum(kernel.pop(name, 0.0) for name in list(kernel) if name in WEIGHT_OPS)
@@ -99,7 +110,8 @@ def profile_steps(engine: Engine, steps: int) -> dict:
     parts = {"weights": weights / steps, "attention": attention / steps, "other ops": other / steps}
     parts["python"] = max(profiled_s - sum(parts.values()), 0.0)
     # Timing every call slows the profiled steps down: the parts are scaled to the plain step's time.
-    return {"step_s": step_s, **{name: value * step_s / profiled_s for name, value in parts.items()}}
+    return {"step_s": stacked_s, "layers_one_by_one_s": step_s,
+            **{name: value * step_s / profiled_s for name, value in parts.items()}}
 
 
 def main() -> None:
@@ -121,17 +133,19 @@ def main() -> None:
     results = {}
     for name in args.workloads:
         prompt_len, batch = WORKLOADS[name]
-        engine = Engine(EngineConfig(kv_cache_memory="2GiB"), loaded=loaded)
+        # Drafting off: every step is one token per request, whatever the greedy text repeats.
+        engine = Engine(EngineConfig(kv_cache_memory="2GiB", speculative="off"), loaded=loaded)
         for prompt in random_prompts(batch, prompt_len, seed=prompt_len):
-            engine.add_request(prompt, greedy(args.steps * 2 + 200))
-        while engine.stats().requests[0].num_computed_tokens < prompt_len:  # prefill first
+            engine.add_request(prompt, greedy(args.steps * 4 + 200))
+        while any(r.num_computed_tokens < prompt_len for r in engine.stats().requests):  # every prefill first
             engine.step()
         row = profile_steps(engine, args.steps)
         kv_bytes = batch * (prompt_len + args.steps) * engine.kv_spec.bytes_per_token
         row["floor_s"] = (weight_bytes + kv_bytes) / bandwidth
         results[name] = row
         print(f"{name} decode step ({batch} x ~{prompt_len} tokens, KV {engine.kv_spec.dtype}): "
-              f"{row['step_s'] * 1e3:.2f} ms = weights {row['weights'] * 1e3:.2f} + attention "
+              f"{row['step_s'] * 1e3:.2f} ms; with the layers one by one "
+              f"{row['layers_one_by_one_s'] * 1e3:.2f} ms = weights {row['weights'] * 1e3:.2f} + attention "
               f"{row['attention'] * 1e3:.2f} + other ops {row['other ops'] * 1e3:.2f} + Python "
               f"{row['python'] * 1e3:.2f} ms; floor (weights + KV read at {bandwidth / 1e9:.0f} GB/s) "
               f"{row['floor_s'] * 1e3:.2f} ms", flush=True)
