@@ -57,7 +57,10 @@ DecodeRows decode_rows(const char* op, torch::Tensor q, torch::Tensor tables, to
 void SplitPartials::merge(const DecodeRows& rows, int64_t row_begin, int64_t row_end, int64_t first_item,
                           float* out) const {
   const int64_t H = rows.H;
-  at::parallel_for(row_begin * KVH, row_end * KVH, 1, [&](int64_t begin, int64_t end) {
+  // A few (row, KV head) merges (a decode of one or two requests) run on this thread: waking the other
+  // costs more than they do.
+  constexpr int64_t kMergeGrain = 8;
+  at::parallel_for(row_begin * KVH, row_end * KVH, kMergeGrain, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / KVH, h = bh % KVH;
       const int64_t lo = rows.split_start[b] - first_item, hi = rows.split_start[b + 1] - first_item;
