@@ -244,9 +244,10 @@ def decoder_stack_forward_(stack: object, x: torch.Tensor, cos: torch.Tensor, si
                            rows: RowTables, scale: float, split_blocks: int) -> None:
     """x `[T, hidden]` fp32 (the residual stream, in place) through every layer of `stack`: each stores its
     new K, V at `slots` of its float cache and attends as `paged_decode` does; cos, sin `[T, head_dim]`."""
+    # One pool's caches share a device and a dtype: its first layer's stand for all (no per-layer loop here).
     if not (_rows(x) and x.is_contiguous() and _cpu_fp32(cos) and _cpu_fp32(sin) and slots.is_cpu
-            and slots.dtype is _LONG and _cpu_longs(rows)
-            and all(c.is_cpu and c.dtype in CACHE_DTYPES for c in (*k_caches, *v_caches))):
+            and slots.dtype is _LONG and _cpu_longs(rows) and k_caches[0].is_cpu and v_caches[0].is_cpu
+            and k_caches[0].dtype in CACHE_DTYPES and v_caches[0].dtype is k_caches[0].dtype):
         raise KernelInputError("decoder_stack_forward_: CPU fp32 rows, RoPE tables and float caches, int64 slots")
     stack.forward_(x, cos.contiguous(), sin.contiguous(), k_caches, v_caches, slots, *rows, scale, split_blocks)
 

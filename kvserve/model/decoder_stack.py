@@ -5,7 +5,9 @@ are the same as the layers' own forward (tests/model/test_decoder_stack.py holds
 the Python between the calls: on the embedded model a batch-1 decode step spent ~2 ms of ~8 there
 (`bench/step_profile.py`), ~66 us a layer for ~11 kernel calls.
 
-It runs where the model and the step both allow, else the layers run one by one as before:
+The stack is built once, on the first step that can use it, from the layers as loading converted them
+(it holds their packed tensors, not copies). It runs where the model and the step both allow, else the
+layers run one by one as before:
 - the model: plain Llama-family layers (no per-layer variations of a family built on them), every
   projection held as group codes or K-quant super-blocks (int4 / int8 weights; not fp32 or bf16), RoPE
   over whole heads, the C++ kernels built;

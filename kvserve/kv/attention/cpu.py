@@ -81,8 +81,8 @@ class PagedKVContext(AttentionContext):
                 or not cache.one_pass_store or cache.open_blocks is not None or cache.k_params or cache.v_params):
             return None
         decode = meta.decode
-        return PlainPagedStep(cache.k, cache.v, self._slots[0],
-                              ops.RowTables(decode.tables, decode.row_table, decode.row_low, decode.row_pos), SPLIT_BLOCKS)
+        rows = ops.RowTables(decode.tables, decode.row_table, decode.row_low, decode.row_pos)
+        return PlainPagedStep(cache.k, cache.v, self._slots[0], rows, SPLIT_BLOCKS)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
                sinks: torch.Tensor | None = None, keys_from_values: KeysFromValues | None = None) -> torch.Tensor:
