@@ -164,7 +164,7 @@ class PagedKVCache:
                                           block_size, spec.head_dim, self.device, use_cpp_kernels)
         # Plain float rows on both sides (no parameters, no fp8 bytes, one dtype): the one-pass C++ store.
         self.one_pass_store = (use_cpp_kernels and spec.k_codec.kind == "float" and spec.v_codec.kind == "float"
-                                and self.k[0].dtype == self.v[0].dtype and self.k[0].dtype in ops.CACHE_DTYPES)
+                               and self.k[0].dtype == self.v[0].dtype and self.k[0].dtype in ops.CACHE_DTYPES)
         # Blocks [0, _zeroed_upto) have been zeroed. A fresh pool hands blocks
         # out in id order, so zeroing up to a high-water mark in contiguous
         # chunks costs one memset per chunk instead of per-block scatters.
@@ -253,7 +253,7 @@ class PagedKVCache:
                                    v.reshape(-1, head_dim))
             return
         if self.one_pass_store and ops.store_kv_(self.k[layer].view(-1, head_dim), self.v[layer].view(-1, head_dim),
-                                              slot_indices, k, v):
+                                             slot_indices, k, v):
             return
         self.keys.write(layer, slot_indices, k.reshape(-1, head_dim))
         self.values.write(layer, slot_indices, v.reshape(-1, head_dim))
