@@ -80,9 +80,7 @@ class PagedKVContext(AttentionContext):
         if (meta.decode is None or meta.prefills or meta.decode.union_block_ids is not None
                 or not cache.one_pass_store or cache.open_blocks is not None or cache.k_params or cache.v_params):
             return None
-        decode = meta.decode
-        rows = ops.RowTables(decode.tables, decode.row_table, decode.row_low, decode.row_pos)
-        return PlainPagedStep(cache.k, cache.v, self._slots[0], rows, SPLIT_BLOCKS)
+        return PlainPagedStep(cache.k, cache.v, self._slots[0], meta.decode.row_tables(), SPLIT_BLOCKS)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
                sinks: torch.Tensor | None = None, keys_from_values: KeysFromValues | None = None) -> torch.Tensor:

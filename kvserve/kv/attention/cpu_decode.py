@@ -48,7 +48,7 @@ def cpp_decode(cache: PagedKVCache, layer: int, q: torch.Tensor, meta: DecodeMet
     """The C++ kernel's decode of `layer` over the pool where it lies (`cpp_decode_reads` said it can); `sinks`
     `[H]` join each row's softmax denominator in the kernel's merge of its splits; `own_blocks`: rows that read
     the block holding their position beside the pool (open blocks only: cpu_own_blocks.py)."""
-    rows = ops.RowTables(meta.tables, meta.row_table, meta.row_low, meta.row_pos)
+    rows = meta.row_tables()
     if not cache.k_params and not cache.v_params:
         return ops.paged_decode(q, cache.k[layer], cache.v[layer], rows, scale, split_blocks, sinks)
     spec, open_ = cache.spec, cache.open_blocks

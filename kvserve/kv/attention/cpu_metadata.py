@@ -18,6 +18,7 @@ import torch
 
 from kvserve.arith import cdiv
 from kvserve.errors import KVIntegrityError
+from kvserve.kernels import ops
 from kvserve.kv.attention.base import SequenceSlice, single_token_decode
 from kvserve.kv.groups.layout import first_needed_block
 
@@ -41,6 +42,10 @@ class DecodeMetadata:
     # the union of their blocks, each read once, with a per-request mask.
     union_block_ids: torch.Tensor | None = None  # [U]
     union_mask: torch.Tensor | None = None  # [num_seqs, U * block_size]
+
+    def row_tables(self) -> ops.RowTables:
+        """What the C++ kernels read of it."""
+        return ops.RowTables(self.tables, self.row_table, self.row_low, self.row_pos)
 
 
 # Use the union when the dense scores over it (num_seqs x U blocks) cost at most this many times the
