@@ -139,12 +139,11 @@ constexpr int64_t kTileBlocks = 4;
 
 // Attention of every row: fn(partials, item, b, blocks, valid, lo, hi) attends blocks [lo, hi) of split `item`
 // of row b (blocks[0 .. n), valid [n, BS]: the keys the row sees) into `partials`, on at::parallel_for's
-// threads; the splits are merged row by row. Returns [B, H * D]. Which thread runs a split, and which rows
+// threads; the splits are merged row by row into out [B, H * D] (contiguous). Which thread runs a split, and which rows
 // run beside it, never changes a row's result: its splits are fixed by its own position, each walked block
 // by block in order, and merged in order.
 template <typename Fn>
-torch::Tensor attend_splits(const DecodeRows& rows, Fn fn) {
-  auto out = torch::empty({rows.B, rows.H * rows.D}, rows.q.options());
+void attend_splits_into(const DecodeRows& rows, float* out, Fn fn) {
   // Tiles: runs of up to kTileRows consecutive rows reading one table from one first block.
   std::vector<int64_t> tile_start{0};
   for (int64_t b = 1; b < rows.B; ++b) {
@@ -207,9 +206,16 @@ torch::Tensor attend_splits(const DecodeRows& rows, Fn fn) {
         }
       }
     });
-    partials.merge(rows, tile_start[tile_begin], tile_start[tile_end], first, out.data_ptr<float>());
+    partials.merge(rows, tile_start[tile_begin], tile_start[tile_end], first, out);
     tile_begin = tile_end;
   }
+}
+
+// The same into a new [B, H * D].
+template <typename Fn>
+torch::Tensor attend_splits(const DecodeRows& rows, Fn fn) {
+  auto out = torch::empty({rows.B, rows.H * rows.D}, rows.q.options());
+  attend_splits_into(rows, out.data_ptr<float>(), fn);
   return out;
 }
 

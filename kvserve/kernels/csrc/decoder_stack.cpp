@@ -10,7 +10,9 @@
 #include "kernels.h"
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -34,19 +36,25 @@ struct StackLinear {
     TORCH_CHECK(parts > 0 && kinds.size() == parts && columns.size() == parts && outputs.size() == parts,
                 "StackLinear: one kind, column and output count per packed part");
     TORCH_CHECK(parts == 1 || kinds[0] >= 0, "StackLinear: several parts are K-quant matrices only");
+    TORCH_CHECK(bias.numel() == 0 || (bias.numel() == out_features && bias.is_contiguous() &&
+                                      bias.scalar_type() == at::kFloat),
+                "StackLinear: a bias is contiguous fp32 [out_features]");
   }
 
-  // x [M, K] -> [M, out_features]: what the layer's method (GroupQuantized / KQuant) computes.
-  torch::Tensor apply(const torch::Tensor& x) const {
-    torch::Tensor y;
+  // out [M, out_features] (contiguous) = x [M, K] W^T (+ bias): what the layer's method (GroupQuantized /
+  // KQuant) computes.
+  void apply(const torch::Tensor& x, const torch::Tensor& out) const {
     if (kinds[0] < 0) {
-      y = quant_matmul(x, packed[0], bits, out_features, -1, table);
+      quant_matmul_into(x, packed[0], bits, out_features, -1, table, out.data_ptr<float>());
     } else {
-      y = torch::empty({x.size(0), out_features}, x.options());
-      for (size_t i = 0; i < packed.size(); ++i) kquant_matmul_(x, packed[i], kinds[i], outputs[i], y, columns[i], -1);
+      for (size_t i = 0; i < packed.size(); ++i) kquant_matmul_(x, packed[i], kinds[i], outputs[i], out, columns[i], -1);
     }
-    if (bias.numel() > 0) y.add_(bias);
-    return y;
+    if (bias.numel() == 0) return;
+    const float* b = bias.data_ptr<float>();
+    float* y = out.data_ptr<float>();
+    for (int64_t r = 0, rows = out.size(0); r < rows; ++r) {
+      for (int64_t i = 0; i < out_features; ++i) y[r * out_features + i] += b[i];
+    }
   }
 };
 
@@ -64,13 +72,22 @@ struct DecoderStack {
         head_dim(head_dim_), activation(activation_), eps(eps_) {
     TORCH_CHECK(linears.size() == 2 * norms.size() && !norms.empty(),
                 "DecoderStack: four projections and two norms per layer");
+    for (size_t i = 0; i < linears.size(); ++i) {
+      TORCH_CHECK(linears[i].out_features == linears[i % 4].out_features,
+                  "DecoderStack: every layer's projections have the first layer's shapes");
+    }
+    for (const auto& norm : norms) {
+      TORCH_CHECK(norm.is_contiguous() && norm.scalar_type() == at::kFloat, "DecoderStack: contiguous fp32 norms");
+    }
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(norms.size()) / 2; }
 
   // x [T, hidden] (the residual stream, updated in place) through every layer; cos, sin [T, head_dim];
   // per layer its float K and V caches [blocks, KVH, block_size, D]; slots [T * KVH] the rows the new
-  // tokens are stored at; tables .. row_pos what each row attends over (ops.RowTables).
+  // tokens are stored at; tables .. row_pos what each row attends over (ops.RowTables). Each intermediate
+  // lives in one buffer that every layer reuses (the layers' own forward allocates each anew: ~10 tensors
+  // and as many views a layer, dispatched one by one).
   void forward_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
                 std::vector<torch::Tensor> v_caches, torch::Tensor slots, torch::Tensor tables,
                 torch::Tensor row_table, torch::Tensor row_low, torch::Tensor row_pos, double scale,
@@ -78,19 +95,39 @@ struct DecoderStack {
     const int64_t layers = num_layers();
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
                 "DecoderStack: one K and one V cache per layer");
-    const int64_t T = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+                "DecoderStack: x is contiguous fp32 [T, hidden]");
+    const int64_t T = x.size(0), hidden = x.size(1), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+    const int64_t intermediate = linears[2].out_features / 2;
+    TORCH_CHECK(linears[0].out_features == q_size + 2 * kv_size && linears[1].out_features == hidden &&
+                    linears[3].out_features == hidden, "DecoderStack: projections do not match the heads and x");
+    const auto options = x.options();
+    const torch::Tensor normed = torch::empty({T, hidden}, options), qkv = torch::empty({T, q_size + 2 * kv_size}, options),
+                        attended = torch::empty({T, q_size}, options), projected = torch::empty({T, hidden}, options),
+                        gate_up = torch::empty({T, 2 * intermediate}, options),
+                        activated = torch::empty({T, intermediate}, options);
+    const torch::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads, head_dim});
+    const torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim});
+    const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
+    float* xp = x.data_ptr<float>();
+    const float* down = projected.data_ptr<float>();  // the down projection reuses the O projection's buffer
     for (int64_t l = 0; l < layers; ++l) {
       const StackLinear* w = &linears[4 * l];
-      torch::Tensor qkv = w[0].apply(rms_norm(x, norms[2 * l], eps));
+      rms_norm_into(x, norms[2 * l], eps, normed.data_ptr<float>());
+      w[0].apply(normed, qkv);
       rope_(qkv, cos, sin, heads + kv_heads, head_dim);
-      torch::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads, head_dim});
-      torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim});
-      torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
-      store_kv_(k_caches[l].view({-1, head_dim}), v_caches[l].view({-1, head_dim}), slots, k, v);
-      torch::Tensor attended = paged_decode(q, k_caches[l], v_caches[l], tables, row_table, row_low, row_pos, scale,
-                                            split_blocks, no_sinks);
-      torch::Tensor h = add_rms_norm_(x, w[1].apply(attended), norms[2 * l + 1], eps);
-      x.add_(w[3].apply(gated_activation(w[2].apply(h), activation)));
+      store_kv_(k_caches[l], v_caches[l], slots, k, v);
+      paged_decode_into(q, k_caches[l], v_caches[l], tables, row_table, row_low, row_pos, scale, split_blocks,
+                        no_sinks, attended.data_ptr<float>());
+      w[1].apply(attended, projected);
+      add_rms_norm_into_(x, projected, norms[2 * l + 1], eps, normed.data_ptr<float>());
+      w[2].apply(normed, gate_up);
+      gated_activation_into(gate_up, activation, activated.data_ptr<float>());
+      w[3].apply(activated, projected);
+      // Rows per task as fused_ops.cpp's: a decode's few rows inline, a prefill chunk's on every thread.
+      at::parallel_for(0, T, std::max<int64_t>(1, 32768 / hidden), [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin * hidden; i < end * hidden; ++i) xp[i] += down[i];
+      });
     }
   }
 };

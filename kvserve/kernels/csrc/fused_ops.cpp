@@ -30,35 +30,39 @@ inline void normalize_row(const float* src, const float* weight, float* dst, int
 
 }  // namespace
 
-// x [T, H] -> x / rms(x) * weight.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+// x [T, H] -> out [T, H] (contiguous) = x / rms(x) * weight.
+void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, float* out) {
   check_rows(x, "rms_norm");
-  weight = weight.contiguous();
   const int64_t rows = x.size(0), width = x.size(1);
-  TORCH_CHECK(weight.numel() == width && weight.scalar_type() == at::kFloat, "rms_norm: fp32 weight of the row width");
-  auto out = torch::empty({rows, width}, x.options());
+  TORCH_CHECK(weight.numel() == width && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "rms_norm: contiguous fp32 weight of the row width");
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const int64_t stride = x.stride(0);
   at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) normalize_row(xp + r * stride, wp, op + r * width, width, static_cast<float>(eps));
+    for (int64_t r = begin; r < end; ++r) normalize_row(xp + r * stride, wp, out + r * width, width, static_cast<float>(eps));
   });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "rms_norm");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  rms_norm_into(x, weight.contiguous(), eps, out.data_ptr<float>());
   return out;
 }
 
-// residual += delta (in place), then returns rms_norm(residual): a decoder's residual add and the next norm.
-torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight, double eps) {
+// residual += delta (in place), then out [T, H] (contiguous) = rms_norm(residual): a decoder's residual add
+// and the next norm.
+void add_rms_norm_into_(const torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& weight,
+                        double eps, float* out) {
   check_rows(residual, "add_rms_norm_");
   check_rows(delta, "add_rms_norm_");
-  weight = weight.contiguous();
   const int64_t rows = residual.size(0), width = residual.size(1);
-  TORCH_CHECK(delta.size(0) == rows && delta.size(1) == width && weight.numel() == width, "add_rms_norm_: shapes differ");
-  auto out = torch::empty({rows, width}, residual.options());
+  TORCH_CHECK(delta.size(0) == rows && delta.size(1) == width && weight.numel() == width && weight.is_contiguous(),
+              "add_rms_norm_: shapes differ");
   float* rp = residual.data_ptr<float>();
   const float* dp = delta.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const int64_t rstride = residual.stride(0), dstride = delta.stride(0);
   at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -66,9 +70,15 @@ torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::
       const float* add = dp + r * dstride;
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i) row[i] += add[i];
-      normalize_row(row, wp, op + r * width, width, static_cast<float>(eps));
+      normalize_row(row, wp, out + r * width, width, static_cast<float>(eps));
     }
   });
+}
+
+torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight, double eps) {
+  check_rows(residual, "add_rms_norm_");
+  auto out = torch::empty({residual.size(0), residual.size(1)}, residual.options());
+  add_rms_norm_into_(residual, delta, weight.contiguous(), eps, out.data_ptr<float>());
   return out;
 }
 
@@ -104,15 +114,15 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads,
   });
 }
 
-// x [T, 2I] (gate, then up) -> act(gate) * up [T, I]; act: 0 = SiLU (Llama), 1 = GELU, tanh form (Gemma).
-torch::Tensor gated_activation(torch::Tensor x, int64_t activation) {
+// x [T, 2I] (gate, then up) -> out [T, I] (contiguous) = act(gate) * up; act: 0 = SiLU (Llama), 1 = GELU,
+// tanh form (Gemma).
+void gated_activation_into(const torch::Tensor& x, int64_t activation, float* out) {
   check_rows(x, "gated_activation");
   const int64_t rows = x.size(0), width = x.size(1) / 2;
   TORCH_CHECK(x.size(1) == 2 * width, "gated_activation: an even width");
   TORCH_CHECK(activation == 0 || activation == 1, "gated_activation: 0 (SiLU) or 1 (GELU tanh)");
-  auto out = torch::empty({rows, width}, x.options());
   const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  float* op = out;
   const int64_t stride = x.stride(0);
   at::parallel_for(0, rows, grain_rows(2 * width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -132,6 +142,12 @@ torch::Tensor gated_activation(torch::Tensor x, int64_t activation) {
       }
     }
   });
+}
+
+torch::Tensor gated_activation(torch::Tensor x, int64_t activation) {
+  check_rows(x, "gated_activation");
+  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  gated_activation_into(x, activation, out.data_ptr<float>());
   return out;
 }
 

@@ -100,22 +100,23 @@ using namespace kvserve_attention;
 // bf16, contiguous); tables (int64: the block tables of the rows' requests, one after another); row_table,
 // row_low, row_pos [B] (int64: where row b's table starts in `tables`, its first and last visible key
 // positions); split_blocks: blocks per split (<= 0: one split per row); sinks: fp32 [H], each head's learned
-// sink logit in its softmax denominator (gpt-oss), or empty. Returns [B, H * D].
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                           torch::Tensor row_table, torch::Tensor row_low, torch::Tensor row_pos, double scale,
-                           int64_t split_blocks, torch::Tensor sinks) {
+// sink logit in its softmax denominator (gpt-oss), or empty. Into out [B, H * D] (contiguous, the caller's:
+// the decoder stack reuses its buffers).
+void paged_decode_into(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& tables, const torch::Tensor& row_table, const torch::Tensor& row_low,
+                       const torch::Tensor& row_pos, double scale, int64_t split_blocks, const torch::Tensor& sinks,
+                       float* out) {
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: K and V caches of one dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: contiguous cache");
   const DecodeRows rows = decode_rows("paged_decode", q, tables, row_table, row_low, row_pos, k_cache.size(1),
                                       k_cache.size(2), scale, split_blocks, sinks);
   TORCH_CHECK(k_cache.size(3) == rows.D, "paged_decode: shapes disagree");
-  torch::Tensor out;
   const int64_t KVH = rows.KVH, block_elems = KVH * rows.BS * rows.D;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "paged_decode", [&] {
   const scalar_t* kp = k_cache.data_ptr<scalar_t>();
   const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-  out = attend_splits(rows, [&](SplitPartials& partials, int64_t item, int64_t b, const int64_t* blocks,
+  attend_splits_into(rows, out, [&](SplitPartials& partials, int64_t item, int64_t b, const int64_t* blocks,
                                 const bool* valid, int64_t lo, int64_t hi) {
     // A block's KV heads lie side by side: each block is read for every head before the next one, so
     // memory is read in runs of KVH * BS * D elements, where one head at a time would stride through it
@@ -142,5 +143,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     }
   });
   });
+}
+
+// The same into a new [B, H * D].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                           torch::Tensor row_table, torch::Tensor row_low, torch::Tensor row_pos, double scale,
+                           int64_t split_blocks, torch::Tensor sinks) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "paged_decode: fp32 queries [B, H, D] only");
+  auto out = torch::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  paged_decode_into(q, k_cache, v_cache, tables, row_table, row_low, row_pos, scale, split_blocks, sinks,
+                    out.data_ptr<float>());
   return out;
 }

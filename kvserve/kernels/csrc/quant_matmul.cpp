@@ -292,12 +292,13 @@ std::string quant_matmul_isa() {
   }
 }
 
-// x [M, K] fp32 (K a multiple of 32), packed [tiles, K / 32, block bytes] uint8 -> y [M, N] fp32.
+// x [M, K] fp32 (K a multiple of 32), packed [tiles, K / 32, block bytes] uint8 -> y [M, N] fp32 (contiguous,
+// the caller's: the decoder stack reuses its buffers).
 // isa: -1 = the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). table: uint8 [16],
 // the values 4-bit codes stand for (each below 128), or empty: the codes themselves.
-torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t N, int64_t isa,
-                           torch::Tensor table) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "quant_matmul: x must be 2-D fp32");
+void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, int64_t bits, int64_t N, int64_t isa,
+                       const torch::Tensor& table, float* y) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat && input.dim() == 2, "quant_matmul: x must be 2-D fp32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
               "quant_matmul: packed weights must be contiguous uint8 [tiles, groups, bytes]");
   TORCH_CHECK(bits == 4 || bits == 8, "quant_matmul: 4 or 8 bits");
@@ -308,7 +309,7 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, 
   for (int64_t i = 0; tabled && i < 16; ++i) {
     TORCH_CHECK(table.data_ptr<uint8_t>()[i] < 128, "quant_matmul: a code table's values are below 128");
   }
-  x = x.contiguous();
+  const torch::Tensor x = input.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t groups = K / kGroup, tiles = packed.size(0);
   TORCH_CHECK(K % kGroup == 0 && packed.size(1) == groups && packed.size(2) == block_bytes(bits) &&
@@ -323,9 +324,8 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, 
   scales.resize(2 * M * groups);
   float* dx = scales.data();
   float* sx = dx + M * groups;
-  auto y = torch::empty({M, N}, x.options());
   quantize_rows(x.data_ptr<float>(), M, K, xq.data(), dx, sx);
-  const Problem p{packed.data_ptr<uint8_t>(), xq.data(), dx, sx, y.data_ptr<float>(), M, K, N, groups, bits,
+  const Problem p{packed.data_ptr<uint8_t>(), xq.data(), dx, sx, y, M, K, N, groups, bits,
                   block_bytes(bits), tabled ? table.data_ptr<uint8_t>() : nullptr};
   const int64_t per_pass = rows_per_pass(chosen);
   // Work items are tiles of 16 outputs; each walks every row of x (the tile's weights stay in L1).
@@ -334,5 +334,13 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, 
       for (int64_t m0 = 0; m0 < M; m0 += per_pass) run_tile(chosen, p, t, m0, std::min(per_pass, M - m0));
     }
   });
+}
+
+// The same into a new [M, N].
+torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t N, int64_t isa,
+                           torch::Tensor table) {
+  TORCH_CHECK(x.dim() == 2, "quant_matmul: x must be 2-D fp32");
+  auto y = torch::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  quant_matmul_into(x, packed, bits, N, isa, table, y.data_ptr<float>());
   return y;
 }
