@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.engine.output.types import TokenLogprob
-from kvserve.engine.sample.sampling import SamplingParams, make_generator, sample
+from kvserve.engine.sample.sampling import SamplingParams, greedy_tokens, make_generator, sample
 from kvserve.engine.spec_decode.verify import verify_drafts
 from kvserve.structured.mask import apply_bitmask
 from kvserve.structured.matcher import GrammarMatcher, bitmask_words
@@ -114,7 +114,7 @@ class TokenAcceptor:
         if plain:
             # Every row plain (the common case): no copy of the rows' logits first.
             picked = logits if len(plain) == len(rows) == logits.shape[0] else logits[[row.first for row in plain]]
-            for row, token in zip(plain, picked.argmax(dim=-1).tolist()):
+            for row, token in zip(plain, greedy_tokens(picked)):
                 tokens[row.request_id] = [*row.forced_token_ids, token]
         for row in rows:
             state = self._states[row.request_id]
@@ -137,7 +137,7 @@ class TokenAcceptor:
             rows = logits[row.first : row.first + len(row.draft_token_ids) + 1]
             return verify_drafts(rows, row.draft_token_ids, state.params, state.generator, state.seen,
                                  state.output_counts)
-        best = logits[row.first : row.first + len(row.draft_token_ids) + 1].argmax(dim=-1).tolist()
+        best = greedy_tokens(logits[row.first : row.first + len(row.draft_token_ids) + 1])
         kept = 0
         while kept < len(row.draft_token_ids) and row.draft_token_ids[kept] == best[kept]:
             kept += 1

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from kvserve.engine.sample.sampling import SamplingParams, apply_repetition_penalty, make_generator, sample
+from kvserve.engine.sample.sampling import (SamplingParams, apply_repetition_penalty, greedy_tokens, make_generator,
+                                            sample)
 from kvserve.errors import InvalidRequestError
 
 
@@ -52,6 +53,17 @@ def _logits(seed=0, vocab=50):
 def test_greedy_is_argmax():
     logits = _logits()
     assert sample(logits, SamplingParams(temperature=0.0), make_generator(None)) == int(logits.argmax())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_torchs_argmax_ties_and_nan_included(dtype):
+    rows = torch.randn(5, 49152, generator=torch.Generator().manual_seed(0)).to(dtype)
+    rows[1, 7] = rows[1, 9000] = rows[1].max() + 1  # a tie: the first index
+    rows[2, 300] = rows[2, 40000] = float("nan")  # NaN counts as the largest: the first one
+    rows[3] = 0.5  # every value the same
+    assert greedy_tokens(rows) == rows.argmax(dim=-1).tolist()
+    assert greedy_tokens(rows)[1:4] == [7, 300, 0]
+    assert greedy_tokens(rows[:, ::2]) == rows[:, ::2].argmax(dim=-1).tolist()  # strided rows
 
 
 def test_same_seed_same_tokens_different_seed_differs():
