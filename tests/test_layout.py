@@ -15,7 +15,7 @@ MAX_CLASS_LINES = 250
 
 # Lowest first: a unit may import its own layer or lower ones, never a higher one.
 LAYERS = [
-    {"errors", "arith", "config_fields", "cpu_features", "memory_sizes"},
+    {"errors", "arith", "config_fields", "cpu_features", "memory_sizes", "huge_pages"},
     {"config"},
     {"kernels"},
     {"platform"},

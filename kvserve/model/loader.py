@@ -22,6 +22,7 @@ from kvserve.model.causal_lm import CausalLM
 from kvserve.model.checkpoint import load_checkpoint
 from kvserve.model.gguf import load_gguf
 from kvserve.model.gguf_file import GGUFFile
+from kvserve.model.weight_pages import gather_linear_weights
 from kvserve.model.quantized_linear import GROUP_BITS, EXACT_INT4_SOURCES, convert_linear_weights, resolve_for_config
 from kvserve.model.registry import model_class
 from kvserve.model.tokenizer import Tokenizer
@@ -173,6 +174,7 @@ def load_model(path: str | Path | None = None, cache_dtype: str = "auto",
         raise ModelLoadError(f"model not found: {path} (expected a .gguf file or a Hugging Face checkpoint directory)")
     model = build_model(config, weights)
     linear_dtype = convert_linear_weights(model, weights_dtype, exact_int4, codes)
+    gather_linear_weights(model)  # onto huge pages, where the OS has them (model/weight_pages.py)
     loaded = LoadedModel(config, model, tokenizer, str(path), weight_format, linear_dtype)
     log.info("loaded in %.1fs\n%s", time.perf_counter() - started, loaded.summary(cache_dtype))
     return loaded

@@ -16,8 +16,8 @@ encodes a block only once it is full: until then the block's K and V are kept
 in float16 beside the pool (kv/cache/open_blocks.py), and every reader here takes
 an open block's rows from there.
 
-Allocated once with torch.empty on the pool's device (EngineConfig.device), so
-pages are committed only as they are used; every tensor built here is built there. Never-written memory may hold NaN/inf, and attention multiplies masked
+Allocated once, uninitialized, on the pool's device (EngineConfig.device; on the CPU on huge pages where
+the OS has them), so pages are committed only as they are used; every tensor built here is built there. Never-written memory may hold NaN/inf, and attention multiplies masked
 rows of a partly filled block by a zero probability (0 x NaN = NaN), so every
 block is zeroed before a step first uses it (`initialize_blocks_through`).
 A token at position p of a request lives in block `table[p // block_size]`,
@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from kvserve import huge_pages
 from kvserve.kernels import ops
 from kvserve.kv.cache.open_blocks import OpenBlocks
 from kvserve.kv.cache.quant import PARAM_DTYPE, KVCodec
@@ -76,11 +77,12 @@ class _PagedSide:
         # One tensor per slot of a page (kv/groups/layout.py); layer i addresses its slot's tensor with the page
         # ids of its own group. A model of one kind has one slot per layer.
         layout = spec.layout
-        self.slot_data = [torch.empty(shape, dtype=container, device=device) for _ in range(layout.page_layers)]
+        # On huge pages where the OS has them (kvserve/huge_pages.py): every decode step reads the blocks again.
+        self.slot_data = [huge_pages.empty(shape, container, device) for _ in range(layout.page_layers)]
         num_params = codec.num_params(spec.head_dim, block_size)
         params_shape = layer_shape(num_blocks, spec.num_kv_heads, block_size, num_params)
         self.block_size = block_size
-        self.slot_params = [torch.empty(params_shape, dtype=PARAM_DTYPE, device=device)
+        self.slot_params = [huge_pages.empty(params_shape, PARAM_DTYPE, device)
                             for _ in range(layout.page_layers)] if num_params else []
         self.data = [self.slot_data[slot] for slot in layout.layer_slot]
         self.params = [self.slot_params[slot] for slot in layout.layer_slot] if num_params else []

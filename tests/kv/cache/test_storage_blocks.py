@@ -5,6 +5,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
+from tests.test_huge_pages import THP, madvised_huge
 
 
 def raw(tensor: torch.Tensor) -> torch.Tensor:
@@ -32,3 +33,12 @@ def test_write_blocks_refuses_a_payload_of_another_size(tiny_models):
     cache = Engine(EngineConfig(kv_cache_memory=1 << 20), loaded=tiny_models("llama-gqa")).kv_cache
     with pytest.raises(ValueError, match="payloads of"):
         cache.write_blocks([1], [b"\0" * (cache.block_nbytes - 1)])
+
+
+@pytest.mark.skipif(not THP, reason="transparent huge pages are off here")
+@pytest.mark.parametrize("dtype", ["auto", "int8"])
+def test_a_large_pool_lies_on_huge_pages(tiny_models, dtype):
+    # Every decode step reads the blocks again (kvserve/huge_pages.py).
+    large = Engine(EngineConfig(kv_cache_memory=256 << 20, kv_cache_dtype=dtype), loaded=tiny_models("llama-gqa")).kv_cache
+    assert all(madvised_huge(tensor.data_ptr()) for tensor in large.k + large.v)
+    assert all(madvised_huge(tensor.data_ptr()) for tensor in large.k_params + large.v_params if tensor.nbytes >= 2 << 20)
