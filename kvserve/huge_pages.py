@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.arith import round_up
+
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
@@ -48,7 +50,7 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
     madvise = _madvise()
     if madvise is None or nbytes <= 0:
         return None
-    length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    length = round_up(nbytes, HUGE_PAGE)
     raw = torch.empty(length + HUGE_PAGE, dtype=torch.uint8, device="cpu")
     start = -raw.data_ptr() % HUGE_PAGE
     if madvise(raw.data_ptr() + start, length, _MADV_HUGEPAGE) != 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve.arith import round_up
 from kvserve.huge_pages import huge_page_buffer
 from kvserve.model.layers import Linear
 
@@ -21,7 +22,7 @@ def gather_linear_weights(model: nn.Module) -> int:
     """Move the packed weights (uint8 group codes, K-quant super-blocks) of `model`'s `Linear` layers into
     one huge-page buffer, each tensor's module entry rebound to its new place; returns the bytes moved (0
     where nothing moved). Call it after conversion and before anything (the decoder stack) holds them."""
-    entries = []  # (module, registry, name, tensor)
+    entries = []  # (registry, name, tensor): the module's parameter or buffer dict, the entry's name
     for module in model.modules():
         if not isinstance(module, Linear):
             continue
@@ -29,22 +30,20 @@ def gather_linear_weights(model: nn.Module) -> int:
             for name, tensor in registry.items():
                 if (tensor is not None and tensor.device.type == "cpu" and tensor.dtype is torch.uint8
                         and tensor.is_contiguous() and tensor.nbytes >= _MIN_BYTES):
-                    entries.append((module, registry, name, tensor))
-    if not entries:
-        return 0
-    offsets: dict[int, int] = {}  # data_ptr -> offset in the buffer (a tensor two layers share moves once)
+                    entries.append((registry, name, tensor))
+    offsets: dict[tuple[int, int], int] = {}  # (data_ptr, nbytes) -> offset: a tensor two layers share moves once
     total = 0
     for *_, tensor in entries:
-        if tensor.data_ptr() not in offsets:
-            offsets[tensor.data_ptr()] = total
-            total += -(-tensor.nbytes // _ALIGN) * _ALIGN
-    buffer = huge_page_buffer(total)
+        if (tensor.data_ptr(), tensor.nbytes) not in offsets:
+            offsets[tensor.data_ptr(), tensor.nbytes] = total
+            total += round_up(tensor.nbytes, _ALIGN)
+    buffer = huge_page_buffer(total) if entries else None
     if buffer is None:
         return 0
     copied: set[int] = set()
-    while entries:  # each old tensor let go as soon as it is moved: at most one more tensor's bytes held
-        module, registry, name, tensor = entries.pop()
-        offset = offsets[tensor.data_ptr()]
+    while entries:  # each old tensor is let go once moved (and no longer listed): memory grows by one tensor at a time
+        registry, name, tensor = entries.pop()
+        offset = offsets[tensor.data_ptr(), tensor.nbytes]
         moved = buffer[offset : offset + tensor.nbytes].view(tensor.shape)
         if offset not in copied:
             moved.copy_(tensor)

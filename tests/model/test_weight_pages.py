@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvserve import huge_pages
+from kvserve.arith import round_up
 from kvserve.model import weight_pages
 from kvserve.model.layers import Linear
 from kvserve.model.loader import load_model
@@ -59,4 +60,4 @@ def test_a_tensor_two_layers_share_moves_once(tmp_path):
         assert moved == 0
         return
     assert first.packed.data_ptr() == second.packed.data_ptr()
-    assert moved == sum(-(-tensor.nbytes // 64) * 64 for tensor in {t.data_ptr(): t for t in _packed(model)}.values())
+    assert moved == sum(round_up(tensor.nbytes, 64) for tensor in {t.data_ptr(): t for t in _packed(model)}.values())
