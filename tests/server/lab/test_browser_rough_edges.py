@@ -126,7 +126,9 @@ def test_a_grouped_map_shows_draft_slots_close_up_and_in_the_cell_panel(default_
     browser.wait_for("Number(document.body.dataset.updates) >= 1")
     assert browser.text("count-total") == "11,650"
     statuses: list[int] = []
-    threads = drafting_traffic(default_pool_server, statuses, PROMPTS, max_tokens=100)
+    # Long enough that the map's polls land on several drafting steps: with 100 tokens the traffic could end
+    # before the map had drawn a step with both kept and rolled-back slots (one run in four, once steps got faster).
+    threads = drafting_traffic(default_pool_server, statuses, PROMPTS, max_tokens=400)
     data = "document.body.dataset"
     browser.wait_for(f"Number({data}.draftCells) > 0 && Number({data}.draftKept) > 0 && "
                      f"Number({data}.draftRolledBack) > 0", timeout=180)
