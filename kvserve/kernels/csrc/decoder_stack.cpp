@@ -16,6 +16,18 @@
 #include <cstdint>
 #include <vector>
 
+// y [rows, width] += a's rows (a_stride elements apart; 0: one row added to every row): the same float
+// additions torch's add_ makes, without a dispatched op. Rows per task as fused_ops.cpp's: a decode's few
+// rows inline, a prefill chunk's on every thread.
+static void add_rows_(float* y, const float* a, int64_t rows, int64_t width, int64_t a_stride) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) y[r * width + i] += a[r * a_stride + i];
+    }
+  });
+}
+
 // One projection's weights: `packed[i]` fills output columns columns[i] .. columns[i] + outputs[i]; kinds[i]
 // is -1 for group codes of `bits` (through `table` when it is not empty), else a K-quant kind number.
 struct StackLinear {
@@ -49,12 +61,7 @@ struct StackLinear {
     } else {
       for (size_t i = 0; i < packed.size(); ++i) kquant_matmul_(x, packed[i], kinds[i], outputs[i], out, columns[i], -1);
     }
-    if (bias.numel() == 0) return;
-    const float* b = bias.data_ptr<float>();
-    float* y = out.data_ptr<float>();
-    for (int64_t r = 0, rows = out.size(0); r < rows; ++r) {
-      for (int64_t i = 0; i < out_features; ++i) y[r * out_features + i] += b[i];
-    }
+    if (bias.numel() > 0) add_rows_(out.data_ptr<float>(), bias.data_ptr<float>(), out.size(0), out_features, 0);
   }
 };
 
@@ -109,8 +116,6 @@ struct DecoderStack {
     const torch::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads, head_dim});
     const torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim});
     const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
-    float* xp = x.data_ptr<float>();
-    const float* down = projected.data_ptr<float>();  // the down projection reuses the O projection's buffer
     for (int64_t l = 0; l < layers; ++l) {
       const StackLinear* w = &linears[4 * l];
       rms_norm_into(x, norms[2 * l], eps, normed.data_ptr<float>());
@@ -123,11 +128,8 @@ struct DecoderStack {
       add_rms_norm_into_(x, projected, norms[2 * l + 1], eps, normed.data_ptr<float>());
       w[2].apply(normed, gate_up);
       gated_activation_into(gate_up, activation, activated.data_ptr<float>());
-      w[3].apply(activated, projected);
-      // Rows per task as fused_ops.cpp's: a decode's few rows inline, a prefill chunk's on every thread.
-      at::parallel_for(0, T, std::max<int64_t>(1, 32768 / hidden), [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin * hidden; i < end * hidden; ++i) xp[i] += down[i];
-      });
+      w[3].apply(activated, projected);  // the down projection into the O projection's buffer
+      add_rows_(x.data_ptr<float>(), projected.data_ptr<float>(), T, hidden, hidden);
     }
   }
 };

@@ -122,13 +122,12 @@ void gated_activation_into(const torch::Tensor& x, int64_t activation, float* ou
   TORCH_CHECK(x.size(1) == 2 * width, "gated_activation: an even width");
   TORCH_CHECK(activation == 0 || activation == 1, "gated_activation: 0 (SiLU) or 1 (GELU tanh)");
   const float* xp = x.data_ptr<float>();
-  float* op = out;
   const int64_t stride = x.stride(0);
   at::parallel_for(0, rows, grain_rows(2 * width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = xp + r * stride;
       const float* up = gate + width;
-      float* o = op + r * width;
+      float* o = out + r * width;
       if (activation == 0) {
 #pragma omp simd
         for (int64_t i = 0; i < width; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
