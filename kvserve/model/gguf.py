@@ -22,10 +22,10 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError, UnsupportedModelError
-from kvserve.kernels.kquant_packing import KQUANT_KINDS, KQuantCodes
+from kvserve.kernels.kquant_packing import KQuantCodes
 from kvserve.kernels.packing import GroupCodes
 from kvserve.model.gguf_file import GGUFFile, GGUFTensorInfo
-from kvserve.model.gguf_quants import (dequantize, ggml_type_name, group_codes, kquant_codes, mxfp4_held_exactly,
+from kvserve.model.gguf_quants import (codes_held_exactly, dequantize, ggml_type_name, group_codes, kquant_codes,
                                       tensor_nbytes)
 from kvserve.model.family import GGUF_GLOBAL_TENSORS
 from kvserve.model.registry import GGUF, Architecture, find_architecture
@@ -69,10 +69,10 @@ class GGUFModel:
 
         GGUF's `rope_freqs` (Llama 3.1-style scaling) comes as ("rope_freqs", divisors), a family's other
         extra tensors by the names it gives them (kvserve.model.family), flattened like it. `codes_held`: the
-        layers' K-quant matrices (and MXFP4 ones: `_codes_held`), whole or an expert's, come as meta tensors
-        (a shape, no data), not dequantized, for a loader
-        whose linear layers take the file's codes instead (`group_codes`; a fused projection mixing them with
-        other types too) and write nothing for them (UnquantizedLinearMethod.load), so a 1B-class file
+        layers' matrices whose codes the layers hold exactly (K-quants, Q4_0 .. Q8_0 groups, MXFP4:
+        `_codes_held`), whole or an expert's, come as meta tensors (a shape, no data), not dequantized, for a
+        loader whose linear layers take the file's codes instead (`group_codes`; a fused projection mixing them
+        with other types too) and write nothing for them (UnquantizedLinearMethod.load), so a 1B-class file
         neither dequantizes a billion weights only to drop them nor fills 4 GB of fp32 with zeros.
         """
         extras = _extra_tensors(self.architecture)
@@ -99,15 +99,15 @@ class GGUFModel:
 
     def _codes_held(self, part: TensorPart) -> bool:
         """Whether group-quantized layers take this part's own codes whole, so that its fp32 is never made: a
-        layer's K-quant matrix, or one expert's (a 30B MoE's experts in fp32 would not fit in memory), or an
-        MXFP4 one whose scales fp16 holds exactly (gpt-oss's experts; `group_codes`)."""
+        layer's matrix, or one expert's (a 30B MoE's experts in fp32 would not fit in memory), of a K-quant or
+        group type whose scales and offsets fp16 holds exactly (`codes_held_exactly`; where it does not, the
+        layer quantizes the fp32). Not the convolution kernels, which no linear layer takes."""
         tensor = part.tensor
-        type_name = ggml_type_name(tensor.ggml_type)
-        if not tensor.name.startswith("blk.") or len(tensor.shape) - (part.expert is not None) != 2:
+        if (not tensor.name.startswith("blk.") or len(tensor.shape) - (part.expert is not None) != 2
+                or tensor.name.endswith(_NOT_LINEAR)):
             return False
-        if type_name in KQUANT_KINDS:
-            return True
-        return type_name == "MXFP4" and mxfp4_held_exactly(*self._raw(part)[1:])
+        type_name, raw, shape = self._raw(part)
+        return codes_held_exactly(raw, type_name, shape)
 
     def group_codes(self, hf_name: str) -> GroupCodes | KQuantCodes | None:
         """The file's own codes of the matrix loaded as `hf_name` (Q/K rows unpermuted as in `weights`): group

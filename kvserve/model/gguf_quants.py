@@ -176,27 +176,35 @@ def _raw_f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start : start + 2].contiguous().view(torch.float16)[:, 0]
 
 
+# The 32-element types whose blocks are w = d * code + offset: the offset's multiple of d for those that
+# store codes centred on zero (Q4_0's 4-bit codes stand for code - 8), else None: the block stores its min.
+_CENTRED = {"Q4_0": -8, "Q4_1": None, "Q5_0": -16, "Q5_1": None, "Q8_0": -128}
+
+
+def _offsets(type_name: str, blocks: torch.Tensor) -> torch.Tensor:
+    """Each block's offset [n] fp16 for a `_CENTRED` type (overflowing to inf where d is too large for it)."""
+    multiple = _CENTRED[type_name]
+    return _raw_f16(blocks, 2) if multiple is None else _raw_f16(blocks, 0) * multiple
+
+
 def _grouped(type_name: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
     """(codes [n, 32] uint8, scale [n] fp16, offset [n] fp16, bits) with w = scale * code + offset, for the
     32-element types whose blocks are exactly that; None for the others."""
-    if type_name == "Q4_0":
-        d = _raw_f16(blocks, 0)
-        return _nibbles(blocks[:, 2:18]), d, d * -8, 4
-    if type_name == "Q4_1":
-        return _nibbles(blocks[:, 4:20]), _raw_f16(blocks, 0), _raw_f16(blocks, 2), 4
-    if type_name == "Q5_0":
-        d = _raw_f16(blocks, 0)
-        return _nibbles(blocks[:, 6:22]) | (_bits(blocks[:, 2:6], 32) << 4), d, d * -16, 8
-    if type_name == "Q5_1":
-        codes = _nibbles(blocks[:, 8:24]) | (_bits(blocks[:, 4:8], 32) << 4)
-        return codes, _raw_f16(blocks, 0), _raw_f16(blocks, 2), 8
-    if type_name == "Q8_0":
-        d = _raw_f16(blocks, 0)
-        codes = (blocks[:, 2:34].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-        return codes, d, d * -128, 8
     if type_name == "MXFP4":
         return _mxfp4_grouped(blocks)
-    return None
+    if type_name not in _CENTRED:
+        return None
+    scales, offsets = _raw_f16(blocks, 0), _offsets(type_name, blocks)
+    if type_name == "Q4_0":
+        return _nibbles(blocks[:, 2:18]), scales, offsets, 4
+    if type_name == "Q4_1":
+        return _nibbles(blocks[:, 4:20]), scales, offsets, 4
+    if type_name == "Q5_0":
+        return _nibbles(blocks[:, 6:22]) | (_bits(blocks[:, 2:6], 32) << 4), scales, offsets, 8
+    if type_name == "Q5_1":
+        return _nibbles(blocks[:, 8:24]) | (_bits(blocks[:, 4:8], 32) << 4), scales, offsets, 8
+    codes = (blocks[:, 2:34].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)  # Q8_0
+    return codes, scales, offsets, 8
 
 
 # MXFP4's doubled E2M1 values (_E2M1_DOUBLED) shifted by 12 to be unsigned codes 0..24: w = s * (code - 12).
@@ -245,6 +253,19 @@ def group_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Grou
     return GroupCodes(codes.reshape(rows, cols).contiguous(), scales.reshape(rows, groups).contiguous(),
                       offsets.reshape(rows, groups).contiguous(), bits,
                       MXFP4_LEVELS if type_name == "MXFP4" else None)
+
+
+def codes_held_exactly(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> bool:
+    """Whether `kquant_codes` or `group_codes` gives this 2-D matrix's own codes, every weight exactly the
+    file's: so a loader whose layers hold codes never needs its fp32 (GGUFModel.weights). Reads the blocks'
+    scales only, not their codes."""
+    if len(shape) != 2:
+        return False
+    if type_name in KQUANT_KINDS:
+        return True
+    if type_name == "MXFP4":
+        return mxfp4_held_exactly(raw, shape)
+    return type_name in _CENTRED and fits_fp16(_offsets(type_name, _blocks(raw, type_name, shape, copy=False)).float())
 
 
 def kquant_codes(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> KQuantCodes | None:

@@ -7,7 +7,7 @@ import torch
 from gguf.quants import dequantize as reference_dequantize
 
 from kvserve.errors import UnsupportedModelError
-from kvserve.model.gguf_quants import SUPPORTED_TYPES, dequantize, group_codes
+from kvserve.model.gguf_quants import SUPPORTED_TYPES, codes_held_exactly, dequantize, group_codes
 
 # Byte offsets of the fp16 scale fields in each block, which must hold finite
 # values (random bytes would give NaN/inf scales that compare unequal).
@@ -104,3 +104,26 @@ def test_mxfp4_as_group_codes_is_exactly_the_files_weights():
     for exponent in (103, 141, 0):
         raw[5, 0] = exponent
         assert group_codes(raw.reshape(-1), "MXFP4", (8, 4 * 32)) is None
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_codes_held_exactly_is_whether_group_codes_gives_the_files_weights(type_name):
+    """What lets a loader skip a matrix's fp32 says yes exactly where `group_codes` gives every weight: a
+    centred type's offset (-8d, -16d, -128d) that overflows fp16 in one block makes both say no."""
+    raw = _random_blocks(type_name, 8 * 4, np.random.default_rng(4))
+    shape = (8, 4 * 32)
+    codes = group_codes(raw.reshape(-1), type_name, shape)
+    assert codes_held_exactly(raw.reshape(-1), type_name, shape) and codes is not None
+    assert torch.equal(codes.dequantize(), dequantize(raw.reshape(-1), type_name, shape))
+    raw[5, 0:2] = np.array([9000.0], dtype=np.float16).view(np.uint8)  # d: 8d, 16d, 128d overflow fp16
+    held = codes_held_exactly(raw.reshape(-1), type_name, shape)
+    assert held == (group_codes(raw.reshape(-1), type_name, shape) is not None)
+    assert held == (type_name in ("Q4_1", "Q5_1"))  # these store their offset: any fp16 scale fits
+
+
+def test_codes_held_exactly_of_other_types_and_shapes():
+    rng = np.random.default_rng(5)
+    assert codes_held_exactly(_random_blocks("Q4_K", 2, rng).reshape(-1), "Q4_K", (2, 256))
+    assert not codes_held_exactly(np.zeros(2 * 32, dtype=np.float32), "F32", (2, 32))
+    assert not codes_held_exactly(np.zeros(2 * 32, dtype=np.float16), "F16", (2, 32))
+    assert not codes_held_exactly(_random_blocks("Q8_0", 2, rng).reshape(-1), "Q8_0", (64,))  # not a matrix

@@ -81,13 +81,21 @@ def test_converting_a_model_keeps_the_parameter_count_and_holds_fewer_bytes(tmp_
 
 @needs_kernels
 @pytest.mark.parametrize("file_type", ["Q4_0", "Q4_1", "Q8_0"])
-def test_a_gguf_files_own_codes_are_what_the_layers_hold(file_type, tmp_path):
+def test_a_gguf_files_own_codes_are_what_the_layers_hold(file_type, tmp_path, monkeypatch):
+    from kvserve.model import gguf as gguf_module
     from tests.helpers import int8_activation_matmul, write_gguf
 
     path = tmp_path / "model.gguf"
     write_gguf(build_hf_model("llama-gqa"), path, {"proj": file_type})
     dtype = "int4" if file_type.startswith("Q4") else "int8"
-    packed, exact = load_model(path, weights_dtype=dtype), load_model(path, weights_dtype="float32")
+    decoded = []  # the types dequantized to fp32 while loading: none of the layers' matrices' (held as codes)
+    real = gguf_module.dequantize
+    monkeypatch.setattr(gguf_module, "dequantize",
+                        lambda raw, type_name, shape: decoded.append(type_name) or real(raw, type_name, shape))
+    packed = load_model(path, weights_dtype=dtype)
+    assert decoded and file_type not in decoded
+    exact = load_model(path, weights_dtype="float32")
+    assert file_type in decoded  # float32 layers are the dequantized file
     for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         layer = packed.model.layers[1].get_submodule(name)
         weight = exact.model.layers[1].get_submodule(name).weight  # the file's values (Q, K rows unpermuted)
