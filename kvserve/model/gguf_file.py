@@ -23,6 +23,7 @@ from kvserve.arith import round_up
 from kvserve.errors import ModelLoadError
 
 _MAGIC = b"GGUF"
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _STRING, _ARRAY = 8, 9
 # GGUF value type -> numpy dtype for the fixed-size scalar types.
 _SCALARS: dict[int, np.dtype] = {
@@ -43,23 +44,41 @@ class GGUFTensorInfo:
 class _Cursor:
     def __init__(self, data: np.ndarray) -> None:
         self.data = data
+        # Integers and strings are read from a memoryview of the map: a numpy slice per field cost ~2 us,
+        # 0.7 s for the ~100k strings of a 49k-token vocabulary and its merges.
+        self.buffer = memoryview(data)
+        self.size = len(self.buffer)
         self.pos = 0
 
-    def take(self, size: int) -> np.ndarray:
-        if self.pos + size > self.data.size:
+    def _end(self, size: int) -> int:
+        end = self.pos + size
+        if end > self.size:
             raise ModelLoadError("GGUF file is truncated")
-        out = self.data[self.pos : self.pos + size]
-        self.pos += size
+        return end
+
+    def take(self, size: int) -> np.ndarray:
+        end = self._end(size)
+        out = self.data[self.pos : end]
+        self.pos = end
         return out
 
+    def _unpack(self, fmt: struct.Struct) -> int:
+        end = self._end(fmt.size)
+        value = fmt.unpack_from(self.buffer, self.pos)[0]
+        self.pos = end
+        return value
+
     def u32(self) -> int:
-        return struct.unpack("<I", self.take(4).tobytes())[0]
+        return self._unpack(_U32)
 
     def u64(self) -> int:
-        return struct.unpack("<Q", self.take(8).tobytes())[0]
+        return self._unpack(_U64)
 
     def string(self) -> str:
-        return self.take(self.u64()).tobytes().decode("utf-8", errors="replace")
+        end = self._end(self.u64())
+        text = str(self.buffer[self.pos : end], "utf-8", errors="replace")
+        self.pos = end
+        return text
 
     def value(self, value_type: int) -> Any:
         if value_type in _SCALARS:
