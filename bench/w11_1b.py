@@ -9,7 +9,8 @@ test decodes at the same depths as kvserve's W2; best of its repetitions) on the
 interleaved rounds (kvserve, then llama-bench, file after file), plus the embedded SmolLM2-135M Q4_1 file
 (`--files SmolLM2`). Printed per file: the engine's start to ready (loading the file, building the engine,
 the first request: the kernels' first call), the bytes a decode step reads, the bandwidth floor (those
-bytes / the measured read bandwidth), and per round TTFT, TPOT and the ratios; then each figure's range.
+bytes / the measured read bandwidth, probed again before each round's runs: the host's load moves it), and
+per round the floor, TTFT, TPOT and the ratios; then each figure's range.
 
 llama-quantize, llama-bench: bench/llama_tools.py's lookup (it says how to build them). Without
 llama-quantize the files are written by kvserve's own quantizer (kvserve/kernels/kquant_quantize.py, the
@@ -182,9 +183,10 @@ class Subject:
     name: str
     path: Path
     engine: Engine
-    floor: float  # seconds a decode step takes at the measured read bandwidth
+    bytes_per_token: int
     kvserve: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     llama: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    floors: dict[str, list[float]] = field(default_factory=dict)  # per round: seconds a step takes at its bandwidth
 
 
 def open_subject(name: str, path: Path, args: argparse.Namespace, bandwidth: float) -> Subject:
@@ -203,7 +205,7 @@ def open_subject(name: str, path: Path, args: argparse.Namespace, bandwidth: flo
           f"{ready_at - started:.1f} s (load {loaded_at - started:.1f} s, engine {built_at - loaded_at:.1f} s, "
           f"first request {ready_at - built_at:.1f} s); linear layers {loaded.linear_dtype}, "
           f"{per_token / 1e6:.0f} MB read per token, floor {floor * 1e3:.1f} ms", flush=True)
-    return Subject(name, path, engine, floor)
+    return Subject(name, path, engine, per_token)
 
 
 def kvserve_round(subject: Subject, workload: str, runs: int, round_index: int) -> tuple[float, float]:
@@ -235,18 +237,21 @@ def _span(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
 
 
 def print_summary(subjects: list[Subject]) -> None:
-    """Each figure's range over the rounds; the ratios are per round (kvserve / llama-bench of one round)."""
+    """Each figure's range over the rounds; the ratios are per round (kvserve / llama-bench of one round, each
+    engine's TPOT over that round's floor)."""
     print("summary (ranges over rounds):", flush=True)
     for subject in subjects:
         for workload, ours in subject.kvserve.items():
+            floors = subject.floors[workload]
             line = (f"  {subject.name} {workload}: kvserve TTFT {_span([t for t, _ in ours])} s, TPOT "
-                    f"{_span([p for _, p in ours], 1e3, 1)} ms ({_span([p / subject.floor for _, p in ours])}x "
-                    f"the floor of {subject.floor * 1e3:.1f} ms)")
+                    f"{_span([p for _, p in ours], 1e3, 1)} ms ({_span([p / f for (_, p), f in zip(ours, floors)])}x "
+                    f"the floor of {_span(floors, 1e3, 1)} ms)")
             theirs = subject.llama.get(workload)
             if theirs:
                 line += (f" | llama-bench TTFT {_span([t for t, _ in theirs])} s, TPOT "
                          f"{_span([p for _, p in theirs], 1e3, 1)} ms "
-                         f"({_span([p / subject.floor for _, p in theirs])}x the floor) | kvserve / llama.cpp: TTFT "
+                         f"({_span([p / f for (_, p), f in zip(theirs, floors)])}x the floor) | "
+                         f"kvserve / llama.cpp: TTFT "
                          f"{_span([a[0] / b[0] for a, b in zip(ours, theirs)])}x, TPOT "
                          f"{_span([a[1] / b[1] for a, b in zip(ours, theirs)])}x")
             print(line, flush=True)
@@ -281,14 +286,19 @@ def main() -> None:
     for round_index in range(args.rounds):
         for subject in subjects:
             for workload in args.workloads:
+                # The host's load moves the bandwidth from minute to minute (25-47 GB/s here): each round's
+                # floor is probed beside the runs it judges, not once for the whole sitting.
+                floor = subject.bytes_per_token / read_bandwidth()
+                subject.floors.setdefault(workload, []).append(floor)
                 ttft, tpot = kvserve_round(subject, workload, args.runs, round_index)
                 subject.kvserve.setdefault(workload, []).append((ttft, tpot))
-                line = (f"round {round_index + 1} {subject.name} {workload}: kvserve TTFT {ttft:.2f} s, TPOT "
-                        f"{tpot * 1e3:.1f} ms ({tpot / subject.floor:.2f}x the floor)")
+                line = (f"round {round_index + 1} {subject.name} {workload}: floor {floor * 1e3:.1f} ms | kvserve "
+                        f"TTFT {ttft:.2f} s, TPOT {tpot * 1e3:.1f} ms ({tpot / floor:.2f}x the floor)")
                 if llama_bench:
                     their_ttft, their_tpot = llama_bench_round(llama_bench, subject.path, workload, args.reps)
                     subject.llama.setdefault(workload, []).append((their_ttft, their_tpot))
-                    line += (f" | llama-bench TTFT {their_ttft:.2f} s, TPOT {their_tpot * 1e3:.1f} ms | "
+                    line += (f" | llama-bench TTFT {their_ttft:.2f} s, TPOT {their_tpot * 1e3:.1f} ms "
+                             f"({their_tpot / floor:.2f}x the floor) | "
                              f"kvserve / llama.cpp: TTFT {ttft / their_ttft:.2f}x, TPOT {tpot / their_tpot:.2f}x")
                 print(line, flush=True)
     print_summary(subjects)
