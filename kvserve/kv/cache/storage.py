@@ -16,10 +16,12 @@ encodes a block only once it is full: until then the block's K and V are kept
 in float16 beside the pool (kv/cache/open_blocks.py), and every reader here takes
 an open block's rows from there.
 
-Allocated once, uninitialized, on the pool's device (EngineConfig.device; on the CPU on huge pages where
-the OS has them), so pages are committed only as they are used; every tensor built here is built there. Never-written memory may hold NaN/inf, and attention multiplies masked
-rows of a partly filled block by a zero probability (0 x NaN = NaN), so every
-block is zeroed before a step first uses it (`initialize_blocks_through`).
+Allocated once, uninitialized, on the pool's device (EngineConfig.device; on the
+CPU on huge pages where the OS has them), so pages are committed only as they
+are used; every tensor built here is built there. Never-written memory may hold
+NaN/inf, and attention multiplies masked rows of a partly filled block by a zero
+probability (0 x NaN = NaN), so every block is zeroed before a step first uses
+it (`initialize_blocks_through`).
 A token at position p of a request lives in block `table[p // block_size]`,
 row `p % block_size`; which flat row of a layer's tensor that is depends on
 the layout, so the backend computes the slots it writes to.
