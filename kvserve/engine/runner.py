@@ -40,7 +40,7 @@ class _StepInputs:
     """One forward's rows, in the attention backend's batch order."""
 
     input_ids: list[int] = field(default_factory=list)
-    positions: list[torch.Tensor] = field(default_factory=list)  # one arange per request
+    positions: list[int] = field(default_factory=list)
     slices: list[SequenceSlice] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits pick accepted tokens
     accept_rows: list[AcceptRows] = field(default_factory=list)  # each request's part of sample_rows
@@ -150,7 +150,8 @@ class ModelRunner:
         logits = self._forward(inputs)
         result = StepResult()
         self.acceptor.accept(result, inputs.accept_rows, logits[: len(inputs.sample_rows)])
-        self.acceptor.prompt_logprobs(result, inputs.prompt_rows, logits[len(inputs.sample_rows):])
+        if inputs.prompt_rows:
+            self.acceptor.prompt_logprobs(result, inputs.prompt_rows, logits[len(inputs.sample_rows):])
         result.drop_failed()
         return result
 
@@ -205,7 +206,7 @@ class ModelRunner:
             first_row = len(inputs.input_ids)
             start = item.num_computed_tokens + offset
             inputs.input_ids.extend(item.token_ids[offset : offset + count])
-            inputs.positions.append(torch.arange(start, start + count, device=self.device))
+            inputs.positions.extend(range(start, start + count))
             # A compressing request's full-attention tables hold slots: its tokens sit `slot_offsets` before.
             inputs.slices.append(SequenceSlice(self._block_tables[item.request_id], start, count, item.slot_offsets))
             rows.setdefault(item.request_id, []).extend(range(first_row, first_row + count))
@@ -251,10 +252,16 @@ class ModelRunner:
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
         """One model forward; logits of the sampled rows, then of the prompt-logprob rows."""
         context = self.attention.build_context(self.kv_cache, inputs.slices)
-        logits_rows = torch.cat([self._tensor(inputs.sample_rows)]
-                                + [torch.arange(row, row + count, device=self.device)
-                                   for _, _, row, count in inputs.prompt_rows])
-        args = (self._tensor(inputs.input_ids), torch.cat(inputs.positions), context, logits_rows)
+        logits_rows = inputs.sample_rows + [row for _, _, first, count in inputs.prompt_rows
+                                            for row in range(first, first + count)]
+        # Every row in order (a batch of plain decodes): the forward's own rows, with no gather.
+        every_row = len(logits_rows) == len(inputs.input_ids) and all(r == i for i, r in enumerate(logits_rows))
+        # The step's integers go to the device in one tensor (each tensor made costs a dispatch, and a
+        # decode step's Python runs with caches the weights just flushed).
+        rows = len(inputs.input_ids)
+        ids, positions, logits_rows = self._tensor(inputs.input_ids + inputs.positions + logits_rows).split(
+            [rows, rows, len(logits_rows)])
+        args = (ids, positions, context, None if every_row else logits_rows)
         if self.states is None:
             return self.model(*args)
         return self.model(*args, states=self.states.context(sorted(inputs.states, key=lambda seq: seq.first_row)))

@@ -344,7 +344,15 @@ class RotaryEmbedding(nn.Module):
 
     def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of a pure rotation by `positions` (no attention factor): what moves cached keys."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # Each position times each frequency, the frequencies written twice (both halves of a head rotate
+        # by them): one product op, where a per-step cast, views, product and concatenation made five.
+        emb = torch.outer(positions, self._doubled_frequencies())
         return emb.cos(), emb.sin()
+
+    def _doubled_frequencies(self) -> torch.Tensor:
+        """inv_freq twice over, made again whenever inv_freq is replaced (a GGUF's factors, a device move)."""
+        cached = self.__dict__.get("_doubled")
+        if cached is None or cached[0] is not self.inv_freq:
+            cached = self.__dict__["_doubled"] = (self.inv_freq, torch.cat((self.inv_freq, self.inv_freq)))
+        return cached[1]
 

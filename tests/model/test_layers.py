@@ -121,6 +121,22 @@ def test_rms_norm_and_rotary():
     assert torch.equal(rotary.inv_freq, base / divisors)
 
 
+def test_rotary_tables_are_each_position_times_each_frequency_and_follow_a_new_inv_freq():
+    rotary = RotaryEmbedding(head_dim=64, theta=10000.0)
+
+    def expected(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * rotary.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    for positions in (torch.arange(0, 3000), torch.tensor([600]), torch.tensor([2**24 - 1, 3, 99999])):
+        for got, want in zip(rotary.rotation(positions), expected(positions)):
+            assert torch.equal(got, want)  # bit for bit: the step's tables are what they were
+    rotary.load_freq_divisors(torch.linspace(1.0, 8.0, 32))  # a GGUF's rope_freqs replaces inv_freq
+    for got, want in zip(rotary(torch.tensor([7, 4096])), expected(torch.tensor([7, 4096]))):
+        assert torch.equal(got, want)
+
+
 def test_rotary_tables_are_real_on_a_meta_build():
     with torch.device("meta"):
         rotary = RotaryEmbedding(head_dim=8, theta=10000.0)

@@ -11,6 +11,7 @@ one there would be a bug, so building the metadata refuses it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -87,16 +88,12 @@ class AttentionMetadata:
     sliding_window: int | None = None  # this kind's window (None = full attention)
 
 
-def _decode_metadata(
-    decodes: Sequence[tuple[Sequence[int], int, int]], block_size: int, sliding_window: int | None,
-    union_factor: float | None, device: torch.device, block_lists: bool = True,
-) -> DecodeMetadata | None:
-    """Row metadata for (block table, first query position, query count) runs: one row per query token,
-    each reading only its own blocks inside its window. A run is a decode (count 1) or, where every token is
-    attended as a row, a prefill chunk. `block_lists`: also list every row's blocks (the torch kernels).
-    Counted on the host, in lists; each tensor is made once, on `device`."""
-    if not decodes:
-        return None
+def _decode_rows(decodes: Sequence[tuple[Sequence[int], int, int]], block_size: int,
+                 sliding_window: int | None) -> tuple[list[int], list[int], list[int], list[int]]:
+    """What DecodeMetadata's kernel tensors hold, as lists: (tables, row_table, row_low, row_pos) for
+    (block table, first query position, query count) runs, one row per query token, each reading only its
+    own blocks inside its window. A run is a decode (count 1) or, where every token is attended as a row, a
+    prefill chunk."""
     tables: list[int] = []
     row_table: list[int] = []
     row_low: list[int] = []
@@ -110,10 +107,14 @@ def _decode_metadata(
         tables.extend(needed)
         row_low.extend(lows)
         row_pos.extend(range(start, start + count))
-    meta = DecodeMetadata(len(row_pos), *(torch.tensor(x, dtype=torch.long, device=device)
-                                          for x in (tables, row_table, row_low, row_pos)))
-    if not block_lists:
-        return meta
+    return tables, row_table, row_low, row_pos
+
+
+def _with_block_lists(meta: DecodeMetadata, rows: tuple[list[int], list[int], list[int], list[int]],
+                      block_size: int, union_factor: float | None, device: torch.device) -> DecodeMetadata:
+    """`meta` (made from `rows`, `_decode_rows`' lists) with every row's blocks listed too (what the torch
+    kernels read), and their union where `union_factor` says it pays."""
+    tables, row_table, row_low, row_pos = rows
     dec_blocks: list[int] = []
     first_index: list[int] = []
     offsets = [0]
@@ -123,7 +124,7 @@ def _decode_metadata(
         offsets.append(len(dec_blocks))
     offsets_t = torch.tensor(offsets, device=device)
     # output_size given: no read of the counts back from the device to size the result.
-    seq_index = torch.repeat_interleave(torch.arange(len(row_pos), device=device), offsets_t[1:] - offsets_t[:-1],
+    seq_index = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device), offsets_t[1:] - offsets_t[:-1],
                                         output_size=len(dec_blocks))
     block_index = (torch.arange(len(dec_blocks), device=device) - offsets_t[seq_index]
                    + torch.tensor(first_index, device=device)[seq_index])
@@ -185,8 +186,15 @@ def build_attention_metadata(
         row += s.num_new_tokens
     if slot_blocks and min(slot_blocks) < 0:
         raise KVIntegrityError("a new token's block is the null block")
-    return AttentionMetadata(torch.tensor(slot_blocks, dtype=torch.long, device=device),
-                             torch.tensor(slot_rows, dtype=torch.long, device=device), sum(d[2] for d in decodes),
-                             _decode_metadata(decodes, block_size, sliding_window, union_factor, device,
-                                              block_lists=block_lists),
-                             prefills, sliding_window)
+    # Every list goes to the device in one tensor, split into views: a decode step's Python runs with caches
+    # the weights just flushed, where each tensor made costs tens of microseconds.
+    decode_lists = _decode_rows(decodes, block_size, sliding_window) if decodes else ()
+    lists = [slot_blocks, slot_rows, *decode_lists]
+    parts = torch.tensor(list(itertools.chain(*lists)), dtype=torch.long, device=device).split(
+        [len(values) for values in lists])
+    decode = None
+    if decodes:
+        decode = DecodeMetadata(len(decode_lists[3]), *parts[2:])
+        if block_lists:
+            decode = _with_block_lists(decode, decode_lists, block_size, union_factor, device)
+    return AttentionMetadata(parts[0], parts[1], sum(d[2] for d in decodes), decode, prefills, sliding_window)
