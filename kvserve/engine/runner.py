@@ -252,15 +252,15 @@ class ModelRunner:
     def _forward(self, inputs: _StepInputs) -> torch.Tensor:
         """One model forward; logits of the sampled rows, then of the prompt-logprob rows."""
         context = self.attention.build_context(self.kv_cache, inputs.slices)
-        logits_rows = inputs.sample_rows + [row for _, _, first, count in inputs.prompt_rows
-                                            for row in range(first, first + count)]
+        wanted = inputs.sample_rows + [row for _, _, first, count in inputs.prompt_rows
+                                       for row in range(first, first + count)]
         # Every row in order (a batch of plain decodes): the forward's own rows, with no gather.
-        every_row = len(logits_rows) == len(inputs.input_ids) and all(r == i for i, r in enumerate(logits_rows))
+        every_row = len(wanted) == len(inputs.input_ids) and all(r == i for i, r in enumerate(wanted))
         # The step's integers go to the device in one tensor (each tensor made costs a dispatch, and a
         # decode step's Python runs with caches the weights just flushed).
-        rows = len(inputs.input_ids)
-        ids, positions, logits_rows = self._tensor(inputs.input_ids + inputs.positions + logits_rows).split(
-            [rows, rows, len(logits_rows)])
+        num_rows = len(inputs.input_ids)
+        ids, positions, logits_rows = self._tensor(inputs.input_ids + inputs.positions + wanted).split(
+            [num_rows, num_rows, len(wanted)])
         args = (ids, positions, context, None if every_row else logits_rows)
         if self.states is None:
             return self.model(*args)
