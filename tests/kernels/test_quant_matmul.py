@@ -21,7 +21,7 @@ def reference(x: torch.Tensor, weight) -> torch.Tensor:
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows,cols,outputs", [(1, 32, 16), (1, 576, 960), (3, 64, 20), (8, 96, 33),
-                                               (9, 128, 48), (37, 64, 17)])
+                                               (9, 128, 48), (37, 64, 17), (9, 128, 120)])
 def test_each_path_computes_the_quantized_product(isa, bits, rows, cols, outputs):
     gen = torch.Generator().manual_seed(rows * 1000 + cols + bits)
     weights = quantize_groups(torch.randn(outputs, cols, generator=gen) * 0.05, bits)
@@ -53,7 +53,7 @@ MXFP4_LEVELS = torch.tensor([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6
 
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("table", ["mxfp4", "widest"])
-@pytest.mark.parametrize("rows,cols,outputs", [(1, 32, 16), (1, 576, 960), (3, 64, 20), (9, 128, 48)])
+@pytest.mark.parametrize("rows,cols,outputs", [(1, 32, 16), (1, 576, 960), (3, 64, 20), (9, 128, 48), (9, 128, 120)])
 def test_four_bit_codes_through_a_table(isa, table, rows, cols, outputs):
     """4-bit codes standing for uneven levels (MXFP4's E2M1 values, doubled and shifted by 12; and the widest
     table the kernel takes, up to 127, where AVX2's byte multiply-add is nearest its saturation)."""

@@ -18,9 +18,12 @@ RUNNABLE = list(ISAS)[: ISAS[ops.quant_matmul_isa()] + 1] if ops.available() els
 
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("bits", [4, 8])
-def test_quant_matmul_rows_alone_equal_the_same_rows_in_any_batch(isa, bits):
+# 40: two full tiles of 16 outputs and a partial one; 120: eight tiles, so that a lone row (which takes its
+# tiles four at a time) has the partial last tile inside a run of four, on one thread or two.
+@pytest.mark.parametrize("outputs", [40, 120])
+def test_quant_matmul_rows_alone_equal_the_same_rows_in_any_batch(isa, bits, outputs):
     gen = torch.Generator().manual_seed(bits)
-    outputs, cols = 40, 192  # two full tiles of 16 outputs and a partial one
+    cols = 192
     packed = pack(quantize_groups(torch.randn(outputs, cols, generator=gen), bits))
     x = torch.randn(64, cols, generator=gen)
     alone = torch.cat([ops.quant_matmul(x[m : m + 1], packed, bits, outputs, ISAS[isa]) for m in range(64)])
