@@ -134,15 +134,17 @@ def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
 
 
 def quant_matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features: int, isa: int = -1,
-                 table: torch.Tensor | None = None) -> torch.Tensor:
+                 table: torch.Tensor | None = None, runs: int = 0) -> torch.Tensor:
     """x `[M, K]` fp32 @ W^T -> `[M, out_features]` for W packed as `bits`-bit groups (kernels/packing.py);
     `table` (uint8 `[16]`, values below 128): what each 4-bit code stands for (GroupCodes.table). `isa`: -1
-    the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). No torch path: a layer
-    holds these weights only where the kernel is built."""
+    the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). `runs`: how many weight
+    tiles a lone row (M = 1) reads side by side on AVX512-VNNI, 1, 2 or 4; 0 the kernel's choice (tests and
+    bench/matmul_runs.py compare them: the same bits, another speed). No torch path: a layer holds these
+    weights only where the kernel is built."""
     ext = kernels()
     if ext is None or not (x.is_cpu and packed.is_cpu and x.dtype is _F32 and packed.dtype is _U8):
         _refuse("quant_matmul", ext, x=(x, (_F32,)), packed=(packed, (_U8,)))
-    return ext.quant_matmul(x, packed, bits, out_features, isa, _NO_U8 if table is None else table)
+    return ext.quant_matmul(x, packed, bits, out_features, isa, _NO_U8 if table is None else table, runs)
 
 
 def kquant_matmul(x: torch.Tensor, packed: torch.Tensor, kind: int, out_features: int,

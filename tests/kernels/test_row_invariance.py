@@ -34,6 +34,28 @@ def test_quant_matmul_rows_alone_equal_the_same_rows_in_any_batch(isa, bits, out
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("bits,table", [(4, None), (8, None), (4, torch.arange(0, 32, 2, dtype=torch.uint8))])
+@pytest.mark.parametrize("outputs", [16, 120, 1000])
+def test_a_lone_rows_tiles_read_side_by_side_give_the_same_bits(isa, bits, table, outputs):
+    """A lone row's tiles taken 1, 2 or 4 at a time (spread over each thread's range): the same bits, with
+    tiles left over and a partial last tile (120: 7.5 tiles; 1000: 62.5)."""
+    gen = torch.Generator().manual_seed(outputs + bits)
+    cols = 160
+    packed = pack(quantize_groups(torch.randn(outputs, cols, generator=gen), bits))
+    x = torch.randn(1, cols, generator=gen)
+    one_at_a_time = ops.quant_matmul(x, packed, bits, outputs, ISAS[isa], table=table, runs=1)
+    for runs in (0, 2, 4):
+        assert torch.equal(ops.quant_matmul(x, packed, bits, outputs, ISAS[isa], table=table, runs=runs),
+                           one_at_a_time), f"runs={runs}"
+
+
+def test_runs_other_than_one_two_or_four_are_refused():
+    packed = pack(quantize_groups(torch.randn(16, 32), 4))
+    with pytest.raises(RuntimeError, match="runs must be 0, 1, 2 or 4"):
+        ops.quant_matmul(torch.randn(1, 32), packed, 4, 16, runs=3)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("kind", list(KQUANT_KINDS))
 def test_kquant_matmul_rows_alone_equal_the_same_rows_in_any_batch(isa, kind):
     outputs, cols = 40, 512  # two full tiles of 16 outputs and a partial one, two super-blocks

@@ -298,21 +298,33 @@ void run_tile(Isa isa, const Problem& p, int64_t t, int64_t m0, int64_t rows) {
   tile_portable(p, t, m0, rows);
 }
 
-// Tiles [begin, end) for all M rows of x. A lone row (a decode step of one request) takes its tiles four at a
-// time, the four spread over the range so that four runs of bytes are read side by side; rows otherwise
-// share each pass over a tile (per_pass at a time). Either way a tile's arithmetic is the same.
-void run_tiles(Isa isa, const Problem& p, int64_t begin, int64_t end, int64_t per_pass) {
+constexpr int64_t kLoneRowRuns = 4;  // bench/matmul_runs.py: 4 read faster than 1 or 2 here
+
+#if defined(__x86_64__)
+// A lone row's tiles [begin, end) RUNS at a time, the RUNS spread over the range (span apart); returns
+// where the tiles left over begin.
+template <int RUNS>
+int64_t lone_row_runs(const Problem& p, int64_t begin, int64_t end) {
+  const int64_t span = (end - begin) / RUNS;
+  for (int64_t i = 0; i < span; ++i) {
+    int64_t ts[RUNS];
+    for (int u = 0; u < RUNS; ++u) ts[u] = begin + u * span + i;
+    if (p.table) tile_vnni<4, 1, true, RUNS>(p, ts, 0);
+    else if (p.bits == 4) tile_vnni<4, 1, false, RUNS>(p, ts, 0);
+    else tile_vnni<8, 1, false, RUNS>(p, ts, 0);
+  }
+  return begin + RUNS * span;
+}
+#endif
+
+// Tiles [begin, end) for all M rows of x. A lone row (a decode step of one request) on AVX512-VNNI takes its
+// tiles `runs` at a time (tile_vnni says why); rows otherwise share each pass over a tile (per_pass at a
+// time). Either way a tile's arithmetic is the same.
+void run_tiles(Isa isa, const Problem& p, int64_t begin, int64_t end, int64_t per_pass, int64_t runs) {
 #if defined(__x86_64__)
   if (isa == kAvx512Vnni && p.M == 1) {
-    constexpr int kRuns = 4;
-    const int64_t span = (end - begin) / kRuns;
-    for (int64_t i = 0; i < span; ++i) {
-      const int64_t ts[kRuns] = {begin + i, begin + span + i, begin + 2 * span + i, begin + 3 * span + i};
-      if (p.table) tile_vnni<4, 1, true, kRuns>(p, ts, 0);
-      else if (p.bits == 4) tile_vnni<4, 1, false, kRuns>(p, ts, 0);
-      else tile_vnni<8, 1, false, kRuns>(p, ts, 0);
-    }
-    begin += kRuns * span;
+    if (runs == 4) begin = lone_row_runs<4>(p, begin, end);
+    else if (runs == 2) begin = lone_row_runs<2>(p, begin, end);
   }
 #endif
   for (int64_t t = begin; t < end; ++t) {
@@ -334,13 +346,15 @@ std::string quant_matmul_isa() {
 // x [M, K] fp32 (K a multiple of 32), packed [tiles, K / 32, block bytes] uint8 -> y [M, N] fp32 (contiguous,
 // the caller's: the decoder stack reuses its buffers).
 // isa: -1 = the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). table: uint8 [16],
-// the values 4-bit codes stand for (each below 128), or empty: the codes themselves.
+// the values 4-bit codes stand for (each below 128), or empty: the codes themselves. runs: the tiles a lone
+// row reads side by side, 1, 2 or 4; 0 = kLoneRowRuns (bench/matmul_runs.py compares them).
 void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, int64_t bits, int64_t N, int64_t isa,
-                       const torch::Tensor& table, float* y) {
+                       const torch::Tensor& table, float* y, int64_t runs) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.dim() == 2, "quant_matmul: x must be 2-D fp32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
               "quant_matmul: packed weights must be contiguous uint8 [tiles, groups, bytes]");
   TORCH_CHECK(bits == 4 || bits == 8, "quant_matmul: 4 or 8 bits");
+  TORCH_CHECK(runs == 0 || runs == 1 || runs == 2 || runs == 4, "quant_matmul: runs must be 0, 1, 2 or 4");
   const bool tabled = table.numel() > 0;
   TORCH_CHECK(!tabled || (bits == 4 && table.scalar_type() == at::kByte && table.numel() == 16 &&
                           table.is_contiguous() && table.is_cpu()),
@@ -368,14 +382,17 @@ void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, 
                   block_bytes(bits), tabled ? table.data_ptr<uint8_t>() : nullptr};
   const int64_t per_pass = rows_per_pass(chosen);
   // Work items are tiles of 16 outputs; each walks every row of x (the tile's weights stay in L1).
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) { run_tiles(chosen, p, begin, end, per_pass); });
+  const int64_t side_by_side = runs == 0 ? kLoneRowRuns : runs;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    run_tiles(chosen, p, begin, end, per_pass, side_by_side);
+  });
 }
 
 // The same into a new [M, N].
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t N, int64_t isa,
-                           torch::Tensor table) {
+                           torch::Tensor table, int64_t runs) {
   TORCH_CHECK(x.dim() == 2, "quant_matmul: x must be 2-D fp32");
   auto y = torch::empty({x.size(0), N}, x.options().dtype(at::kFloat));
-  quant_matmul_into(x, packed, bits, N, isa, table, y.data_ptr<float>());
+  quant_matmul_into(x, packed, bits, N, isa, table, y.data_ptr<float>(), runs);
   return y;
 }
