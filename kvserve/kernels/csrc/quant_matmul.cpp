@@ -102,9 +102,9 @@ void tile_portable(const Problem& p, int64_t t, int64_t m0, int64_t rows) {
 
 // NT tiles `ts` at once, each tile's arithmetic the same as alone (its bits never depend on the others).
 // Why several: a tile is one run of bytes, and a lone decode row reads each byte once, so the matmul runs
-// at the rate memory streams to one core; four runs read side by side streamed 4-15% faster than one
-// (Zen 4, README 2026-11-29). The K-quant kernel gains nothing from it: its blocks' parameters, read
-// before their codes, already make a second run, and more runs than that were slower.
+// at the rate memory streams to the cores; four runs read side by side streamed 5-30% faster than one
+// (bench/matmul_runs.py; Zen 4, README 2026-11-29). The K-quant kernel gains nothing from it: its blocks'
+// parameters, read before their codes, already make a second run, and more runs than that were slower.
 template <int BITS, int ROWS, bool TABLE, int NT = 1>
 void tile_vnni(const Problem& p, const int64_t* ts, int64_t m0) {
   __m512 acc[NT][ROWS];
@@ -298,7 +298,7 @@ void run_tile(Isa isa, const Problem& p, int64_t t, int64_t m0, int64_t rows) {
   tile_portable(p, t, m0, rows);
 }
 
-constexpr int64_t kLoneRowRuns = 4;  // bench/matmul_runs.py: 4 read faster than 1 or 2 here
+constexpr int64_t kLoneRowRuns = 4;  // bench/matmul_runs.py: 4 beat 1 on every shape, 2 on most
 
 #if defined(__x86_64__)
 // A lone row's tiles [begin, end) RUNS at a time, the RUNS spread over the range (span apart); returns
