@@ -1,14 +1,15 @@
-"""A lone row's group-code matmul reading its tiles one at a time against several side by side, in one process.
+"""A decode batch's group-code matmul reading its tiles one at a time against several side by side, in one process.
 
 A decode step of one request multiplies one activation row by each weight matrix, reading every byte of it
-once from memory; the group-code kernel (`csrc/quant_matmul.cpp`) takes such a row's tiles four at a time,
-spread over each thread's range, so that four runs of bytes stream side by side. This measures what that
-buys on this machine: the same calls with `runs` 1, 2 and 4, alternating call by call (the host's load moves
-absolute figures by 25% between minutes; the ratios of neighbouring calls hold), on the shapes of the
+once from memory; the group-code kernel (`csrc/quant_matmul.cpp`) takes such a row's tiles four at a time
+(two to four rows' two at a time), spread over each thread's range, so that runs of bytes stream side by
+side. This measures what that buys on this machine: the same calls with `runs` 1, 2 and 4 (4 is taken as 2
+for more than one row), alternating call by call (the host's state moves absolute figures by half between
+minutes; the ratios of neighbouring calls hold), on the shapes of the
 embedded SmolLM2-135M (Q4_1 layers, Q8_0 head) and of W11's 1B-class body (Q4_0), each over enough matrices
 (~200 MB) that every call reads from memory, not from the caches.
 
-    .venv/bin/python bench/matmul_runs.py [--pairs 30] [--threads 2]
+    .venv/bin/python bench/matmul_runs.py [--rows 1] [--pairs 30] [--threads 2]
 
 Prints per shape the median GB/s of each setting and the median, over the rounds, of each setting's GB/s
 over `runs 1`'s in the same round.
@@ -64,18 +65,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=30, help="rounds of one call per setting, alternating")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=1, choices=[1, 2, 3, 4], help="activation rows (decode batch)")
     args = parser.parse_args()
     if not ops.available():
         raise SystemExit("the C++ kernels could not be built here: nothing to measure")
     torch.set_num_threads(args.threads)
-    print(f"quant_matmul on {ops.quant_matmul_isa()}, {args.threads} threads, {args.pairs} rounds per shape "
-          f"(runs > 1 applies to a lone row on the AVX512-VNNI path only)")
+    print(f"quant_matmul on {ops.quant_matmul_isa()}, {args.rows} row(s), {args.threads} threads, {args.pairs} "
+          f"rounds per shape (runs > 1 applies on the AVX512-VNNI path only)")
     print("| shape | " + " | ".join(f"runs {r} GB/s" for r in RUNS) + " | "
           + " | ".join(f"runs {r} / runs 1" for r in RUNS[1:]) + " |")
     print("|---" * (2 * len(RUNS)) + "|")
     for name, bits, inputs, outputs in SHAPES:
         mats = random_matrices(bits, inputs, outputs)
-        x = torch.randn(1, inputs)
+        x = torch.randn(args.rows, inputs)
         for runs in RUNS:  # warm the code paths
             gb_per_s(x, mats[:1], bits, outputs, runs)
         rates: dict[int, list[float]] = {r: [] for r in RUNS}

@@ -36,17 +36,22 @@ def test_quant_matmul_rows_alone_equal_the_same_rows_in_any_batch(isa, bits, out
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("bits,table", [(4, None), (8, None), (4, torch.arange(0, 32, 2, dtype=torch.uint8))])
 @pytest.mark.parametrize("outputs", [16, 120, 1000])
-def test_a_lone_rows_tiles_read_side_by_side_give_the_same_bits(isa, bits, table, outputs):
-    """A lone row's tiles taken 1, 2 or 4 at a time (spread over each thread's range): the same bits, with
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_tiles_read_side_by_side_give_the_same_bits(isa, bits, table, outputs, rows):
+    """A decode batch's tiles taken 1, 2 or 4 at a time (spread over each thread's range): the same bits, with
     tiles left over and a partial last tile (120: 7.5 tiles; 1000: 62.5)."""
     gen = torch.Generator().manual_seed(outputs + bits)
     cols = 160
     packed = pack(quantize_groups(torch.randn(outputs, cols, generator=gen), bits))
-    x = torch.randn(1, cols, generator=gen)
+    x = torch.randn(rows, cols, generator=gen)
     one_at_a_time = ops.quant_matmul(x, packed, bits, outputs, ISAS[isa], table=table, runs=1)
     for runs in (0, 2, 4):
         assert torch.equal(ops.quant_matmul(x, packed, bits, outputs, ISAS[isa], table=table, runs=runs),
                            one_at_a_time), f"runs={runs}"
+    # Each row alone (a lone row takes the most runs) gives its bits in the batch.
+    for m in range(rows):
+        assert torch.equal(ops.quant_matmul(x[m : m + 1], packed, bits, outputs, ISAS[isa], table=table),
+                           one_at_a_time[m : m + 1]), f"row {m}"
 
 
 def test_runs_other_than_one_two_or_four_are_refused():

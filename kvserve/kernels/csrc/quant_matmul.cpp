@@ -298,34 +298,47 @@ void run_tile(Isa isa, const Problem& p, int64_t t, int64_t m0, int64_t rows) {
   tile_portable(p, t, m0, rows);
 }
 
-constexpr int64_t kLoneRowRuns = 4;  // bench/matmul_runs.py: 4 beat 1 on every shape, 2 on most
+// Tiles read side by side (bench/matmul_runs.py): a lone row 4 (faster than 1 on every shape measured, than 2
+// on most); two to four rows at most 2 (their registers: 4 rows x 2 tiles of sums and accumulators; 4 tiles
+// were slower than 1 on SmolLM2's shapes, 2 faster on all).
+constexpr int64_t kLoneRowRuns = 4;
+constexpr int64_t kMaxSideBySideRows = 4, kBatchRuns = 2;
 
 #if defined(__x86_64__)
-// A lone row's tiles [begin, end) RUNS at a time, the RUNS spread over the range (span apart); returns
-// where the tiles left over begin.
-template <int RUNS>
-int64_t lone_row_runs(const Problem& p, int64_t begin, int64_t end) {
+// The tiles [begin, end) for all ROWS rows of x, RUNS at a time, the RUNS spread over the range (span
+// apart); returns where the tiles left over begin.
+template <int ROWS, int RUNS>
+int64_t side_by_side(const Problem& p, int64_t begin, int64_t end) {
   const int64_t span = (end - begin) / RUNS;
   for (int64_t i = 0; i < span; ++i) {
     int64_t ts[RUNS];
     for (int u = 0; u < RUNS; ++u) ts[u] = begin + u * span + i;
-    if (p.table) tile_vnni<4, 1, true, RUNS>(p, ts, 0);
-    else if (p.bits == 4) tile_vnni<4, 1, false, RUNS>(p, ts, 0);
-    else tile_vnni<8, 1, false, RUNS>(p, ts, 0);
+    if (p.table) tile_vnni<4, ROWS, true, RUNS>(p, ts, 0);
+    else if (p.bits == 4) tile_vnni<4, ROWS, false, RUNS>(p, ts, 0);
+    else tile_vnni<8, ROWS, false, RUNS>(p, ts, 0);
   }
   return begin + RUNS * span;
 }
+
+// `runs` tiles at a time, 4 taken as 2 for more than one row.
+int64_t side_by_side(const Problem& p, int64_t begin, int64_t end, int64_t runs) {
+  if (p.M == 1 && runs == 4) return side_by_side<1, 4>(p, begin, end);
+  if (runs < 2) return begin;
+  switch (p.M) {
+    case 1: return side_by_side<1, 2>(p, begin, end);
+    case 2: return side_by_side<2, 2>(p, begin, end);
+    case 3: return side_by_side<3, 2>(p, begin, end);
+    default: return side_by_side<4, 2>(p, begin, end);
+  }
+}
 #endif
 
-// Tiles [begin, end) for all M rows of x. A lone row (a decode step of one request) on AVX512-VNNI takes its
-// tiles `runs` at a time (tile_vnni says why); rows otherwise share each pass over a tile (per_pass at a
-// time). Either way a tile's arithmetic is the same.
+// Tiles [begin, end) for all M rows of x. On AVX512-VNNI a decode batch of up to kMaxSideBySideRows rows
+// takes its tiles `runs` at a time (tile_vnni says why); rows otherwise share each pass over a tile
+// (per_pass at a time). Either way a tile's arithmetic is the same.
 void run_tiles(Isa isa, const Problem& p, int64_t begin, int64_t end, int64_t per_pass, int64_t runs) {
 #if defined(__x86_64__)
-  if (isa == kAvx512Vnni && p.M == 1) {
-    if (runs == 4) begin = lone_row_runs<4>(p, begin, end);
-    else if (runs == 2) begin = lone_row_runs<2>(p, begin, end);
-  }
+  if (isa == kAvx512Vnni && p.M <= kMaxSideBySideRows) begin = side_by_side(p, begin, end, runs);
 #endif
   for (int64_t t = begin; t < end; ++t) {
     for (int64_t m0 = 0; m0 < p.M; m0 += per_pass) run_tile(isa, p, t, m0, std::min(per_pass, p.M - m0));
@@ -346,8 +359,9 @@ std::string quant_matmul_isa() {
 // x [M, K] fp32 (K a multiple of 32), packed [tiles, K / 32, block bytes] uint8 -> y [M, N] fp32 (contiguous,
 // the caller's: the decoder stack reuses its buffers).
 // isa: -1 = the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). table: uint8 [16],
-// the values 4-bit codes stand for (each below 128), or empty: the codes themselves. runs: the tiles a lone
-// row reads side by side, 1, 2 or 4; 0 = kLoneRowRuns (bench/matmul_runs.py compares them).
+// the values 4-bit codes stand for (each below 128), or empty: the codes themselves. runs: the tiles a decode
+// batch of up to 4 rows reads side by side: 1, 2 or 4 for a lone row, 1 or 2 (4 taken as 2) for more;
+// 0 = the kernel's choice (kLoneRowRuns, kBatchRuns; bench/matmul_runs.py compares them).
 void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, int64_t bits, int64_t N, int64_t isa,
                        const torch::Tensor& table, float* y, int64_t runs) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.dim() == 2, "quant_matmul: x must be 2-D fp32");
@@ -382,9 +396,9 @@ void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, 
                   block_bytes(bits), tabled ? table.data_ptr<uint8_t>() : nullptr};
   const int64_t per_pass = rows_per_pass(chosen);
   // Work items are tiles of 16 outputs; each walks every row of x (the tile's weights stay in L1).
-  const int64_t side_by_side = runs == 0 ? kLoneRowRuns : runs;
+  const int64_t read_together = runs != 0 ? runs : M == 1 ? kLoneRowRuns : kBatchRuns;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    run_tiles(chosen, p, begin, end, per_pass, side_by_side);
+    run_tiles(chosen, p, begin, end, per_pass, read_together);
   });
 }
 
