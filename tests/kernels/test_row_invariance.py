@@ -54,6 +54,15 @@ def test_tiles_read_side_by_side_give_the_same_bits(isa, bits, table, outputs, r
                            one_at_a_time[m : m + 1]), f"row {m}"
 
 
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("runs", [0, 1, 2, 4])
+def test_no_rows_give_an_empty_product(isa, runs):
+    """A step whose rows need no logits multiplies zero rows: an empty result, nothing read or written."""
+    packed = pack(quantize_groups(torch.randn(200, 64), 8))
+    y = ops.quant_matmul(torch.empty(0, 64), packed, 8, 200, ISAS[isa], runs=runs)
+    assert y.shape == (0, 200)
+
+
 def test_runs_other_than_one_two_or_four_are_refused():
     packed = pack(quantize_groups(torch.randn(16, 32), 4))
     with pytest.raises(RuntimeError, match="runs must be 0, 1, 2 or 4"):

@@ -101,8 +101,8 @@ void tile_portable(const Problem& p, int64_t t, int64_t m0, int64_t rows) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")
 
 // NT tiles `ts` at once, each tile's arithmetic the same as alone (its bits never depend on the others).
-// Why several: a tile is one run of bytes, and a lone decode row reads each byte once, so the matmul runs
-// at the rate memory streams to the cores; four runs read side by side streamed 5-30% faster than one
+// Why several: a tile is one run of bytes, and a decode step's few rows read each byte once, so the matmul
+// runs at the rate memory streams to the cores; four runs read side by side streamed 5-30% faster than one
 // (bench/matmul_runs.py; Zen 4, README 2026-11-29). The K-quant kernel gains nothing from it: its blocks'
 // parameters, read before their codes, already make a second run, and more runs than that were slower.
 template <int BITS, int ROWS, bool TABLE, int NT = 1>
@@ -149,7 +149,9 @@ void tile_vnni(const Problem& p, const int64_t* ts, int64_t m0) {
       for (int j = 0; j < 8; ++j) {
         for (int u = 0; u < NT; ++u) {
           const __m512i v = _mm512_loadu_si512(blk[u] + 64 * j);
-          for (int m = 0; m < ROWS; ++m) dot[u][m] = _mm512_dpbusd_epi32(dot[u][m], v, broadcast(m, g * kGroup + 4 * j));
+          for (int m = 0; m < ROWS; ++m) {
+            dot[u][m] = _mm512_dpbusd_epi32(dot[u][m], v, broadcast(m, g * kGroup + 4 * j));
+          }
         }
       }
     }
@@ -159,7 +161,8 @@ void tile_vnni(const Problem& p, const int64_t* ts, int64_t m0) {
       const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ab + 32)));
       for (int m = 0; m < ROWS; ++m) {
         const int64_t s = (m0 + m) * p.groups + g;
-        acc[u][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[u][m]), _mm512_mul_ps(a, _mm512_set1_ps(p.dx[s])), acc[u][m]);
+        const __m512 unit = _mm512_mul_ps(a, _mm512_set1_ps(p.dx[s]));
+        acc[u][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[u][m]), unit, acc[u][m]);
         acc[u][m] = _mm512_fmadd_ps(b, _mm512_set1_ps(p.sx[s]), acc[u][m]);
       }
       blk[u] += p.block;
@@ -323,12 +326,13 @@ int64_t side_by_side(const Problem& p, int64_t begin, int64_t end) {
 // `runs` tiles at a time, 4 taken as 2 for more than one row.
 int64_t side_by_side(const Problem& p, int64_t begin, int64_t end, int64_t runs) {
   if (p.M == 1 && runs == 4) return side_by_side<1, 4>(p, begin, end);
-  if (runs < 2) return begin;
+  if (runs < 2 || p.M < 1) return begin;
   switch (p.M) {
     case 1: return side_by_side<1, 2>(p, begin, end);
     case 2: return side_by_side<2, 2>(p, begin, end);
     case 3: return side_by_side<3, 2>(p, begin, end);
-    default: return side_by_side<4, 2>(p, begin, end);
+    case 4: return side_by_side<4, 2>(p, begin, end);
+    default: return begin;  // no rows (a step that samples none): nothing to read
   }
 }
 #endif
