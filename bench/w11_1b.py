@@ -8,9 +8,12 @@ prompt test runs after P tokens already in context, so its TTFT is of a slightly
 test decodes at the same depths as kvserve's W2; best of its repetitions) on the same files, in --rounds
 interleaved rounds (kvserve, then llama-bench, file after file), plus the embedded SmolLM2-135M Q4_1 file
 (`--files SmolLM2`). Printed per file: the engine's start to ready (loading the file, building the engine,
-the first request: the kernels' first call), the bytes a decode step reads, the bandwidth floor (those
-bytes / the measured read bandwidth, probed again before each round's runs: the host's load moves it), and
-per round the floor, TTFT, TPOT and the ratios; then each figure's range.
+the first request: the kernels' first call), the bytes a decode step reads, and per round each engine's
+TTFT and TPOT beside the read bandwidth probed just before and just after its run and the floor that gives
+(those bytes / the probes' mean), and the ratios, marked "one state" where all four probes agree within 15%
+(the host moves between a slow and a fast state for tens of seconds at a time, and both engines' TPOT follow
+it); then each figure's range, the ratios' over the rounds run in one state, and the ratio of each engine's
+best over the sitting (the states come and go within a run too, so that is where both ran at their best).
 
 llama-quantize, llama-bench: bench/llama_tools.py's lookup (it says how to build them). Without
 llama-quantize the files are written by kvserve's own quantizer (kvserve/kernels/kquant_quantize.py, the
@@ -33,6 +36,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -47,6 +51,8 @@ from workloads import freeze_setup, greedy, random_prompts, run_engine
 
 WORKLOADS = {"W2": (512, 128), "W4": (4096, 64)}
 FILES = ("Q4_0", "Q4_K_M", "SmolLM2")  # SmolLM2: the embedded model's own file (Q4_1), not written here
+# Probes this close (max / min) put two runs in one state of the host's bandwidth.
+SAME_STATE_SPREAD = 1.15
 BODY = dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=49152)
 
 
@@ -177,16 +183,45 @@ def make_file(directory: Path, mix: str, quantizer: Path | None, no_write: bool)
 
 
 @dataclass
+class Run:
+    """One engine's figures in one round, with the read bandwidth probed just before and just after it: the
+    host moves between a slow and a fast state (here ~30 and ~50 GB/s) for tens of seconds at a time, and
+    every engine's TPOT follows it, so a ratio means something only where both engines ran in one state."""
+
+    ttft: float
+    tpot: float
+    read: tuple[float, float]  # bytes a second, before and after
+
+    def floor(self, per_token: int) -> float:
+        """Seconds a step takes reading `per_token` bytes at this run's bandwidth (its two probes' mean)."""
+        return per_token / (sum(self.read) / 2)
+
+    def probes(self) -> str:
+        return f"read {self.read[0] / 1e9:.0f}/{self.read[1] / 1e9:.0f} GB/s"
+
+
+def probed(measure: Callable[[], tuple[float, float]]) -> Run:
+    before = read_bandwidth()
+    ttft, tpot = measure()
+    return Run(ttft, tpot, (before, read_bandwidth()))
+
+
+def one_state(*runs: Run, spread: float = SAME_STATE_SPREAD) -> bool:
+    """Whether every probe of these runs read within `spread` of the others (the host stayed in one state)."""
+    reads = [value for run in runs for value in run.read]
+    return max(reads) <= spread * min(reads)
+
+
+@dataclass
 class Subject:
-    """One file, loaded once, and the figures of its rounds: workload -> [(TTFT s, TPOT s), ...] per engine."""
+    """One file, loaded once, and its rounds: workload -> [Run, ...] per engine."""
 
     name: str
     path: Path
     engine: Engine
     bytes_per_token: int
-    kvserve: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
-    llama: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
-    floors: dict[str, list[float]] = field(default_factory=dict)  # per round: seconds a step takes at its bandwidth
+    kvserve: dict[str, list[Run]] = field(default_factory=dict)
+    llama: dict[str, list[Run]] = field(default_factory=dict)
 
 
 def open_subject(name: str, path: Path, args: argparse.Namespace, bandwidth: float) -> Subject:
@@ -232,28 +267,53 @@ def llama_bench_round(binary: Path, path: Path, workload: str, reps: int) -> tup
 
 
 def _span(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
+    if not values:
+        return "none"
     low, high = min(values) * scale, max(values) * scale
     return f"{low:.{digits}f}" if f"{low:.{digits}f}" == f"{high:.{digits}f}" else f"{low:.{digits}f}-{high:.{digits}f}"
 
 
+def round_line(subject: Subject, workload: str, ours: Run, theirs: Run | None) -> str:
+    per_token = subject.bytes_per_token
+    floor = ours.floor(per_token)
+    line = (f"{subject.name} {workload}: kvserve ({ours.probes()}, floor {floor * 1e3:.1f} ms) "
+            f"TTFT {ours.ttft:.2f} s, TPOT {ours.tpot * 1e3:.1f} ms ({ours.tpot / floor:.2f}x the floor)")
+    if theirs is not None:
+        line += (f" | llama-bench ({theirs.probes()}) TTFT {theirs.ttft:.2f} s, TPOT {theirs.tpot * 1e3:.1f} ms "
+                 f"({theirs.tpot / theirs.floor(per_token):.2f}x the floor) | kvserve / llama.cpp: TTFT "
+                 f"{ours.ttft / theirs.ttft:.2f}x, TPOT {ours.tpot / theirs.tpot:.2f}x "
+                 f"({'one state' if one_state(ours, theirs) else 'the state moved'})")
+    return line
+
+
 def print_summary(subjects: list[Subject]) -> None:
     """Each figure's range over the rounds; the ratios are per round (kvserve / llama-bench of one round, each
-    engine's TPOT over that round's floor)."""
+    engine's TPOT over its own run's floor), then over only the rounds where both engines ran in one state,
+    then each engine's best over the sitting."""
     print("summary (ranges over rounds):", flush=True)
     for subject in subjects:
+        per_token = subject.bytes_per_token
         for workload, ours in subject.kvserve.items():
-            floors = subject.floors[workload]
-            line = (f"  {subject.name} {workload}: kvserve TTFT {_span([t for t, _ in ours])} s, TPOT "
-                    f"{_span([p for _, p in ours], 1e3, 1)} ms ({_span([p / f for (_, p), f in zip(ours, floors)])}x "
-                    f"the floor of {_span(floors, 1e3, 1)} ms)")
+            over_floor = _span([r.tpot / r.floor(per_token) for r in ours])
+            line = (f"  {subject.name} {workload}: kvserve TTFT {_span([r.ttft for r in ours])} s, TPOT "
+                    f"{_span([r.tpot for r in ours], 1e3, 1)} ms ({over_floor}x the floor of "
+                    f"{_span([r.floor(per_token) for r in ours], 1e3, 1)} ms)")
             theirs = subject.llama.get(workload)
             if theirs:
-                line += (f" | llama-bench TTFT {_span([t for t, _ in theirs])} s, TPOT "
-                         f"{_span([p for _, p in theirs], 1e3, 1)} ms "
-                         f"({_span([p / f for (_, p), f in zip(theirs, floors)])}x the floor) | "
-                         f"kvserve / llama.cpp: TTFT "
-                         f"{_span([a[0] / b[0] for a, b in zip(ours, theirs)])}x, TPOT "
-                         f"{_span([a[1] / b[1] for a, b in zip(ours, theirs)])}x")
+                pairs = list(zip(ours, theirs))
+                steady = [(a, b) for a, b in pairs if one_state(a, b)]
+                steady_reads = _span([v for a, b in steady for v in a.read + b.read], 1e-9, 0)
+                best_ttft = min(r.ttft for r in ours) / min(r.ttft for r in theirs)
+                best_tpot = min(r.tpot for r in ours) / min(r.tpot for r in theirs)
+                line += (f" | llama-bench TTFT {_span([r.ttft for r in theirs])} s, TPOT "
+                         f"{_span([r.tpot for r in theirs], 1e3, 1)} ms "
+                         f"({_span([r.tpot / r.floor(per_token) for r in theirs])}x the floor) | "
+                         f"kvserve / llama.cpp: TTFT {_span([a.ttft / b.ttft for a, b in pairs])}x, TPOT "
+                         f"{_span([a.tpot / b.tpot for a, b in pairs])}x; in one state ({len(steady)} of "
+                         f"{len(pairs)} rounds, read {steady_reads} GB/s): TTFT "
+                         f"{_span([a.ttft / b.ttft for a, b in steady])}x, TPOT "
+                         f"{_span([a.tpot / b.tpot for a, b in steady])}x; best of each over the sitting: "
+                         f"TTFT {best_ttft:.2f}x, TPOT {best_tpot:.2f}x")
             print(line, flush=True)
 
 
@@ -286,21 +346,13 @@ def main() -> None:
     for round_index in range(args.rounds):
         for subject in subjects:
             for workload in args.workloads:
-                # The host's load moves the bandwidth from minute to minute (25-47 GB/s here): each round's
-                # floor is probed beside the runs it judges, not once for the whole sitting.
-                floor = subject.bytes_per_token / read_bandwidth()
-                subject.floors.setdefault(workload, []).append(floor)
-                ttft, tpot = kvserve_round(subject, workload, args.runs, round_index)
-                subject.kvserve.setdefault(workload, []).append((ttft, tpot))
-                line = (f"round {round_index + 1} {subject.name} {workload}: floor {floor * 1e3:.1f} ms | kvserve "
-                        f"TTFT {ttft:.2f} s, TPOT {tpot * 1e3:.1f} ms ({tpot / floor:.2f}x the floor)")
+                ours = probed(lambda: kvserve_round(subject, workload, args.runs, round_index))
+                subject.kvserve.setdefault(workload, []).append(ours)
+                theirs = None
                 if llama_bench:
-                    their_ttft, their_tpot = llama_bench_round(llama_bench, subject.path, workload, args.reps)
-                    subject.llama.setdefault(workload, []).append((their_ttft, their_tpot))
-                    line += (f" | llama-bench TTFT {their_ttft:.2f} s, TPOT {their_tpot * 1e3:.1f} ms "
-                             f"({their_tpot / floor:.2f}x the floor) | "
-                             f"kvserve / llama.cpp: TTFT {ttft / their_ttft:.2f}x, TPOT {tpot / their_tpot:.2f}x")
-                print(line, flush=True)
+                    theirs = probed(lambda: llama_bench_round(llama_bench, subject.path, workload, args.reps))
+                    subject.llama.setdefault(workload, []).append(theirs)
+                print(f"round {round_index + 1} {round_line(subject, workload, ours, theirs)}", flush=True)
     print_summary(subjects)
 
 
