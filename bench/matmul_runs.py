@@ -9,7 +9,7 @@ minutes; the ratios of neighbouring calls hold), on the shapes of the
 embedded SmolLM2-135M (Q4_1 layers, Q8_0 head) and of W11's 1B-class body (Q4_0), each over enough matrices
 (~200 MB) that every call reads from memory, not from the caches.
 
-    .venv/bin/python bench/matmul_runs.py [--rows 1] [--pairs 30] [--threads 2]
+    .venv/bin/python bench/matmul_runs.py [--rows 1] [--pairs 30] [--threads 2] [--isa best]
 
 Prints per shape the median GB/s of each setting and the median, over the rounds, of each setting's GB/s
 over `runs 1`'s in the same round.
@@ -54,10 +54,13 @@ def random_matrices(bits: int, inputs: int, outputs: int) -> list[torch.Tensor]:
     return mats
 
 
-def gb_per_s(x: torch.Tensor, mats: list[torch.Tensor], bits: int, outputs: int, runs: int) -> float:
+ISAS = {"best": -1, "avx2": 1, "avx512_vnni": 2}  # ops.quant_matmul's isa numbers
+
+
+def gb_per_s(x: torch.Tensor, mats: list[torch.Tensor], bits: int, outputs: int, runs: int, isa: int) -> float:
     start = time.perf_counter()
     for m in mats:
-        ops.quant_matmul(x, m, bits, outputs, runs=runs)
+        ops.quant_matmul(x, m, bits, outputs, isa=isa, runs=runs)
     return sum(m.numel() for m in mats) / (time.perf_counter() - start) / 1e9
 
 
@@ -66,12 +69,15 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=30, help="rounds of one call per setting, alternating")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, default=1, choices=[1, 2, 3, 4], help="activation rows (decode batch)")
+    parser.add_argument("--isa", default="best", choices=list(ISAS),
+                        help="the instruction set's path (avx2 on an AVX-512 machine: its code, this memory)")
     args = parser.parse_args()
     if not ops.available():
         raise SystemExit("the C++ kernels could not be built here: nothing to measure")
     torch.set_num_threads(args.threads)
-    print(f"quant_matmul on {ops.quant_matmul_isa()}, {args.rows} row(s), {args.threads} threads, {args.pairs} "
-          f"rounds per shape (runs > 1 applies on the AVX512-VNNI path only)")
+    isa = ops.quant_matmul_isa() if args.isa == "best" else args.isa
+    print(f"quant_matmul on {isa}, {args.rows} row(s), {args.threads} threads, {args.pairs} rounds per shape "
+          f"(runs > 1 applies on the AVX512-VNNI and AVX2 paths)")
     print("| shape | " + " | ".join(f"runs {r} GB/s" for r in RUNS) + " | "
           + " | ".join(f"runs {r} / runs 1" for r in RUNS[1:]) + " |")
     print("|---" * (2 * len(RUNS)) + "|")
@@ -79,11 +85,11 @@ def main() -> None:
         mats = random_matrices(bits, inputs, outputs)
         x = torch.randn(args.rows, inputs)
         for runs in RUNS:  # warm the code paths
-            gb_per_s(x, mats[:1], bits, outputs, runs)
+            gb_per_s(x, mats[:1], bits, outputs, runs, ISAS[args.isa])
         rates: dict[int, list[float]] = {r: [] for r in RUNS}
         for _ in range(args.pairs):
             for runs in RUNS:
-                rates[runs].append(gb_per_s(x, mats, bits, outputs, runs))
+                rates[runs].append(gb_per_s(x, mats, bits, outputs, runs, ISAS[args.isa]))
         ratios = {r: statistics.median(a / b for a, b in zip(rates[r], rates[1])) for r in RUNS[1:]}
         print(f"| {name} ({inputs} -> {outputs}) | "
               + " | ".join(f"{statistics.median(rates[r]):.1f}" for r in RUNS) + " | "

@@ -138,7 +138,7 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features:
     """x `[M, K]` fp32 @ W^T -> `[M, out_features]` for W packed as `bits`-bit groups (kernels/packing.py);
     `table` (uint8 `[16]`, values below 128): what each 4-bit code stands for (GroupCodes.table). `isa`: -1
     the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). `runs`: how many weight
-    tiles a decode batch of up to 4 rows reads side by side on AVX512-VNNI: 1, 2 or 4 for one row, 1 or 2
+    tiles a decode batch of up to 4 rows (AVX2: 3) reads side by side: 1, 2 or 4 for one row, 1 or 2
     (4 taken as 2) for more; 0 the kernel's choice (tests and bench/matmul_runs.py compare them: the same
     bits, another speed). No torch path: a layer holds these weights only where the kernel is built."""
     ext = kernels()

@@ -37,46 +37,57 @@ void run_tile(Isa isa, const Problem& p, int64_t t, int64_t m0, int64_t rows) {
 
 // Tiles read side by side (bench/matmul_runs.py): a lone row 4 (faster than 1 on every shape measured, than 2
 // on most); two to four rows at most 2 (their registers: 4 rows x 2 tiles of sums and accumulators; 4 tiles
-// were slower than 1 on SmolLM2's shapes, 2 faster on all).
-constexpr int64_t kLoneRowRuns = 4;
-constexpr int64_t kMaxSideBySideRows = 4, kBatchRuns = 2;
+// were slower than 1 on SmolLM2's shapes, 2 faster on all). AVX2 (16 registers) up to 3 rows: at 4, two
+// tiles' sums and accumulators spill, and SmolLM2's shapes ran 5-9% slower than one tile (1B's 20-40% faster).
+constexpr int64_t kLoneRowRuns = 4, kBatchRuns = 2;
+
+int64_t max_side_by_side_rows(Isa isa) { return isa == kAvx512Vnni ? 4 : isa == kAvx2 ? 3 : 0; }
 
 #if defined(__x86_64__)
+// RUNS tiles `ts` for all ROWS rows of x on `isa` (AVX512-VNNI or AVX2).
+template <int ROWS, int RUNS>
+void tiles_side_by_side(Isa isa, const Problem& p, const int64_t* ts) {
+  if (isa == kAvx512Vnni) {
+    if (p.table) return tile_vnni<4, ROWS, true, RUNS>(p, ts, 0);
+    return p.bits == 4 ? tile_vnni<4, ROWS, false, RUNS>(p, ts, 0) : tile_vnni<8, ROWS, false, RUNS>(p, ts, 0);
+  }
+  if (p.table) return tile_avx2<4, ROWS, true, RUNS>(p, ts, 0);
+  return p.bits == 4 ? tile_avx2<4, ROWS, false, RUNS>(p, ts, 0) : tile_avx2<8, ROWS, false, RUNS>(p, ts, 0);
+}
+
 // The tiles [begin, end) for all ROWS rows of x, RUNS at a time, the RUNS spread over the range (span
 // apart); returns where the tiles left over begin.
 template <int ROWS, int RUNS>
-int64_t side_by_side(const Problem& p, int64_t begin, int64_t end) {
+int64_t side_by_side(Isa isa, const Problem& p, int64_t begin, int64_t end) {
   const int64_t span = (end - begin) / RUNS;
   for (int64_t i = 0; i < span; ++i) {
     int64_t ts[RUNS];
     for (int u = 0; u < RUNS; ++u) ts[u] = begin + u * span + i;
-    if (p.table) tile_vnni<4, ROWS, true, RUNS>(p, ts, 0);
-    else if (p.bits == 4) tile_vnni<4, ROWS, false, RUNS>(p, ts, 0);
-    else tile_vnni<8, ROWS, false, RUNS>(p, ts, 0);
+    tiles_side_by_side<ROWS, RUNS>(isa, p, ts);
   }
   return begin + RUNS * span;
 }
 
 // `runs` tiles at a time, 4 taken as 2 for more than one row.
-int64_t side_by_side(const Problem& p, int64_t begin, int64_t end, int64_t runs) {
-  if (p.M == 1 && runs == 4) return side_by_side<1, 4>(p, begin, end);
+int64_t side_by_side(Isa isa, const Problem& p, int64_t begin, int64_t end, int64_t runs) {
+  if (p.M == 1 && runs == 4) return side_by_side<1, 4>(isa, p, begin, end);
   if (runs < 2 || p.M < 1) return begin;
   switch (p.M) {
-    case 1: return side_by_side<1, 2>(p, begin, end);
-    case 2: return side_by_side<2, 2>(p, begin, end);
-    case 3: return side_by_side<3, 2>(p, begin, end);
-    case 4: return side_by_side<4, 2>(p, begin, end);
+    case 1: return side_by_side<1, 2>(isa, p, begin, end);
+    case 2: return side_by_side<2, 2>(isa, p, begin, end);
+    case 3: return side_by_side<3, 2>(isa, p, begin, end);
+    case 4: return side_by_side<4, 2>(isa, p, begin, end);
     default: return begin;  // no rows (a step that samples none): nothing to read
   }
 }
 #endif
 
-// Tiles [begin, end) for all M rows of x. On AVX512-VNNI a decode batch of up to kMaxSideBySideRows rows
+// Tiles [begin, end) for all M rows of x. A decode batch of up to max_side_by_side_rows rows
 // takes its tiles `runs` at a time (tile_vnni says why); rows otherwise share each pass over a tile
 // (per_pass at a time). Either way a tile's arithmetic is the same.
 void run_tiles(Isa isa, const Problem& p, int64_t begin, int64_t end, int64_t per_pass, int64_t runs) {
 #if defined(__x86_64__)
-  if (isa == kAvx512Vnni && p.M <= kMaxSideBySideRows) begin = side_by_side(p, begin, end, runs);
+  if (p.M <= max_side_by_side_rows(isa)) begin = side_by_side(isa, p, begin, end, runs);
 #endif
   for (int64_t t = begin; t < end; ++t) {
     for (int64_t m0 = 0; m0 < p.M; m0 += per_pass) run_tile(isa, p, t, m0, std::min(per_pass, p.M - m0));
@@ -98,7 +109,7 @@ std::string quant_matmul_isa() {
 // the caller's: the decoder stack reuses its buffers).
 // isa: -1 = the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). table: uint8 [16],
 // the values 4-bit codes stand for (each below 128), or empty: the codes themselves. runs: the tiles a decode
-// batch of up to 4 rows reads side by side: 1, 2 or 4 for a lone row, 1 or 2 (4 taken as 2) for more;
+// batch of up to 4 rows (AVX2: 3) reads side by side: 1, 2 or 4 for a lone row, 1 or 2 (4 taken as 2) for more;
 // 0 = the kernel's choice (kLoneRowRuns, kBatchRuns; bench/matmul_runs.py compares them).
 void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, int64_t bits, int64_t N, int64_t isa,
                        const torch::Tensor& table, float* y, int64_t runs) {

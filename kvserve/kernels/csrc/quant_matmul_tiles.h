@@ -198,70 +198,84 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 
-template <int BITS, int ROWS, bool TABLE>
-void tile_avx2(const Problem& p, int64_t t, int64_t m0) {
-  __m256 acc[ROWS][2];
-  for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+// NT tiles `ts` at once, as tile_vnni (each tile's arithmetic the same as alone).
+template <int BITS, int ROWS, bool TABLE, int NT = 1>
+void tile_avx2(const Problem& p, const int64_t* ts, int64_t m0) {
+  __m256 acc[NT][ROWS][2];
+  for (int u = 0; u < NT; ++u) {
+    for (int m = 0; m < ROWS; ++m) acc[u][m][0] = acc[u][m][1] = _mm256_setzero_ps();
+  }
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i lut = TABLE ? _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.table)))
                             : low4;
   const int8_t* xrow[ROWS];
   for (int m = 0; m < ROWS; ++m) xrow[m] = p.xq + (m0 + m) * p.K;
-  const uint8_t* blk = p.packed + t * p.groups * p.block;
-  for (int64_t g = 0; g < p.groups; ++g, blk += p.block) {
-    __m256i dot[ROWS][2];
-    for (int m = 0; m < ROWS; ++m) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
+  const uint8_t* blk[NT];
+  for (int u = 0; u < NT; ++u) blk[u] = p.packed + ts[u] * p.groups * p.block;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m256i dot[NT][ROWS][2];
+    for (int u = 0; u < NT; ++u) {
+      for (int m = 0; m < ROWS; ++m) dot[u][m][0] = dot[u][m][1] = _mm256_setzero_si256();
+    }
     // 8-bit codes go through as two nibbles (q = lo + 16 hi): vpmaddubsw would saturate on 255 * 127 pairs.
     constexpr int kVectors = BITS == 4 ? 4 : 8;
     for (int j = 0; j < kVectors; ++j) {
-      for (int half = 0; half < 2; ++half) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
-        __m256i lo = _mm256_and_si256(v, low4);
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        if constexpr (TABLE) {  // values below 128: a pair sums to at most 2 * 127 * 127, within vpmaddubsw
-          lo = _mm256_shuffle_epi8(lut, lo);
-          hi = _mm256_shuffle_epi8(lut, hi);
-        }
-        for (int m = 0; m < ROWS; ++m) {
-          if constexpr (BITS == 4) {
-            int32_t x_lo, x_hi;
-            std::memcpy(&x_lo, xrow[m] + g * kGroup + 4 * j, 4);
-            std::memcpy(&x_hi, xrow[m] + g * kGroup + 16 + 4 * j, 4);
-            dot[m][half] = dot4(dot4(dot[m][half], lo, _mm256_set1_epi32(x_lo)), hi, _mm256_set1_epi32(x_hi));
-          } else {
-            int32_t x4;
-            std::memcpy(&x4, xrow[m] + g * kGroup + 4 * j, 4);
-            const __m256i xs = _mm256_set1_epi32(x4);
-            const __m256i low_sum = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xs), _mm256_set1_epi16(1));
-            const __m256i high_sum = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xs), _mm256_set1_epi16(16));
-            dot[m][half] = _mm256_add_epi32(dot[m][half], _mm256_add_epi32(low_sum, high_sum));
+      for (int u = 0; u < NT; ++u) {
+        for (int half = 0; half < 2; ++half) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[u] + 64 * j + 32 * half));
+          __m256i lo = _mm256_and_si256(v, low4);
+          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          if constexpr (TABLE) {  // values below 128: a pair sums to at most 2 * 127 * 127, within vpmaddubsw
+            lo = _mm256_shuffle_epi8(lut, lo);
+            hi = _mm256_shuffle_epi8(lut, hi);
+          }
+          for (int m = 0; m < ROWS; ++m) {
+            __m256i& d = dot[u][m][half];
+            if constexpr (BITS == 4) {
+              int32_t x_lo, x_hi;
+              std::memcpy(&x_lo, xrow[m] + g * kGroup + 4 * j, 4);
+              std::memcpy(&x_hi, xrow[m] + g * kGroup + 16 + 4 * j, 4);
+              d = dot4(dot4(d, lo, _mm256_set1_epi32(x_lo)), hi, _mm256_set1_epi32(x_hi));
+            } else {
+              int32_t x4;
+              std::memcpy(&x4, xrow[m] + g * kGroup + 4 * j, 4);
+              const __m256i xs = _mm256_set1_epi32(x4);
+              const __m256i low_sum = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xs), _mm256_set1_epi16(1));
+              const __m256i high_sum = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xs), _mm256_set1_epi16(16));
+              d = _mm256_add_epi32(d, _mm256_add_epi32(low_sum, high_sum));
+            }
           }
         }
       }
     }
-    const uint8_t* ab = blk + BITS * kTile * kGroup / 8;
-    for (int half = 0; half < 2; ++half) {
-      const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ab + 16 * half)));
-      const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ab + 32 + 16 * half)));
-      for (int m = 0; m < ROWS; ++m) {
-        const int64_t s = (m0 + m) * p.groups + g;
-        acc[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][half]), _mm256_mul_ps(a, _mm256_set1_ps(p.dx[s])),
-                                       acc[m][half]);
-        acc[m][half] = _mm256_fmadd_ps(b, _mm256_set1_ps(p.sx[s]), acc[m][half]);
+    for (int u = 0; u < NT; ++u) {
+      const uint8_t* ab = blk[u] + BITS * kTile * kGroup / 8;
+      for (int half = 0; half < 2; ++half) {
+        const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ab + 16 * half)));
+        const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ab + 32 + 16 * half)));
+        for (int m = 0; m < ROWS; ++m) {
+          const int64_t s = (m0 + m) * p.groups + g;
+          __m256& c = acc[u][m][half];
+          c = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[u][m][half]), _mm256_mul_ps(a, _mm256_set1_ps(p.dx[s])), c);
+          c = _mm256_fmadd_ps(b, _mm256_set1_ps(p.sx[s]), c);
+        }
       }
+      blk[u] += p.block;
     }
   }
-  const int64_t valid = std::min<int64_t>(kTile, p.N - t * kTile);
-  for (int m = 0; m < ROWS; ++m) {
-    float* out = p.y + (m0 + m) * p.N + t * kTile;
-    if (valid == kTile) {
-      _mm256_storeu_ps(out, acc[m][0]);
-      _mm256_storeu_ps(out + 8, acc[m][1]);
-    } else {
-      alignas(32) float tmp[kTile];
-      _mm256_store_ps(tmp, acc[m][0]);
-      _mm256_store_ps(tmp + 8, acc[m][1]);
-      std::memcpy(out, tmp, valid * sizeof(float));
+  for (int u = 0; u < NT; ++u) {
+    const int64_t valid = std::min<int64_t>(kTile, p.N - ts[u] * kTile);
+    for (int m = 0; m < ROWS; ++m) {
+      float* out = p.y + (m0 + m) * p.N + ts[u] * kTile;
+      if (valid == kTile) {
+        _mm256_storeu_ps(out, acc[u][m][0]);
+        _mm256_storeu_ps(out + 8, acc[u][m][1]);
+      } else {
+        alignas(32) float tmp[kTile];
+        _mm256_store_ps(tmp, acc[u][m][0]);
+        _mm256_store_ps(tmp + 8, acc[u][m][1]);
+        std::memcpy(out, tmp, valid * sizeof(float));
+      }
     }
   }
 }
@@ -269,10 +283,10 @@ void tile_avx2(const Problem& p, int64_t t, int64_t m0) {
 template <int BITS, bool TABLE = false>
 void tile_avx2_rows(const Problem& p, int64_t t, int64_t m0, int64_t rows) {
   switch (rows) {
-    case 1: return tile_avx2<BITS, 1, TABLE>(p, t, m0);
-    case 2: return tile_avx2<BITS, 2, TABLE>(p, t, m0);
-    case 3: return tile_avx2<BITS, 3, TABLE>(p, t, m0);
-    default: return tile_avx2<BITS, 4, TABLE>(p, t, m0);
+    case 1: return tile_avx2<BITS, 1, TABLE>(p, &t, m0);
+    case 2: return tile_avx2<BITS, 2, TABLE>(p, &t, m0);
+    case 3: return tile_avx2<BITS, 3, TABLE>(p, &t, m0);
+    default: return tile_avx2<BITS, 4, TABLE>(p, &t, m0);
   }
 }
 
