@@ -11,9 +11,10 @@ interleaved rounds (kvserve, then llama-bench, file after file), plus the embedd
 the first request: the kernels' first call), the bytes a decode step reads, and per round each engine's
 TTFT and TPOT beside the read bandwidth probed just before and just after its run and the floor that gives
 (those bytes / the probes' mean), and the ratios, marked "one state" where all four probes agree within 15%
-(the host moves between a slow and a fast state for tens of seconds at a time, and both engines' TPOT follow
-it); then each figure's range, the ratios' over the rounds run in one state, and the ratio of each engine's
-best over the sitting (the states come and go within a run too, so that is where both ran at their best).
+(the host's read bandwidth moves between ~30 and ~60 GB/s for tens of seconds at a time; the probes say
+where it stood at each end of a run, not how the run went: an engine's step time moves by up to ~25% with
+the probes alike); then each figure's range, the ratios' over the rounds run in one state, and the ratio of
+each engine's best over the sitting (the best time each reached in it).
 
 llama-quantize, llama-bench: bench/llama_tools.py's lookup (it says how to build them). Without
 llama-quantize the files are written by kvserve's own quantizer (kvserve/kernels/kquant_quantize.py, the
@@ -184,9 +185,9 @@ def make_file(directory: Path, mix: str, quantizer: Path | None, no_write: bool)
 
 @dataclass
 class Run:
-    """One engine's figures in one round, with the read bandwidth probed just before and just after it: the
-    host moves between a slow and a fast state (here ~30 and ~50 GB/s) for tens of seconds at a time, and
-    every engine's TPOT follows it, so a ratio means something only where both engines ran in one state."""
+    """One engine's figures in one round, with the read bandwidth probed just before and just after it (the
+    host's moves between ~30 and ~60 GB/s for tens of seconds at a time: a ratio of two runs says most where
+    both ran in one state)."""
 
     ttft: float
     tpot: float
@@ -267,8 +268,6 @@ def llama_bench_round(binary: Path, path: Path, workload: str, reps: int) -> tup
 
 
 def _span(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
-    if not values:
-        return "none"
     low, high = min(values) * scale, max(values) * scale
     return f"{low:.{digits}f}" if f"{low:.{digits}f}" == f"{high:.{digits}f}" else f"{low:.{digits}f}-{high:.{digits}f}"
 
@@ -302,18 +301,19 @@ def print_summary(subjects: list[Subject]) -> None:
             if theirs:
                 pairs = list(zip(ours, theirs))
                 steady = [(a, b) for a, b in pairs if one_state(a, b)]
-                steady_reads = _span([v for a, b in steady for v in a.read + b.read], 1e-9, 0)
                 best_ttft = min(r.ttft for r in ours) / min(r.ttft for r in theirs)
                 best_tpot = min(r.tpot for r in ours) / min(r.tpot for r in theirs)
+                in_one_state = (f"{len(steady)} of {len(pairs)} rounds in one state (read "
+                                f"{_span([v for a, b in steady for v in a.read + b.read], 1e-9, 0)} GB/s): "
+                                f"TTFT {_span([a.ttft / b.ttft for a, b in steady])}x, "
+                                f"TPOT {_span([a.tpot / b.tpot for a, b in steady])}x" if steady
+                                else f"none of {len(pairs)} rounds in one state")
                 line += (f" | llama-bench TTFT {_span([r.ttft for r in theirs])} s, TPOT "
                          f"{_span([r.tpot for r in theirs], 1e3, 1)} ms "
                          f"({_span([r.tpot / r.floor(per_token) for r in theirs])}x the floor) | "
                          f"kvserve / llama.cpp: TTFT {_span([a.ttft / b.ttft for a, b in pairs])}x, TPOT "
-                         f"{_span([a.tpot / b.tpot for a, b in pairs])}x; in one state ({len(steady)} of "
-                         f"{len(pairs)} rounds, read {steady_reads} GB/s): TTFT "
-                         f"{_span([a.ttft / b.ttft for a, b in steady])}x, TPOT "
-                         f"{_span([a.tpot / b.tpot for a, b in steady])}x; best of each over the sitting: "
-                         f"TTFT {best_ttft:.2f}x, TPOT {best_tpot:.2f}x")
+                         f"{_span([a.tpot / b.tpot for a, b in pairs])}x; {in_one_state}; best of each over "
+                         f"the sitting: TTFT {best_ttft:.2f}x, TPOT {best_tpot:.2f}x")
             print(line, flush=True)
 
 
