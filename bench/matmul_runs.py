@@ -3,7 +3,8 @@
 A decode step of one request multiplies one activation row by each weight matrix, reading every byte of it
 once from memory; the group-code kernel (`csrc/quant_matmul.cpp`) takes such a row's tiles four at a time
 (two to four rows' two at a time), spread over each thread's range, so that runs of bytes stream side by
-side. This measures what that buys on this machine: the same calls with `runs` 1, 2 and 4 (4 is taken as 2
+side (its AVX2 path one at a time unless asked: `--isa avx2` measures it there, per matmul; what decided it
+was the engine's step). This measures what that buys on this machine: the same calls with `runs` 1, 2 and 4 (4 is taken as 2
 for more than one row), alternating call by call (the host's state moves absolute figures by half between
 minutes; the ratios of neighbouring calls hold), on the shapes of the
 embedded SmolLM2-135M (Q4_1 layers, Q8_0 head) and of W11's 1B-class body (Q4_0), each over enough matrices

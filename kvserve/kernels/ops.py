@@ -139,8 +139,9 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features:
     `table` (uint8 `[16]`, values below 128): what each 4-bit code stands for (GroupCodes.table). `isa`: -1
     the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). `runs`: how many weight
     tiles a decode batch of up to 4 rows (AVX2: 3) reads side by side: 1, 2 or 4 for one row, 1 or 2
-    (4 taken as 2) for more; 0 the kernel's choice (tests and bench/matmul_runs.py compare them: the same
-    bits, another speed). No torch path: a layer holds these weights only where the kernel is built."""
+    (4 taken as 2) for more; 0 the kernel's choice (on AVX2 one; tests and bench/matmul_runs.py compare
+    them: the same bits, another speed). No torch path: a layer holds these weights only where the kernel
+    is built."""
     ext = kernels()
     if ext is None or not (x.is_cpu and packed.is_cpu and x.dtype is _F32 and packed.dtype is _U8):
         _refuse("quant_matmul", ext, x=(x, (_F32,)), packed=(packed, (_U8,)))

@@ -43,6 +43,15 @@ constexpr int64_t kLoneRowRuns = 4, kBatchRuns = 2;
 
 int64_t max_side_by_side_rows(Isa isa) { return isa == kAvx512Vnni ? 4 : isa == kAvx2 ? 3 : 0; }
 
+// The kernel's choice of `runs`. AVX2 keeps one tile at a time: on the only machine measured (a Zen 4 running
+// the AVX2 code, README 2026-11-29), four tiles for a lone row, though 0.98-1.12x per matmul alone, made
+// SmolLM2's decode step 1.7-2.7% slower in the engine (two 0.9%; the 1B Q4_0 step 1.5% faster, three rows
+// 2.9%). `runs` given still reads them side by side there, for bench/matmul_runs.py on an AVX2-only machine.
+int64_t default_runs(Isa isa, int64_t M) {
+  if (isa != kAvx512Vnni) return 1;
+  return M == 1 ? kLoneRowRuns : kBatchRuns;
+}
+
 #if defined(__x86_64__)
 // RUNS tiles `ts` for all ROWS rows of x on `isa` (AVX512-VNNI or AVX2).
 template <int ROWS, int RUNS>
@@ -110,7 +119,7 @@ std::string quant_matmul_isa() {
 // isa: -1 = the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). table: uint8 [16],
 // the values 4-bit codes stand for (each below 128), or empty: the codes themselves. runs: the tiles a decode
 // batch of up to 4 rows (AVX2: 3) reads side by side: 1, 2 or 4 for a lone row, 1 or 2 (4 taken as 2) for more;
-// 0 = the kernel's choice (kLoneRowRuns, kBatchRuns; bench/matmul_runs.py compares them).
+// 0 = the kernel's choice (default_runs; bench/matmul_runs.py compares them).
 void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, int64_t bits, int64_t N, int64_t isa,
                        const torch::Tensor& table, float* y, int64_t runs) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.dim() == 2, "quant_matmul: x must be 2-D fp32");
@@ -145,7 +154,7 @@ void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, 
                   block_bytes(bits), tabled ? table.data_ptr<uint8_t>() : nullptr};
   const int64_t per_pass = rows_per_pass(chosen);
   // Work items are tiles of 16 outputs; each walks every row of x (the tile's weights stay in L1).
-  const int64_t read_together = runs != 0 ? runs : M == 1 ? kLoneRowRuns : kBatchRuns;
+  const int64_t read_together = runs != 0 ? runs : default_runs(chosen, M);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     run_tiles(chosen, p, begin, end, per_pass, read_together);
   });
