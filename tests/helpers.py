@@ -349,11 +349,12 @@ def run_to_finals(engine, check_integrity: bool = True) -> dict:
     return finals
 
 
-def int8_activation_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """What kvserve's quantized matmul computes, in float64: x rounded to int8 per group of 32 inputs
-    (scale max|x| / 127), times the fp32 weight its codes stand for."""
+def int8_activation_matmul(x: torch.Tensor, weight: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """What kvserve's quantized matmul computes, in float64: x rounded to int8 per group of `group` inputs
+    (scale max|x| / 127: 32 for the group-code matmul, 256 for the K-quant one), times the fp32 weight its
+    codes stand for."""
     rows, cols = x.shape
-    groups = x.view(rows, cols // 32, 32)
+    groups = x.view(rows, cols // group, group)
     amax = groups.abs().amax(dim=-1, keepdim=True)
     inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
     rounded = torch.round(groups * inverse) * (amax / 127)

@@ -24,6 +24,7 @@ from kvserve.kernels import ops
 SUPER_BLOCK = 256  # inputs per K-quant super-block
 TILE_ROWS = 16  # output rows interleaved in one packed tile
 KQUANT_KINDS = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}  # the C++ kernel's kind numbers
+ACTIVATION_BLOCK = 128  # inputs per int8 activation scale in the kernel (csrc/kquant_activations.h)
 TYPE_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes of one super-block in the file
 _LOW_BYTES = 8 * 4 * 64  # the low nibbles of 16 rows x 256 inputs
 _HIGH_BYTES = {"Q4_K": 0, "Q5_K": 512, "Q6_K": 1024}

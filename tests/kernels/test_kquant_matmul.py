@@ -1,13 +1,14 @@
 """The C++ K-quant matmul (Q4_K, Q5_K, Q6_K super-blocks held exactly) on every instruction-set path against
-the file's weights dequantized by gguf_quants, with the activations rounded to int8 as the kernel does."""
+the file's weights dequantized by gguf_quants, with the activations rounded to int8 as the kernel does (one
+scale per ACTIVATION_BLOCK inputs)."""
 
 import numpy as np
 import pytest
 import torch
 
 from kvserve.kernels import ops
-from kvserve.kernels.kquant_packing import (KQUANT_KINDS, TYPE_BYTES, KQuantCodes, kquant_packed_bytes,
-                                            pack_kquant, pack_kquant_reference)
+from kvserve.kernels.kquant_packing import (ACTIVATION_BLOCK, KQUANT_KINDS, TYPE_BYTES, KQuantCodes,
+                                            kquant_packed_bytes, pack_kquant, pack_kquant_reference)
 from kvserve.model.gguf_quants import dequantize
 from tests.helpers import int8_activation_matmul
 
@@ -54,9 +55,9 @@ def test_each_path_computes_the_dequantized_product(isa, kind, rows, cols, outpu
     packed = pack_kquant(codes)
     assert packed.numel() == kquant_packed_bytes(outputs, cols, kind)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
-    x[0, :32] = 0  # an all-zero activation group (scale 0) adds nothing, never a NaN
+    x[0, :ACTIVATION_BLOCK] = 0  # an all-zero block of activations (scale 0) adds nothing, never a NaN
     y = ops.kquant_matmul(x, packed, KQUANT_KINDS[kind], outputs, isa=ISAS[isa])
-    expected = int8_activation_matmul(x, dequantized(codes))
+    expected = int8_activation_matmul(x, dequantized(codes), group=ACTIVATION_BLOCK)
     assert y.shape == (rows, outputs) and y.dtype == torch.float32
     # The integer dot products are exact; what differs is fp32 rounding of the per-group sums.
     assert (y.double() - expected).abs().max() <= 2e-5 * max(float(expected.abs().max()), 1.0)
@@ -78,7 +79,7 @@ def test_extreme_codes_and_scales_are_exact(isa, kind):
         blocks[:, 4:TYPE_BYTES[kind]] = 0xFF
     x = torch.tensor([[127.0] * 256, [-127.0] * 256, [1.0, -1.0] * 128])
     y = ops.kquant_matmul(x, pack_kquant(codes), KQUANT_KINDS[kind], 16, isa=ISAS[isa])
-    expected = int8_activation_matmul(x, dequantized(codes))
+    expected = int8_activation_matmul(x, dequantized(codes), group=ACTIVATION_BLOCK)
     assert (y.double() - expected).abs().max() <= 1e-5 * float(expected.abs().max())
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvserve.kernels import ops
-from kvserve.kernels.kquant_packing import KQUANT_KINDS, kquant_packed_bytes
+from kvserve.kernels.kquant_packing import ACTIVATION_BLOCK, KQUANT_KINDS, kquant_packed_bytes
 from kvserve.model import quantized_linear as ql
 from kvserve.model.kquant_linear import KQuantLinearMethod
 from kvserve.model.layers import Linear
@@ -39,12 +39,12 @@ def test_each_layer_holds_the_files_codes_exactly(q4_k_m_file):
             weight = exact.model.layers[index].get_submodule(name).weight  # the file's values, Q/K unpermuted
             for rows in (1, 64):
                 x = torch.randn(rows, layer.input_size, generator=gen)
-                expected = int8_activation_matmul(x, weight)
+                expected = int8_activation_matmul(x, weight, group=ACTIVATION_BLOCK)
                 assert (layer(x).double() - expected).abs().max() < 1e-5 * expected.abs().max(), name
     head = packed.model.lm_head
     assert [part[0] for part in head.method.parts] == [KQUANT_KINDS["Q6_K"]]
     x = torch.randn(3, 256, generator=gen)
-    expected = int8_activation_matmul(x, exact.model.lm_head.weight)
+    expected = int8_activation_matmul(x, exact.model.lm_head.weight, group=ACTIVATION_BLOCK)
     assert (head(x).double() - expected).abs().max() < 1e-5 * expected.abs().max()
     # About the file's bytes: no int8 copy, no fp32 copy of a K-quant matrix.
     qkv = packed.model.layers[0].self_attn.qkv_proj
@@ -140,5 +140,5 @@ def test_a_moe_files_k_quant_experts_are_held_from_their_codes(tmp_path):
                 assert [part[0] for part in layer.method.parts] == [KQUANT_KINDS[k] for k in kinds], name
                 weight = exact.model.layers[index].mlp.experts[expert].get_submodule(name).weight
                 x = torch.randn(2, layer.input_size, generator=gen)
-                expected = int8_activation_matmul(x, weight)
+                expected = int8_activation_matmul(x, weight, group=ACTIVATION_BLOCK)
                 assert (layer(x).double() - expected).abs().max() < 1e-5 * expected.abs().max(), name
