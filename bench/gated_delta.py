@@ -1,6 +1,6 @@
 """What the gated delta rule costs per token on a Qwen3.5-0.8B linear-attention layer, and against what.
 
-kvserve runs the rule token by token for every token, prefill included (kernels/ops.py, csrc/gated_delta.cpp):
+kvserve runs the rule token by token for every token, prefill included (kernels/gated_delta.py, csrc/gated_delta.cpp):
 the chunked form's results depend on where chunks start, and a token's bits must not depend on how its
 prompt was chunked or cached. This prints, per token, on one layer's shape (16 key heads, 16 value heads,
 dk = dv = 128, q and k l2-normalised in the rule):
@@ -33,7 +33,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 )
 
 from kvserve.cpu_features import describe_cpu
-from kvserve.kernels import ops
+from kvserve.kernels import gated_delta, ops
 from kvserve.kernels.gated_delta_torch import gated_delta_scan
 
 HEADS, HEAD_DIM, HIDDEN, PROJECTED = 16, 128, 1024, 6144 + 2048 + 32
@@ -70,19 +70,19 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     q, k, v, g, beta = layer_inputs(rows, gen)
     print(f"CPU: {describe_cpu()}; {os.cpu_count()} CPUs; torch threads: {torch.get_num_threads()}; "
-          f"gated delta kernel: {ops.gated_delta_isa() or 'not built'}")
+          f"gated delta kernel: {gated_delta.gated_delta_isa() or 'not built'}")
     print(f"layer: {HEADS} key / {HEADS} value heads, dk = dv = {HEAD_DIM}; prefill segment {rows} tokens")
     figures: list[tuple[str, float]] = []  # (what, microseconds per token)
     threads = torch.get_num_threads()
     for count in sorted({1, threads}) if ops.available() else ():
         torch.set_num_threads(count)
-        seconds = best_seconds(lambda: ops.gated_delta_rule(q, k, v, g, beta), repeats)
+        seconds = best_seconds(lambda: gated_delta.gated_delta_rule(q, k, v, g, beta), repeats)
         figures.append((f"C++ kernel, prefill segment of {rows}, {count} thread(s)", seconds / rows))
         for batch in (1, 8):
             cache = torch.randn(2 * batch, HEADS, HEAD_DIM, HEAD_DIM, generator=gen) * 0.1
             step = layer_inputs(batch, gen)
-            sequences = ops.DeltaSequences.of([1] * batch, list(range(batch)), list(range(batch, 2 * batch)))
-            seconds = best_seconds(lambda: ops.gated_delta_rule_slots_(*step, cache, sequences), 20 * repeats)
+            sequences = gated_delta.DeltaSequences.of([1] * batch, list(range(batch)), list(range(batch, 2 * batch)))
+            seconds = best_seconds(lambda: gated_delta.gated_delta_rule_slots_(*step, cache, sequences), 20 * repeats)
             figures.append((f"C++ kernel, batched decode B={batch} (states read from / written to slots), "
                             f"{count} thread(s)", seconds / batch))
     torch.set_num_threads(threads)

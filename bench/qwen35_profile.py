@@ -29,7 +29,7 @@ from kvserve.kv.cache.kv_spec import kv_spec
 from kvserve.kv.state.context import StateSequence
 from kvserve.kv.state.state_spec import state_spec
 from kvserve.kv.state.storage import StateCache
-from kvserve.kernels import ops
+from kvserve.kernels import gated_delta
 from kvserve.model.short_conv import CausalDepthwiseConv
 from kvserve.model.quantized_linear import convert_linear_weights
 from kvserve.model.qwen35 import Qwen35ForCausalLM
@@ -79,7 +79,7 @@ class PartTimer:
             self._time(layer.mlp, "mlp")
         self._time(model.lm_head, "head")
         for name in ("gated_delta_rule_slots_", "gated_delta_rule"):
-            setattr(ops, name, self._wrap(getattr(ops, name), "deltanet: delta rule"))
+            setattr(gated_delta, name, self._wrap(getattr(gated_delta, name), "deltanet: delta rule"))
         CausalDepthwiseConv.run = self._wrap(CausalDepthwiseConv.run, "deltanet: causal conv")
 
     def _time(self, module: torch.nn.Module, part: str) -> None:

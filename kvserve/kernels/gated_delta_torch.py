@@ -58,7 +58,7 @@ def gated_delta_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       out: torch.Tensor, read_states: torch.Tensor, write_states: torch.Tensor,
                       row_starts: Sequence[int], read_slots: Sequence[int], write_slots: Sequence[int],
                       snapshots: Sequence[tuple[int, int, int]], normalize_qk: bool, scale: float) -> None:
-    """The kernel's batched form (ops.gated_delta_rule_slots_) sequence by sequence: every state is read
+    """The kernel's batched form (gated_delta.gated_delta_rule_slots_) sequence by sequence: every state is read
     before any is written, as the kernel's threads do (it refuses a slot read by one sequence and written
     by another)."""
     starts = [None if slot < 0 else read_states[slot].clone() for slot in read_slots]

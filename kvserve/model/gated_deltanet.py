@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.config import GatedDeltaNetShape
-from kvserve.kernels import ops
+from kvserve.kernels import gated_delta
 from kvserve.kv.state.context import StateContext
 from kvserve.model.layers import Linear, MergedLinear, RMSNorm, new_parameter, per_row
 from kvserve.model.short_conv import CausalDepthwiseConv
@@ -89,9 +89,9 @@ class GatedDeltaNet(nn.Module):
         """Every sequence's rows from its matrices (state tensor 1), in one kernel call over the slots."""
         tensors = states.slot_tensors(layer)
         if tensors is None:  # one whole sequence, nothing kept
-            return ops.gated_delta_rule(q, k, v, g, beta)[0]
+            return gated_delta.gated_delta_rule(q, k, v, g, beta)[0]
         plan = states.shared("delta_sequences", lambda: _plan(states))  # built once per step, not per layer
-        return ops.gated_delta_rule_slots_(q, k, v, g, beta, tensors[1], plan)
+        return gated_delta.gated_delta_rule_slots_(q, k, v, g, beta, tensors[1], plan)
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's outputs `[N, C]` -> q, k, v `[N, value heads, D]`, each value head beside the key
@@ -111,10 +111,10 @@ class GatedDeltaNet(nn.Module):
         return x.repeat(1, repeats, 1) if self.shape.value_heads_tiled else x.repeat_interleave(repeats, dim=1)
 
 
-def _plan(states: StateContext) -> ops.DeltaSequences:
+def _plan(states: StateContext) -> gated_delta.DeltaSequences:
     """The kernel's view of a step's sequences: the same for every Gated DeltaNet layer of the step."""
     sequences = states.sequences
-    return ops.DeltaSequences.of(
+    return gated_delta.DeltaSequences.of(
         [sequence.num_rows for sequence in sequences],
         [sequence.read_slot if sequence.start else -1 for sequence in sequences],
         [sequence.slot for sequence in sequences],

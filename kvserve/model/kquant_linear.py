@@ -5,7 +5,7 @@ bits a weight held, where int8 groups took 9), and a row's result never depends 
 
 A fused projection (QKV, gate-up) whose shards are each of their own K-quant type (a Q4_K_M file keeps
 some V and down projections in Q6_K) holds one packed matrix per shard, each writing its columns of the
-one output.
+one output in one kernel call (one quantization of x, one parallel region).
 """
 
 from __future__ import annotations
@@ -41,12 +41,9 @@ class KQuantLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if len(self.parts) == 1:
-            y = ops.kquant_matmul(rows, layer.packed_0, self.parts[0][0], layer.output_size)
-        else:
-            y = torch.empty(rows.shape[0], layer.output_size, dtype=torch.float32)
-            for index, (kind, column, outputs) in enumerate(self.parts):
-                ops.kquant_matmul(rows, getattr(layer, f"packed_{index}"), kind, outputs, out=y, column=column)
+        parts = [ops.KQuantPart(getattr(layer, f"packed_{index}"), kind, column, outputs)
+                 for index, (kind, column, outputs) in enumerate(self.parts)]
+        y = ops.kquant_matmul_parts(rows, parts, torch.empty(rows.shape[0], layer.output_size, dtype=torch.float32))
         if layer.bias is not None:
             y += layer.bias
         return y if x.dim() == 2 else y.view(*x.shape[:-1], layer.output_size)

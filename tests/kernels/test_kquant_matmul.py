@@ -83,15 +83,22 @@ def test_extreme_codes_and_scales_are_exact(isa, kind):
     assert (y.double() - expected).abs().max() <= 1e-5 * float(expected.abs().max())
 
 
-def test_parts_write_their_own_columns_of_one_output():
-    x = torch.randn(5, 256)
-    parts = [random_kquant("Q4_K", 32, 256, 1), random_kquant("Q6_K", 16, 256, 2)]
-    out = torch.full((5, 60), 7.0)
-    ops.kquant_matmul(x, pack_kquant(parts[0]), KQUANT_KINDS["Q4_K"], 32, out=out, column=0)
-    ops.kquant_matmul(x, pack_kquant(parts[1]), KQUANT_KINDS["Q6_K"], 16, out=out, column=32)
-    assert torch.equal(out[:, :32], ops.kquant_matmul(x, pack_kquant(parts[0]), KQUANT_KINDS["Q4_K"], 32))
-    assert torch.equal(out[:, 32:48], ops.kquant_matmul(x, pack_kquant(parts[1]), KQUANT_KINDS["Q6_K"], 16))
-    assert torch.equal(out[:, 48:], torch.full((5, 12), 7.0))  # nothing past the parts' columns
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("rows", [1, 5, 19])
+def test_parts_in_one_call_write_their_own_columns_as_separate_calls_do(isa, rows):
+    # A fused projection's parts of unequal tile counts (3, 1 and 2 tiles: each thread takes the same share
+    # of every part), each of its own kind, from one quantization of x.
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    codes = [random_kquant("Q4_K", 48, 512, 1), random_kquant("Q6_K", 16, 512, 2), random_kquant("Q5_K", 20, 512, 4)]
+    parts = [ops.KQuantPart(pack_kquant(c), KQUANT_KINDS[c.kind], column, c.shape[0])
+             for c, column in zip(codes, (0, 48, 70))]
+    out = torch.full((rows, 96), 7.0)
+    assert ops.kquant_matmul_parts(x, parts, out, isa=ISAS[isa]) is out
+    for part in parts:
+        alone = ops.kquant_matmul(x, part.packed, part.kind, part.outputs, isa=ISAS[isa])
+        assert torch.equal(out[:, part.column : part.column + part.outputs], alone)
+    assert torch.equal(out[:, 64:70], torch.full((rows, 6), 7.0))  # nothing between or past the parts' columns
+    assert torch.equal(out[:, 90:], torch.full((rows, 6), 7.0))
 
 
 def test_mismatched_shapes_and_kinds_are_refused():

@@ -5,7 +5,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over paged fp32 / fp16 / bf16 K/V, read in place");
   m.def("paged_decode_quant", &paged_decode_quant, "decode attention over paged int8 / int4 K/V and fp16 open blocks");
   m.def("quant_matmul", &quant_matmul, "x @ W^T for 4- or 8-bit group-quantized W, int8 activations");
-  m.def("kquant_matmul_", &kquant_matmul_, "out[:, col:col+N] = x @ W^T for W as GGUF K-quant super-blocks");
+  m.def("kquant_matmul_", &kquant_matmul_, "out[:, col:col+N] = x @ W^T for each part W of GGUF K-quant super-blocks");
   m.def("kquant_repack", &kquant_repack, "GGUF K-quant super-blocks -> the layout kquant_matmul_ reads");
   m.def("quant_matmul_isa", &quant_matmul_isa, "the instruction set quant_matmul runs on this CPU");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");

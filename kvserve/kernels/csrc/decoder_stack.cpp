@@ -59,7 +59,7 @@ struct StackLinear {
     if (kinds[0] < 0) {
       quant_matmul_into(x, packed[0], bits, out_features, -1, table, out.data_ptr<float>());
     } else {
-      for (size_t i = 0; i < packed.size(); ++i) kquant_matmul_(x, packed[i], kinds[i], outputs[i], out, columns[i], -1);
+      kquant_matmul_(x, packed, kinds, outputs, out, columns, -1);
     }
     if (bias.numel() > 0) add_rows_(out.data_ptr<float>(), bias.data_ptr<float>(), out.size(0), out_features, 0);
   }

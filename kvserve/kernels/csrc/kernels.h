@@ -3,14 +3,15 @@
 // paged_decode_quant.cpp, quant_matmul.cpp,
 // kquant_matmul.cpp, fused_ops.cpp, gated_delta.cpp and decoder_stack.cpp (the attention files share
 // attend_blocks*.h and decode_splits.h), bound to Python in bindings.cpp. Python reaches them only through
-// kvserve/kernels/ops.py, which checks devices and dtypes before a call (a CUDA tensor here would be read
-// as host memory).
+// kvserve/kernels/ops.py (the gated delta rule through kvserve/kernels/gated_delta.py), which checks devices
+// and dtypes before a call (a CUDA tensor here would be read as host memory).
 #pragma once
 
 #include <torch/extension.h>
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 // paged_decode.cpp: decode attention over paged fp32 / fp16 / bf16 K/V blocks, read in place.
 // One query token per row (decodes, verify queries, prefill tokens alike), each attended alone; `sinks`
@@ -36,9 +37,10 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, 
 void quant_matmul_into(const torch::Tensor& x, const torch::Tensor& packed, int64_t bits, int64_t N, int64_t isa,
                        const torch::Tensor& table, float* y, int64_t runs = 0);
 std::string quant_matmul_isa();
-// kquant_matmul.cpp: the same for W held as GGUF Q4_K / Q5_K / Q6_K super-blocks, into columns of `out`.
-void kquant_matmul_(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t N, torch::Tensor out, int64_t col,
-                    int64_t isa);
+// kquant_matmul.cpp: the same for W held as GGUF Q4_K / Q5_K / Q6_K super-blocks, one or several parts each
+// into its columns of `out`.
+void kquant_matmul_(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> kinds,
+                    std::vector<int64_t> outputs, torch::Tensor out, std::vector<int64_t> columns, int64_t isa);
 // kquant_repack.cpp: a GGUF file's K-quant super-blocks uint8 [rows, supers, file bytes] -> kquant_matmul_'s layout.
 torch::Tensor kquant_repack(torch::Tensor blocks, int64_t kind);
 

@@ -5,7 +5,7 @@
 // those float operations. llama.cpp takes one scale per 256 (its Q8_K); 128 is kept here because Gemma 3
 // 270M's activations have outliers that 256 pays for (bench/weights_accuracy.py --model gemma3 --windows 4
 // --window 512, the file dequantized as reference: KL 7.45e-3 per 32, 7.79e-3 per 128, 1.09e-2 per 256;
-// the prefill matmuls 1.09-1.12x faster per 128, 1.20-1.23x per 256, per 64 no faster).
+// 512-row matmuls over per 32: 1.08-1.22x per 128, 1.10-1.23x per 256, per 64 no faster).
 // The codes' sums per 32 and per 16 inputs go with them (the mins' and Q6_K's offset terms, int16 pairs for
 // vpdpwssd / vpmaddwd).
 #pragma once
@@ -22,7 +22,7 @@ constexpr int64_t kActivationBlock = 128;  // inputs per activation scale: 64, 1
 constexpr int64_t kBlocksPerSuper = 256 / kActivationBlock;
 static_assert(kActivationBlock % 64 == 0 && 256 % kActivationBlock == 0, "Q4_K's mins go in pairs of 32 inputs");
 
-struct SuperActivations {
+struct KQuantActivations {
   int8_t* xq;    // [M, K] codes
   float* dx;     // [M, K / kActivationBlock] scale = max|x| / 127 over the block
   int16_t* s32;  // [M, K / 32] sum of the codes per 32 inputs (at most 32 * 127: int16 holds it)
@@ -30,7 +30,7 @@ struct SuperActivations {
 };
 
 // x [M, K] fp32, K a multiple of 256. Each (row, block) depends on its own inputs alone.
-inline void quantize_rows_per_super(const float* x, int64_t M, int64_t K, const SuperActivations& a) {
+inline void quantize_rows_per_block(const float* x, int64_t M, int64_t K, const KQuantActivations& a) {
   constexpr int64_t kInputs = kActivationBlock;
   at::parallel_for(0, M * K / kInputs, 64, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {

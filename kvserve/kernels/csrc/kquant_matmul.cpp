@@ -46,25 +46,33 @@ void run_tile(Isa isa, const Problem& p, int64_t t, int64_t m0, int64_t rows) {
 
 }  // namespace
 
-// out[:, col : col + N] = x @ W^T: x [M, K] fp32 (K a multiple of 256), packed [tiles, K / 256, block bytes]
-// uint8 of `kind` (0 Q4_K, 1 Q5_K, 2 Q6_K), out [M, >= col + N] fp32 with contiguous rows (a fused
-// projection's parts, each of its own type, write their columns of one output).
+// out[:, columns[i] : columns[i] + outputs[i]] = x @ W_i^T for each part i: x [M, K] fp32 (K a multiple of
+// 256), packed[i] [tiles, K / 256, block bytes] uint8 of kinds[i] (0 Q4_K, 1 Q5_K, 2 Q6_K), out [M, >= every
+// part's last column] fp32 with contiguous rows. A fused projection's parts (each of its own type: a Q4_K_M
+// file's Q6_K V rows) share one quantization of x and one parallel region, each thread taking the same share
+// of every part's tiles (a part per region cost a fork and join each and quantized x again).
 // isa: -1 = the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests).
-void kquant_matmul_(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t N, torch::Tensor out, int64_t col,
-                    int64_t isa) {
+void kquant_matmul_(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> kinds,
+                    std::vector<int64_t> outputs, torch::Tensor out, std::vector<int64_t> columns, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "kquant_matmul: x must be 2-D fp32");
-  TORCH_CHECK(kind >= kQ4K && kind <= kQ6K, "kquant_matmul: kind must be 0 (Q4_K), 1 (Q5_K) or 2 (Q6_K)");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
-              "kquant_matmul: packed weights must be contiguous uint8 [tiles, super-blocks, bytes]");
+  const size_t parts = packed.size();
+  TORCH_CHECK(parts > 0 && kinds.size() == parts && outputs.size() == parts && columns.size() == parts,
+              "kquant_matmul: one kind, output count and column per packed part");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  const int64_t supers = K / kSuper, tiles = packed.size(0);
-  TORCH_CHECK(K % kSuper == 0 && packed.size(1) == supers && packed.size(2) == block_bytes(kind) &&
-                  tiles * kTile >= N && (tiles - 1) * kTile < N,
-              "kquant_matmul: packed weights do not match x's ", K, " inputs and ", N, " outputs");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 &&
-                  col >= 0 && col + N <= out.size(1),
-              "kquant_matmul: out must be fp32 [", M, ", >= ", col + N, "] with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1), supers = K / kSuper;
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.stride(1) == 1,
+              "kquant_matmul: out must be fp32 [", M, ", columns] with contiguous rows");
+  for (size_t i = 0; i < parts; ++i) {
+    const int64_t kind = kinds[i], N = outputs[i], col = columns[i], tiles = packed[i].size(0);
+    TORCH_CHECK(kind >= kQ4K && kind <= kQ6K, "kquant_matmul: kind must be 0 (Q4_K), 1 (Q5_K) or 2 (Q6_K)");
+    TORCH_CHECK(packed[i].scalar_type() == at::kByte && packed[i].dim() == 3 && packed[i].is_contiguous(),
+                "kquant_matmul: packed weights must be contiguous uint8 [tiles, super-blocks, bytes]");
+    TORCH_CHECK(K % kSuper == 0 && packed[i].size(1) == supers && packed[i].size(2) == block_bytes(kind) &&
+                    tiles * kTile >= N && (tiles - 1) * kTile < N,
+                "kquant_matmul: packed weights do not match x's ", K, " inputs and ", N, " outputs");
+    TORCH_CHECK(col >= 0 && col + N <= out.size(1),
+                "kquant_matmul: out must be fp32 [", M, ", >= ", col + N, "] with contiguous rows");
+  }
   const Isa chosen = chosen_isa(isa);
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> dx;
@@ -72,17 +80,26 @@ void kquant_matmul_(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t
   xq.resize(M * K);
   dx.resize(M * K / kActivationBlock);
   sums.resize(M * K / 32 + M * K / 16);
-  const SuperActivations activations{xq.data(), dx.data(), sums.data(), sums.data() + M * K / 32};
-  quantize_rows_per_super(x.data_ptr<float>(), M, K, activations);
-  const Problem p{packed.data_ptr<uint8_t>(), activations, out.data_ptr<float>() + col, K, N, out.stride(0), supers};
+  const KQuantActivations activations{xq.data(), dx.data(), sums.data(), sums.data() + M * K / 32};
+  quantize_rows_per_block(x.data_ptr<float>(), M, K, activations);
+  std::vector<Problem> problems;
+  int64_t most = 0;  // the range split among the threads: each part's tiles are mapped onto it
+  for (size_t i = 0; i < parts; ++i) {
+    problems.push_back(Problem{packed[i].data_ptr<uint8_t>(), activations, out.data_ptr<float>() + columns[i], K,
+                               outputs[i], out.stride(0), supers});
+    most = std::max(most, packed[i].size(0));
+  }
   const int64_t per_pass = rows_per_pass(chosen);
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
-        const int64_t rows = std::min(per_pass, M - m0);
-        if (kind == kQ4K) run_tile<kQ4K>(chosen, p, t, m0, rows);
-        else if (kind == kQ5K) run_tile<kQ5K>(chosen, p, t, m0, rows);
-        else run_tile<kQ6K>(chosen, p, t, m0, rows);
+  at::parallel_for(0, most, 1, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < parts; ++i) {
+      const int64_t tiles = packed[i].size(0);  // this thread's share: the same fraction of every part
+      for (int64_t t = tiles * begin / most; t < tiles * end / most; ++t) {
+        for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
+          const int64_t rows = std::min(per_pass, M - m0);
+          if (kinds[i] == kQ4K) run_tile<kQ4K>(chosen, problems[i], t, m0, rows);
+          else if (kinds[i] == kQ5K) run_tile<kQ5K>(chosen, problems[i], t, m0, rows);
+          else run_tile<kQ6K>(chosen, problems[i], t, m0, rows);
+        }
       }
     }
   });

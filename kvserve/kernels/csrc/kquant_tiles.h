@@ -19,7 +19,7 @@ constexpr int64_t kMaxRows = 8;  // activation rows sharing one pass over a weig
 
 struct Problem {
   const uint8_t* packed;
-  SuperActivations x;
+  KQuantActivations x;
   float* y;
   int64_t K, N, ldy, supers;
   // Row m's scale of activation block b of super-block s; its sums per 32 and per 16 inputs of super-block
