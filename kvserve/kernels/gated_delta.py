@@ -12,8 +12,7 @@ import torch
 
 from kvserve.kernels.build import cpu_kernels as kernels  # the compiled kernels, or None
 from kvserve.kernels.gated_delta_torch import gated_delta_slots
-
-_F32, _LONG = torch.float32, torch.int64
+from kvserve.kernels.ops import _F32, _LONG, _cpu_fp32  # the checks every kernel call makes
 
 
 class DeltaSequences(NamedTuple):
@@ -40,10 +39,6 @@ class DeltaSequences(NamedTuple):
         count = len(row_counts)
         return cls(values[: count + 1], values[count + 1 : 2 * count + 1], values[2 * count + 1 : 3 * count + 1],
                    values[3 * count + 1 :].view(-1, 3))
-
-
-def _cpu_fp32(x: torch.Tensor) -> bool:
-    return x.is_cpu and x.dtype is _F32
 
 
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -39,8 +39,9 @@ void quant_matmul_into(const torch::Tensor& x, const torch::Tensor& packed, int6
 std::string quant_matmul_isa();
 // kquant_matmul.cpp: the same for W held as GGUF Q4_K / Q5_K / Q6_K super-blocks, one or several parts each
 // into its columns of `out`.
-void kquant_matmul_(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> kinds,
-                    std::vector<int64_t> outputs, torch::Tensor out, std::vector<int64_t> columns, int64_t isa);
+void kquant_matmul_(torch::Tensor x, const std::vector<torch::Tensor>& packed, const std::vector<int64_t>& kinds,
+                    const std::vector<int64_t>& outputs, torch::Tensor out, const std::vector<int64_t>& columns,
+                    int64_t isa);
 // kquant_repack.cpp: a GGUF file's K-quant super-blocks uint8 [rows, supers, file bytes] -> kquant_matmul_'s layout.
 torch::Tensor kquant_repack(torch::Tensor blocks, int64_t kind);
 

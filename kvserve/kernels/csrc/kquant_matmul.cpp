@@ -52,8 +52,9 @@ void run_tile(Isa isa, const Problem& p, int64_t t, int64_t m0, int64_t rows) {
 // file's Q6_K V rows) share one quantization of x and one parallel region, each thread taking the same share
 // of every part's tiles (a part per region cost a fork and join each and quantized x again).
 // isa: -1 = the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests).
-void kquant_matmul_(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> kinds,
-                    std::vector<int64_t> outputs, torch::Tensor out, std::vector<int64_t> columns, int64_t isa) {
+void kquant_matmul_(torch::Tensor x, const std::vector<torch::Tensor>& packed, const std::vector<int64_t>& kinds,
+                    const std::vector<int64_t>& outputs, torch::Tensor out, const std::vector<int64_t>& columns,
+                    int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "kquant_matmul: x must be 2-D fp32");
   const size_t parts = packed.size();
   TORCH_CHECK(parts > 0 && kinds.size() == parts && outputs.size() == parts && columns.size() == parts,
@@ -82,13 +83,17 @@ void kquant_matmul_(torch::Tensor x, std::vector<torch::Tensor> packed, std::vec
   sums.resize(M * K / 32 + M * K / 16);
   const KQuantActivations activations{xq.data(), dx.data(), sums.data(), sums.data() + M * K / 32};
   quantize_rows_per_block(x.data_ptr<float>(), M, K, activations);
-  std::vector<Problem> problems;
+  // Kept, as the buffers above (a step makes ~64 of these calls). The workers read it through `problem`: a
+  // thread_local named inside the lambda would be each worker's own, empty one.
+  thread_local std::vector<Problem> problems;
+  problems.clear();
   int64_t most = 0;  // the range split among the threads: each part's tiles are mapped onto it
   for (size_t i = 0; i < parts; ++i) {
     problems.push_back(Problem{packed[i].data_ptr<uint8_t>(), activations, out.data_ptr<float>() + columns[i], K,
                                outputs[i], out.stride(0), supers});
     most = std::max(most, packed[i].size(0));
   }
+  const Problem* problem = problems.data();
   const int64_t per_pass = rows_per_pass(chosen);
   at::parallel_for(0, most, 1, [&](int64_t begin, int64_t end) {
     for (size_t i = 0; i < parts; ++i) {
@@ -96,9 +101,9 @@ void kquant_matmul_(torch::Tensor x, std::vector<torch::Tensor> packed, std::vec
       for (int64_t t = tiles * begin / most; t < tiles * end / most; ++t) {
         for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
           const int64_t rows = std::min(per_pass, M - m0);
-          if (kinds[i] == kQ4K) run_tile<kQ4K>(chosen, problems[i], t, m0, rows);
-          else if (kinds[i] == kQ5K) run_tile<kQ5K>(chosen, problems[i], t, m0, rows);
-          else run_tile<kQ6K>(chosen, problems[i], t, m0, rows);
+          if (kinds[i] == kQ4K) run_tile<kQ4K>(chosen, problem[i], t, m0, rows);
+          else if (kinds[i] == kQ5K) run_tile<kQ5K>(chosen, problem[i], t, m0, rows);
+          else run_tile<kQ6K>(chosen, problem[i], t, m0, rows);
         }
       }
     }
