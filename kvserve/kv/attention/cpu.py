@@ -61,8 +61,9 @@ class PagedKVContext(AttentionContext):
         # Whether packed layers' materialized blocks run in the C++ kernel (cpu_packed.py).
         self.rows_kernel = rows_kernel
         heads, block_size = cache.spec.num_kv_heads, cache.block_size
-        # Per group: the flat rows its new tokens are written to.
-        self._slots = [slot_indices(m.slot_blocks, m.slot_rows, heads, block_size) for m in group_metadata]
+        # Per group: the flat rows its new tokens are written to (the builder's where it made them).
+        self._slots = [m.slots if m.slots is not None else slot_indices(m.slot_blocks, m.slot_rows, heads, block_size)
+                       for m in group_metadata]
         # Every attention layer its own plain slot (all but Gemma 4-style models): attend goes straight there.
         self._uniform = not cache.spec.layer_kv and not cache.spec.layer_sources
         self._written: set[int] = set()  # stored layers this forward has written (their readers follow)
@@ -251,7 +252,8 @@ class CpuAttentionBackend(AttentionBackend):
         return PagedKVContext(cache, [build_attention_metadata(slices, cache.block_size, group.window, index,
                                                                union_factor=factor, is_decode=self.is_decode,
                                                                device=cache.device, tokens_as_rows=as_rows,
-                                                               block_lists=kernel is None)
+                                                               block_lists=kernel is None,
+                                                               num_kv_heads=cache.spec.num_kv_heads)
                                       for index, group in enumerate(groups)], kernel,
                               rows_kernel=self.use_cpp_kernels and cache.device.type == "cpu")
 

@@ -86,6 +86,9 @@ class AttentionMetadata:
     decode: DecodeMetadata | None
     prefills: list[PrefillMetadata] = field(default_factory=list)
     sliding_window: int | None = None  # this kind's window (None = full attention)
+    # [N * KV heads] the flat cache rows of every new token's K/V heads, token-major (cpu.slot_indices'
+    # order), where the builder was given the head count.
+    slots: torch.Tensor | None = None
 
 
 def _decode_rows(decodes: Sequence[tuple[Sequence[int], int, int]], block_size: int,
@@ -138,6 +141,7 @@ def build_attention_metadata(
     slices: Sequence[SequenceSlice], block_size: int, sliding_window: int | None = None, group: int = 0,
     union_factor: float | None = UNION_SHARING_FACTOR, is_decode: Callable[[int], bool] = single_token_decode,
     device: str | torch.device = "cpu", tokens_as_rows: bool = False, block_lists: bool = True,
+    num_kv_heads: int | None = None,
 ) -> AttentionMetadata:
     """Metadata of KV group `group` (window `sliding_window`, None = full) for a step whose token batch
     is `slices` in order, its tensors on `device` (the cache's). `union_factor` decides when decodes
@@ -147,7 +151,8 @@ def build_attention_metadata(
     order puts them there); any later one is attended as a prefill chunk. With `tokens_as_rows` every
     token of every slice is a row of the decode metadata instead (no prefill chunks): one kernel attends
     each query alone, so its result does not depend on how its request was chunked or batched.
-    `block_lists=False`: the decode metadata holds only what the C++ kernel reads.
+    `block_lists=False`: the decode metadata holds only what the C++ kernel reads. `num_kv_heads`: the
+    metadata also holds the new tokens' flat cache rows (`slots`), made here as integers with the rest.
     """
     device = torch.device(device)
     slot_blocks: list[int] = []
@@ -189,12 +194,17 @@ def build_attention_metadata(
     # Every list goes to the device in one tensor, split into views: a decode step's Python runs with caches
     # the weights just flushed, where each tensor made costs tens of microseconds.
     decode_lists = _decode_rows(decodes, block_size, sliding_window) if decodes else ()
-    lists = [slot_blocks, slot_rows, *decode_lists]
+    # A decode step's few slots as Python integers cost less than the five tensor ops of cpu.slot_indices.
+    slots = [] if num_kv_heads is None else [(block * num_kv_heads + head) * block_size + row
+                                             for block, row in zip(slot_blocks, slot_rows)
+                                             for head in range(num_kv_heads)]
+    lists = [slot_blocks, slot_rows, slots, *decode_lists]
     parts = torch.tensor(list(itertools.chain(*lists)), dtype=torch.long, device=device).split(
         [len(values) for values in lists])
     decode = None
     if decodes:
-        decode = DecodeMetadata(len(decode_lists[3]), *parts[2:])
+        decode = DecodeMetadata(len(decode_lists[3]), *parts[3:])
         if block_lists:
             decode = _with_block_lists(decode, decode_lists, block_size, union_factor, device)
-    return AttentionMetadata(parts[0], parts[1], sum(d[2] for d in decodes), decode, prefills, sliding_window)
+    return AttentionMetadata(parts[0], parts[1], sum(d[2] for d in decodes), decode, prefills, sliding_window,
+                             None if num_kv_heads is None else parts[2])

@@ -5,6 +5,7 @@ import torch
 
 from kvserve.kv.attention import (CpuAttentionBackend, PagedKVContext, SequenceSlice, attend, attention_mask,
                                   build_attention_metadata)
+from kvserve.kv.attention.cpu import slot_indices
 from kvserve.kv.cache.kv_spec import KVSpec
 from kvserve.kv.cache.storage import PagedKVCache
 from tests.helpers import write_tokens
@@ -103,6 +104,18 @@ def test_mask_is_bottom_right_aligned():
     assert mask.tolist() == [[True, True, True, True, False], [True] * 5]
     assert attention_mask(torch.tensor([4]), 5, None) is None  # plain decode: no mask
     assert attention_mask(torch.tensor([4]), 5, 2).tolist() == [[False, False, False, True, True]]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_slots_made_with_the_metadata_are_slot_indices(window):
+    """The builder's integer slots (what the backend writes new K/V at) equal slot_indices' of its blocks
+    and rows, for decodes and prefill chunks, as rows of the kernel or not; without a head count, none."""
+    slices = [SequenceSlice(([7, 2, 9],), 9, 1), SequenceSlice(([4],), 0, 1), SequenceSlice(([3, 11, 5],), 2, 7)]
+    for as_rows in (False, True):
+        meta = build_attention_metadata(slices, BLOCK, window, tokens_as_rows=as_rows, num_kv_heads=KV_HEADS)
+        assert meta.slots.tolist() == slot_indices(meta.slot_blocks, meta.slot_rows, KV_HEADS, BLOCK).tolist()
+        assert len(meta.slots) == 9 * KV_HEADS
+        assert build_attention_metadata(slices, BLOCK, window, tokens_as_rows=as_rows).slots is None
 
 
 def test_block_table_too_short_is_refused():
