@@ -13,7 +13,8 @@ TTFT and TPOT beside the read bandwidth probed just before and just after its ru
 (those bytes / the probes' mean), and the ratios, marked "one state" where all four probes agree within 15%
 (the host's read bandwidth moves between ~30 and ~60 GB/s for tens of seconds at a time; the probes say
 where it stood at each end of a run, not how the run went: an engine's step time moves by up to ~25% with
-the probes alike); then each figure's range, the ratios' over the rounds run in one state, and the ratio of
+the probes alike), and 0.8x llama-bench's TPOT as a multiple of kvserve's floor (below 1, reaching it
+would take reading faster than the probes did); then each figure's range, the ratios' over the rounds run in one state, and the ratio of
 each engine's best over the sitting (the best time each reached in it).
 
 llama-quantize, llama-bench: bench/llama_tools.py's lookup (it says how to build them). Without
@@ -281,7 +282,8 @@ def round_line(subject: Subject, workload: str, ours: Run, theirs: Run | None) -
         line += (f" | llama-bench ({theirs.probes()}) TTFT {theirs.ttft:.2f} s, TPOT {theirs.tpot * 1e3:.1f} ms "
                  f"({theirs.tpot / theirs.floor(per_token):.2f}x the floor) | kvserve / llama.cpp: TTFT "
                  f"{ours.ttft / theirs.ttft:.2f}x, TPOT {ours.tpot / theirs.tpot:.2f}x "
-                 f"({'one state' if one_state(ours, theirs) else 'the state moved'})")
+                 f"({'one state' if one_state(ours, theirs) else 'the state moved'}); 0.8x llama-bench's TPOT "
+                 f"is {0.8 * theirs.tpot / floor:.2f}x kvserve's floor")
     return line
 
 
