@@ -21,8 +21,8 @@ import torch
 
 from kvserve.cpu_features import describe_cpu
 from kvserve.kernels import ops
+from kvserve.kernels.kquant_packing import KQUANT_KINDS, TYPE_BYTES
 
-KINDS = {"Q4_K": (0, 144), "Q5_K": (1, 176), "Q6_K": (2, 210)}  # kind number, file bytes per super-block
 INPUTS, OUTPUTS = 2048, 8192
 SET_BYTES = 250e6
 
@@ -34,8 +34,9 @@ def random_matrices(kind: int, block_bytes: int, generator: torch.Generator) -> 
     for _ in range(count):
         blocks = torch.randint(0, 256, (OUTPUTS, INPUTS // 256, block_bytes), dtype=torch.uint8, generator=generator)
         # d (and dmin) as fp16 0x2000 (~0.008): Q4_K / Q5_K keep them first, Q6_K keeps d last.
-        scale_bytes = slice(-2, None) if kind == 2 else slice(0, 4)
-        blocks[:, :, scale_bytes] = torch.tensor([0, 0x20] * (1 if kind == 2 else 2), dtype=torch.uint8)
+        q6 = kind == KQUANT_KINDS["Q6_K"]
+        blocks[:, :, slice(-2, None) if q6 else slice(0, 4)] = torch.tensor([0, 0x20] * (1 if q6 else 2),
+                                                                            dtype=torch.uint8)
         matrices.append(ops.kquant_repack(blocks, kind))
     return matrices
 
@@ -49,7 +50,8 @@ def main() -> None:
         raise SystemExit("the C++ kernels are not built here")
     print(f"CPU: {describe_cpu()}, {torch.get_num_threads()} threads", flush=True)
     generator = torch.Generator().manual_seed(0)
-    sets = {name: (kind, random_matrices(kind, size, generator)) for name, (kind, size) in KINDS.items()}
+    sets = {name: (KQUANT_KINDS[name], random_matrices(KQUANT_KINDS[name], size, generator))
+            for name, size in TYPE_BYTES.items()}
     probe_data = torch.ones(2**26)
     x = torch.randn(1, INPUTS, generator=generator)
     passes: list[tuple[float, dict[str, float]]] = []

@@ -14,8 +14,8 @@ TTFT and TPOT beside the read bandwidth probed just before and just after its ru
 (the host's read bandwidth moves between ~30 and ~60 GB/s for tens of seconds at a time; the probes say
 where it stood at each end of a run, not how the run went: an engine's step time moves by up to ~25% with
 the probes alike), and 0.8x llama-bench's TPOT as a multiple of kvserve's floor (below 1, reaching it
-would take reading faster than the probes did); then each figure's range, the ratios' over the rounds run in one state, and the ratio of
-each engine's best over the sitting (the best time each reached in it).
+would take reading faster than the probes did); then each figure's range, the ratios' over the rounds run
+in one state, and the ratio of each engine's best over the sitting (the best time each reached in it).
 
 llama-quantize, llama-bench: bench/llama_tools.py's lookup (it says how to build them). Without
 llama-quantize the files are written by kvserve's own quantizer (kvserve/kernels/kquant_quantize.py, the
