@@ -11,7 +11,7 @@ or kernel, Python = the rest of the profiled step; the four are scaled to
 the plain one-by-one step's time (the timing slows the profiled steps down). The stack runs the same
 kernels, so what it saves is the Python between them. The floor is the bytes a step must read (the
 linear weights it multiplies, plus the K/V it attends over) divided by this
-machine's memory bandwidth, measured here by summing a 1 GiB tensor.
+machine's memory bandwidth, measured here by summing a 1 GiB tensor on 2 MiB pages (workloads.read_bandwidth).
 
     .venv/bin/python bench/step_profile.py [--model PATH] [--weights-dtype auto] [--steps 40] [--workloads W2 W4 W1]
 """
@@ -33,7 +33,7 @@ from kvserve.kernels import build, ops
 from kvserve.model import decoder_stack
 from kvserve.model.layers import Linear
 from kvserve.model.loader import load_model
-from workloads import freeze_setup, greedy, random_prompts, save
+from workloads import freeze_setup, greedy, random_prompts, read_bandwidth, save
 
 WEIGHT_OPS = {"quant_matmul", "kquant_matmul_", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul"}
 # the kernels, and the new K/V's write
@@ -57,17 +57,6 @@ class _TimedKernels(ModuleType):
             self.seconds[name] += time.perf_counter() - started
             return result
         return timed
-
-
-def memory_bandwidth() -> float:
-    """Bytes per second reading a 1 GiB tensor (best of 5)."""
-    data = torch.ones(2**28)
-    best = float("inf")
-    for _ in range(5):
-        started = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - started)
-    return data.numel() * 4 / best
 
 
 def linear_bytes(model: torch.nn.Module) -> int:
@@ -125,7 +114,7 @@ def main() -> None:
         raise SystemExit("the C++ kernels are not built here: nothing to break down")
     print(f"CPU: {describe_cpu()}, {torch.get_num_threads()} threads", flush=True)
     loaded = load_model(args.model, weights_dtype=args.weights_dtype)
-    bandwidth = memory_bandwidth()
+    bandwidth = read_bandwidth(repeats=5)
     weight_bytes = linear_bytes(loaded.model)
     print(f"linear weights {loaded.linear_dtype}: {weight_bytes / 2**20:.1f} MiB read per step; "
           f"memory bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)

@@ -9,7 +9,8 @@ test decodes at the same depths as kvserve's W2; best of its repetitions) on the
 interleaved rounds (kvserve, then llama-bench, file after file), plus the embedded SmolLM2-135M Q4_1 file
 (`--files SmolLM2`). Printed per file: the engine's start to ready (loading the file, building the engine,
 the first request: the kernels' first call), the bytes a decode step reads, and per round each engine's
-TTFT and TPOT beside the read bandwidth probed just before and just after its run and the floor that gives
+TTFT and TPOT beside the read bandwidth probed just before and just after its run (`workloads.read_bandwidth`:
+a 1 GiB sum on 2 MiB pages, where the weights lie) and the floor that gives
 (those bytes / the probes' mean), and the ratios, marked "one state" where all four probes agree within 15%
 (the host's read bandwidth moves between ~30 and ~60 GB/s for tens of seconds at a time; the probes say
 where it stood at each end of a run, not how the run went: an engine's step time moves by up to ~25% with
@@ -49,7 +50,7 @@ from kvserve.engine.engine import Engine
 from kvserve.model.loader import embedded_model_path, load_model
 from kvserve.kernels import ops
 from llama_tools import find_llama_tool, missing_message
-from workloads import freeze_setup, greedy, random_prompts, run_engine
+from workloads import freeze_setup, greedy, random_prompts, read_bandwidth, run_engine
 
 WORKLOADS = {"W2": (512, 128), "W4": (4096, 64)}
 FILES = ("Q4_0", "Q4_K_M", "SmolLM2")  # SmolLM2: the embedded model's own file (Q4_1), not written here
@@ -136,17 +137,6 @@ def write_file(path: Path, mix: str) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-
-
-def read_bandwidth() -> float:
-    """Bytes a second this process reads from memory (a 1 GiB fp32 sum on torch's threads, best of 3)."""
-    data = torch.ones(256 * 1024 * 1024)
-    best = float("inf")
-    for _ in range(3):
-        started = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - started)
-    return data.numel() * 4 / best
 
 
 def bytes_per_token(model: torch.nn.Module) -> int:
