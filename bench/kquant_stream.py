@@ -8,7 +8,7 @@ same on 4 KiB pages) and then multiplies one row by ~250 MB of random Q4_K, Q5_K
 more than the L3 holds, so every pass reads memory) with `ops.kquant_matmul`; the passes are grouped by
 the probe's state and each kind's median rate printed per state, as GB/s and as a share of the probe's.
 
-    .venv/bin/python bench/kquant_stream.py [--seconds 60] [--fast-above 42]
+    .venv/bin/python bench/kquant_stream.py [--seconds 60] [--fast-above 45]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from kvserve import huge_pages
 from kvserve.cpu_features import describe_cpu
 from kvserve.kernels import ops
 from kvserve.kernels.kquant_packing import KQUANT_KINDS, TYPE_BYTES
+from workloads import probe_buffer, read_rate
 
 INPUTS, OUTPUTS = 2048, 8192
 SET_BYTES = 250e6
@@ -54,18 +55,14 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     sets = {name: (KQUANT_KINDS[name], random_matrices(KQUANT_KINDS[name], size, generator))
             for name, size in TYPE_BYTES.items()}
-    probe_data = huge_pages.empty((2**26,), torch.float32, torch.device("cpu")).fill_(1.0)
+    probe_data = probe_buffer(2**26)
     small_pages = torch.ones(2**26)
     x = torch.randn(1, INPUTS, generator=generator)
     passes: list[tuple[float, dict[str, float]]] = []
     end = time.monotonic() + args.seconds
     while time.monotonic() < end:
-        rates = {}
-        for name, data in (("4 KiB probe", small_pages), ("probe", probe_data)):
-            started = time.perf_counter()
-            data.sum()
-            rates[name] = data.numel() * 4 / (time.perf_counter() - started) / 1e9
-        probe = rates.pop("probe")
+        probe = read_rate(probe_data) / 1e9
+        rates = {"4 KiB probe": read_rate(small_pages) / 1e9}
         for name, (kind, matrices) in sets.items():
             started = time.perf_counter()
             for matrix in matrices:

@@ -19,19 +19,27 @@ from kvserve.platform import freeze_startup_heap
 RESULTS = Path(__file__).parent / "results"
 
 
-def read_bandwidth(repeats: int = 3) -> float:
-    """Bytes a second this process reads from memory: a 1 GiB fp32 sum on torch's threads, best of `repeats`,
-    over a buffer on 2 MiB pages as the engine's weights and KV pool are (kvserve/huge_pages.py). On 4 KiB
-    pages the same sum read 45 GB/s where this one read 62, and 33 where it read 36 (the host's fast and slow
-    states, bench/kquant_stream.py): a floor from a 4 KiB probe is too low."""
-    data = huge_pages.empty((2**28,), torch.float32, torch.device("cpu"))
-    data.fill_(1.0)
+def probe_buffer(elements: int = 2**28) -> torch.Tensor:
+    """fp32 ones on 2 MiB pages, as the engine's weights and KV pool lie (kvserve/huge_pages.py): what a read
+    probe sums. On 4 KiB pages the same sum read 45 GB/s where this one read 62, and 33 where it read 36 (the
+    host's fast and slow states, bench/kquant_stream.py): a 4 KiB probe reads too little, and the floor it
+    gives is too high."""
+    return huge_pages.empty((elements,), torch.float32, torch.device("cpu")).fill_(1.0)
+
+
+def read_rate(data: torch.Tensor, repeats: int = 1) -> float:
+    """Bytes a second summing `data` on torch's threads, best of `repeats`."""
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
         data.sum()
         best = min(best, time.perf_counter() - started)
-    return data.numel() * 4 / best
+    return data.numel() * data.element_size() / best
+
+
+def read_bandwidth(repeats: int = 3) -> float:
+    """Bytes a second this process reads from memory: a 1 GiB sum of `probe_buffer`, best of `repeats`."""
+    return read_rate(probe_buffer(), repeats)
 
 
 def random_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
