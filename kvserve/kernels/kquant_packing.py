@@ -120,7 +120,7 @@ def dequantize_kquant(kind: str, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def kquant_block_bytes(kind: str) -> int:
-    """Bytes of one packed (tile, super-block): 16 rows' codes, then their parameters."""
+    """Bytes of one packed (tile, super-block): 16 rows' codes and their parameters."""
     return _LOW_BYTES + _HIGH_BYTES[kind] + _PARAM_BYTES[kind]
 
 
@@ -167,17 +167,20 @@ def pack_kquant_reference(matrix: KQuantCodes) -> torch.Tensor:
         weights = (1 << (2 * torch.arange(4, dtype=torch.uint8))).view(4, 1)
         plane = (pair * weights).sum(dim=5, dtype=torch.uint8)  # [t, s, r, g, h, i]
         groups.append(plane.permute(0, 1, 3, 4, 2, 5).reshape(tiles, supers, 8, -1))
-    # Each group's low nibbles, then its high bits (one run of bytes a group), then the parameters.
-    parts = [_bytes(torch.cat(groups, dim=3), tiles, supers)]
+    # Each group's low nibbles, then its high bits (one run of bytes a group); the groups in pairs, each pair
+    # its scales (and mins), 64 bytes, then its codes; d (and dmin) first.
+    codes_of_pairs = _bytes(torch.cat(groups, dim=3), tiles, supers).view(tiles, supers, 4, -1)
     per_block = (rows, supers)
-    parts.append(_bytes(_tiled(fields.d.view(per_block), tiles), tiles, supers))
+    header = [_bytes(_tiled(fields.d.view(per_block), tiles), tiles, supers)]
     if matrix.kind == "Q6_K":
         scales = _tiled(fields.scales.view(*per_block, 16), tiles)  # [t, s, r, sub]
-        parts.append(_bytes(scales.transpose(2, 3), tiles, supers))
+        params_of_pairs = _bytes(scales.transpose(2, 3), tiles, supers).view(tiles, supers, 4, 64)
     else:
-        parts.append(_bytes(_tiled(fields.dmin.view(per_block), tiles), tiles, supers))
-        for values in (fields.scales, fields.mins):
-            parts.append(_bytes(_tiled(values.view(*per_block, 8), tiles).transpose(2, 3), tiles, supers))
+        header.append(_bytes(_tiled(fields.dmin.view(per_block), tiles), tiles, supers))
+        scales, mins = (_bytes(_tiled(values.view(*per_block, 8), tiles).transpose(2, 3), tiles, supers)
+                        .view(tiles, supers, 4, 32) for values in (fields.scales, fields.mins))
+        params_of_pairs = torch.cat([scales, mins], dim=3)
+    parts = [*header, torch.cat([params_of_pairs, codes_of_pairs], dim=3).reshape(tiles, supers, -1)]
     packed = torch.cat(parts, dim=2)
     if packed.shape[2] != kquant_block_bytes(matrix.kind):  # a layout bug, never bad input
         raise RuntimeError(f"{matrix.kind} repacked to {packed.shape[2]} bytes a super-block, not "

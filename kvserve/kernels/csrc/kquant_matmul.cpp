@@ -13,13 +13,16 @@
 //
 // Packed layout (kquant_repack.cpp repacks the file's blocks into it at load, kvserve/kernels/kquant_packing.py
 // is its reference; sizes in kquant_layout.h; the same for every instruction set): output rows in tiles of
-// 16, and for each (tile, super-block) one block of 8 groups of 32 inputs, each group (group_bytes) its
-//   low nibbles: 4 vectors of 64 bytes; vector j, byte 4r + i: low nibble = the low 4 bits of
-//     q[r][32g + 4j + i], high nibble those of q[r][32g + 16 + 4j + i] (quant_matmul.cpp's 4-bit tile)
-//   then its high bits: Q5_K 64 bytes, byte 4r + i, bit k = bit 4 of q[r][32g + 4k + i]; Q6_K 2 x 64 bytes,
-//     half h, byte 4r + i, bits 2j..2j+1 = bits 4-5 of q[r][32g + 16h + 4j + i]
-// and after the 8 groups the parameters, row r of the tile at index r: Q4_K / Q5_K d[16], dmin[16] fp16,
-//   sc[8][16], mn[8][16] uint8; Q6_K d[16] fp16, sc[16][16] int8.
+// 16, and for each (tile, super-block) one block (row r of the tile at index r of every parameter array):
+//   first d[16] fp16, and for Q4_K / Q5_K dmin[16] fp16;
+//   then 4 pairs of groups of 32 inputs, each pair its parameters, 64 bytes: Q4_K / Q5_K sc[2][16],
+//   mn[2][16] uint8 (the pair's two sub-blocks of 32), Q6_K sc[4][16] int8 (its four sub-blocks of 16);
+//   and then its two groups (group_bytes each), every group its
+//     low nibbles: 4 vectors of 64 bytes; vector j, byte 4r + i: low nibble = the low 4 bits of
+//       q[r][32g + 4j + i], high nibble those of q[r][32g + 16 + 4j + i] (quant_matmul.cpp's 4-bit tile)
+//     then its high bits: Q5_K 64 bytes, byte 4r + i, bit k = bit 4 of q[r][32g + 4k + i]; Q6_K 2 x 64 bytes,
+//       half h, byte 4r + i, bits 2j..2j+1 = bits 4-5 of q[r][32g + 16h + 4j + i].
+//   Offsets: kquant_layout.h (which says why this order).
 // One 64-byte load holds four inputs of 16 rows (vpdpbusd sums them per row); it serves several x rows.
 #include "kernels.h"
 #include "kquant_tiles.h"

@@ -49,10 +49,9 @@ void decode_codes(int64_t kind, const uint8_t* b, uint8_t q[kSuper]) {
 void repack_row(int64_t kind, const uint8_t* b, int64_t r, uint8_t* block) {
   uint8_t q[kSuper];
   decode_codes(kind, b, q);
-  uint8_t* params = block + kLowBytes + high_bytes(kind);
   for (int g = 0; g < 8; ++g) {
     const uint8_t* qg = q + 32 * g;
-    uint8_t *low = block + group_bytes(kind) * g, *high = low + 256;
+    uint8_t *low = block + group_at(kind, g), *high = low + 256;
     for (int j = 0; j < 4; ++j) {
       for (int i = 0; i < 4; ++i) {
         low[64 * j + 4 * r + i] = (qg[4 * j + i] & 0x0F) | ((qg[16 + 4 * j + i] & 0x0F) << 4);
@@ -71,19 +70,19 @@ void repack_row(int64_t kind, const uint8_t* b, int64_t r, uint8_t* block) {
       }
     }
   }
-  if (kind == kQ6K) {  // d[16] fp16, then sc[16 sub-blocks][16 rows] int8
-    std::memcpy(params + 2 * r, b + 208, 2);
-    for (int sub = 0; sub < 16; ++sub) params[32 + 16 * sub + r] = b[192 + sub];
+  if (kind == kQ6K) {  // d[16] fp16 first; each 16-input sub-block's sc[16 rows] int8 after its pair's codes
+    std::memcpy(block + 2 * r, b + 208, 2);
+    for (int sub = 0; sub < 16; ++sub) block[scales_at(kind, sub) + r] = b[192 + sub];
     return;
   }
-  std::memcpy(params + 2 * r, b, 2);       // d
-  std::memcpy(params + 32 + 2 * r, b + 2, 2);  // dmin
+  std::memcpy(block + 2 * r, b, 2);       // d
+  std::memcpy(block + 32 + 2 * r, b + 2, 2);  // dmin
   const uint8_t* s = b + 4;  // 12 bytes: 8 six-bit scales and 8 six-bit mins
   for (int j = 0; j < 4; ++j) {
-    params[64 + 16 * j + r] = s[j] & 63;
-    params[64 + 16 * (4 + j) + r] = (s[8 + j] & 0x0F) | ((s[j] >> 6) << 4);
-    params[192 + 16 * j + r] = s[4 + j] & 63;
-    params[192 + 16 * (4 + j) + r] = (s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4);
+    block[scales_at(kind, j) + r] = s[j] & 63;
+    block[scales_at(kind, 4 + j) + r] = (s[8 + j] & 0x0F) | ((s[j] >> 6) << 4);
+    block[mins_at(kind, j) + r] = s[4 + j] & 63;
+    block[mins_at(kind, 4 + j) + r] = (s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4);
   }
 }
 

@@ -41,12 +41,12 @@ inline int32_t pair_of(const int16_t* sums) {
 inline void group_codes(int64_t kind, const uint8_t* blk, int64_t g, int64_t r, int32_t q[32]) {
   for (int64_t j = 0; j < 4; ++j) {
     for (int64_t i = 0; i < 4; ++i) {
-      const uint8_t byte = blk[group_bytes(kind) * g + 64 * j + 4 * r + i];
+      const uint8_t byte = blk[group_at(kind, g) + 64 * j + 4 * r + i];
       q[4 * j + i] = byte & 0x0F;
       q[16 + 4 * j + i] = byte >> 4;
     }
   }
-  const uint8_t* high = blk + group_bytes(kind) * g + 256;
+  const uint8_t* high = blk + group_at(kind, g) + 256;
   for (int64_t i = 0; i < 4; ++i) {
     if (kind == kQ5K) {
       const uint8_t bits = high[4 * r + i];
@@ -64,8 +64,7 @@ inline void tile_portable(int64_t kind, const Problem& p, int64_t t, int64_t m0,
   float acc[kMaxRows][kTile] = {};
   for (int64_t s = 0; s < p.supers; ++s) {
     const uint8_t* blk = p.packed + (t * p.supers + s) * block_bytes(kind);
-    const uint8_t* params = blk + kLowBytes + high_bytes(kind);
-    const uint16_t* halves = reinterpret_cast<const uint16_t*>(params);
+    const uint16_t* halves = reinterpret_cast<const uint16_t*>(blk);  // d[16], then (not Q6_K) dmin[16]
     for (int64_t r = 0; r < kTile; ++r) {
       int32_t q[kSubGroups][32];
       for (int64_t g = 0; g < kSubGroups; ++g) group_codes(kind, blk, g, r, q[g]);
@@ -79,7 +78,7 @@ inline void tile_portable(int64_t kind, const Problem& p, int64_t t, int64_t m0,
             for (int64_t h = b * kActivationBlock / 16; h < (b + 1) * kActivationBlock / 16; ++h) {
               int32_t dot = 0;
               for (int64_t i = 0; i < 16; ++i) dot += q[h / 2][16 * (h % 2) + i] * xs[16 * h + i];
-              const int32_t sc = static_cast<int8_t>(params[32 + h * kTile + r]);
+              const int32_t sc = static_cast<int8_t>(blk[scales_at(kind, h) + r]);
               scaled += sc * dot;
               offsets += sc * p.s16(m0 + m, s)[h];
             }
@@ -88,8 +87,8 @@ inline void tile_portable(int64_t kind, const Problem& p, int64_t t, int64_t m0,
             for (int64_t g = b * kActivationBlock / 32; g < (b + 1) * kActivationBlock / 32; ++g) {
               int32_t dot = 0;
               for (int64_t i = 0; i < 32; ++i) dot += q[g][i] * xs[32 * g + i];
-              scaled += dot * static_cast<int32_t>(params[64 + g * kTile + r]);
-              offsets += static_cast<int32_t>(params[192 + g * kTile + r]) * p.s32(m0 + m, s)[g];
+              scaled += dot * static_cast<int32_t>(blk[scales_at(kind, g) + r]);
+              offsets += static_cast<int32_t>(blk[mins_at(kind, g) + r]) * p.s32(m0 + m, s)[g];
             }
             const float dmin = half_to_float(halves[kTile + r]);
             acc[m][r] += static_cast<float>(scaled) * (d * dx);

@@ -43,18 +43,17 @@ void tile_vnni(const Problem& p, int64_t t, int64_t m0) {
   const __m512i bit4 = _mm512_set1_epi8(0x10), bits45 = _mm512_set1_epi8(0x30);
   for (int64_t s = 0; s < p.supers; ++s) {
     const uint8_t* blk = p.packed + (t * p.supers + s) * block_bytes(KIND);
-    const uint8_t* params = blk + kLowBytes + high_bytes(KIND);
     const int8_t* xs[ROWS];
     for (int m = 0; m < ROWS; ++m) xs[m] = p.x.xq + (m0 + m) * p.K + s * kSuper;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 32)));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
     for (int b = 0; b < kBlocksPerSuper; ++b) {  // one activation scale each
       __m512i scaled[ROWS], offsets[ROWS];  // sum_j sc[j] * dot_j; the mins' (Q6_K: the offset's) sum
       for (int m = 0; m < ROWS; ++m) scaled[m] = offsets[m] = _mm512_setzero_si512();
       for (int64_t g = b * kActivationBlock / 32; g < (b + 1) * kActivationBlock / 32; ++g) {
         __m512i dot[ROWS][2];
         for (int m = 0; m < ROWS; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_si512();
-        const uint8_t* low = blk + group_bytes(KIND) * g;
+        const uint8_t* low = blk + group_at(KIND, g);
         __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
         if constexpr (KIND != kQ4K) h0 = _mm512_loadu_si512(low + 256);
         if constexpr (KIND == kQ6K) h1 = _mm512_loadu_si512(low + 320);
@@ -80,22 +79,22 @@ void tile_vnni(const Problem& p, int64_t t, int64_t m0) {
           }
         }
         if constexpr (KIND == kQ6K) {
-          const __m512i sc0 = _mm512_cvtepi8_epi32(load16(params + 32 + 32 * g));
-          const __m512i sc1 = _mm512_cvtepi8_epi32(load16(params + 48 + 32 * g));
+          const __m512i sc0 = _mm512_cvtepi8_epi32(load16(blk + scales_at(KIND, 2 * g)));
+          const __m512i sc1 = _mm512_cvtepi8_epi32(load16(blk + scales_at(KIND, 2 * g + 1)));
           for (int m = 0; m < ROWS; ++m) {
             scaled[m] = _mm512_add_epi32(scaled[m], _mm512_add_epi32(_mm512_mullo_epi32(sc0, dot[m][0]),
                                                                      _mm512_mullo_epi32(sc1, dot[m][1])));
           }
         } else {
-          const __m512i sc = _mm512_cvtepu8_epi32(load16(params + 64 + 16 * g));
+          const __m512i sc = _mm512_cvtepu8_epi32(load16(blk + scales_at(KIND, g)));
           for (int m = 0; m < ROWS; ++m) scaled[m] = _mm512_add_epi32(scaled[m], _mm512_mullo_epi32(dot[m][0], sc));
         }
       }
       // The offsets, two sub-blocks per vpdpwssd: Q6_K's sc[h] * sum_16, Q4_K / Q5_K's mn[j] * sum_32.
       constexpr int kPairs = KIND == kQ6K ? kActivationBlock / 32 : kActivationBlock / 64;
       for (int pair = b * kPairs; pair < (b + 1) * kPairs; ++pair) {
-        const __m512i weights = KIND == kQ6K ? row_pairs_512<true>(params + 32 + 32 * pair)
-                                             : row_pairs_512<false>(params + 192 + 32 * pair);
+        const __m512i weights = KIND == kQ6K ? row_pairs_512<true>(blk + scales_at(KIND, 2 * pair))
+                                             : row_pairs_512<false>(blk + mins_at(KIND, 2 * pair));
         for (int m = 0; m < ROWS; ++m) {
           const int16_t* sums = KIND == kQ6K ? p.s16(m0 + m, s) : p.s32(m0 + m, s);
           offsets[m] = _mm512_dpwssd_epi32(offsets[m], weights, _mm512_set1_epi32(pair_of(sums + 2 * pair)));
@@ -171,7 +170,6 @@ void tile_avx2(const Problem& p, int64_t t, int64_t m0) {
   const __m256i bit4 = _mm256_set1_epi8(0x10), bits45 = _mm256_set1_epi8(0x30);
   for (int64_t s = 0; s < p.supers; ++s) {
     const uint8_t* blk = p.packed + (t * p.supers + s) * block_bytes(KIND);
-    const uint8_t* params = blk + kLowBytes + high_bytes(KIND);
     const int8_t* xs[ROWS];
     for (int m = 0; m < ROWS; ++m) xs[m] = p.x.xq + (m0 + m) * p.K + s * kSuper;
     for (int b = 0; b < kBlocksPerSuper; ++b) {  // one activation scale each
@@ -182,7 +180,7 @@ void tile_avx2(const Problem& p, int64_t t, int64_t m0) {
           return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * half));
         };
         for (int64_t g = b * kActivationBlock / 32; g < (b + 1) * kActivationBlock / 32; ++g) {
-          const uint8_t* low = blk + group_bytes(KIND) * g;
+          const uint8_t* low = blk + group_at(KIND, g);
           __m256i dot[ROWS][2];
           for (int m = 0; m < ROWS; ++m) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
           const __m256i h0 = KIND == kQ4K ? low4 : load(low + 256);
@@ -208,38 +206,38 @@ void tile_avx2(const Problem& p, int64_t t, int64_t m0) {
             }
           }
           const auto scales = [&](int64_t at) {  // 8 bytes of this half's rows, widened to int32
-            const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(params + at + 8 * half));
+            const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + at + 8 * half));
             return KIND == kQ6K ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
           };
           if constexpr (KIND == kQ6K) {
-            const __m256i sc0 = scales(32 + 32 * g), sc1 = scales(48 + 32 * g);
+            const __m256i sc0 = scales(scales_at(KIND, 2 * g)), sc1 = scales(scales_at(KIND, 2 * g + 1));
             for (int m = 0; m < ROWS; ++m) {
               scaled[m] = _mm256_add_epi32(scaled[m], _mm256_add_epi32(_mm256_mullo_epi32(sc0, dot[m][0]),
                                                                        _mm256_mullo_epi32(sc1, dot[m][1])));
             }
           } else {
-            const __m256i sc = scales(64 + 16 * g);
+            const __m256i sc = scales(scales_at(KIND, g));
             for (int m = 0; m < ROWS; ++m) scaled[m] = _mm256_add_epi32(scaled[m], _mm256_mullo_epi32(dot[m][0], sc));
           }
         }
         constexpr int kPairs = KIND == kQ6K ? kActivationBlock / 32 : kActivationBlock / 64;
         for (int pair = b * kPairs; pair < (b + 1) * kPairs; ++pair) {
-          const __m256i weights = KIND == kQ6K ? row_pairs_256<true>(params + 32 + 32 * pair, half)
-                                               : row_pairs_256<false>(params + 192 + 32 * pair, half);
+          const __m256i weights = KIND == kQ6K ? row_pairs_256<true>(blk + scales_at(KIND, 2 * pair), half)
+                                               : row_pairs_256<false>(blk + mins_at(KIND, 2 * pair), half);
           for (int m = 0; m < ROWS; ++m) {
             const int16_t* sums = KIND == kQ6K ? p.s16(m0 + m, s) : p.s32(m0 + m, s);
             offsets[m] = _mm256_add_epi32(offsets[m],
                                           _mm256_madd_epi16(weights, _mm256_set1_epi32(pair_of(sums + 2 * pair))));
           }
         }
-        const __m256 d = _mm256_cvtph_ps(load16(params + 16 * half));
+        const __m256 d = _mm256_cvtph_ps(load16(blk + 16 * half));
         for (int m = 0; m < ROWS; ++m) {
           const __m256 dx = _mm256_set1_ps(p.dx(m0 + m, s, b));
           if constexpr (KIND == kQ6K) {
             const __m256i total = _mm256_sub_epi32(scaled[m], _mm256_slli_epi32(offsets[m], 5));
             acc[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc[m][half]);
           } else {
-            const __m256 dmin = _mm256_cvtph_ps(load16(params + 32 + 16 * half));
+            const __m256 dmin = _mm256_cvtph_ps(load16(blk + 32 + 16 * half));
             acc[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled[m]), _mm256_mul_ps(d, dx), acc[m][half]);
             acc[m][half] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(offsets[m]), _mm256_mul_ps(dmin, dx), acc[m][half]);
           }
