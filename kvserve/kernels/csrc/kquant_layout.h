@@ -19,10 +19,11 @@ constexpr int64_t group_bytes(int64_t kind) { return 256 + high_bytes(kind) / kS
 // The block's d (and dmin) for its 16 rows, fp16, first.
 constexpr int64_t header_bytes(int64_t kind) { return kind == kQ6K ? 32 : 64; }
 // Groups go in pairs, each pair its 64 bytes of scales (and mins) and then its two groups' codes: a block is
-// read front to back, as one run. With the scales of all 8 groups after the codes (a second run, read ahead
-// of the codes' stream), a decode row's Q6_K matmul streamed at 0.54x the read probe in the host's fast
-// state, 0.64x with the next block's scales prefetched, 0.81x so (Q4_K 0.77x, 0.81x, 0.92x): README
-// 2026-11-29 (fifth). A pair is a whole number of cache lines, so Q4_K / Q5_K's codes stay 64-byte aligned.
+// read front to back, as one run. With the scales of all 8 groups after the codes (a second run that a
+// decode row read ahead of the codes' stream), a decode row's Q6_K matmul streamed at 0.47-0.54x the read
+// probe in the host's fast state; this order reads 1.32-1.49x as fast (Q4_K 1.06-1.18x; the AVX2 path
+// 1.40-1.56x: it reads each block's scales twice), the same bits: README 2026-11-29 (fifth). A pair is a whole
+// number of cache lines, so Q4_K / Q5_K's codes stay 64-byte aligned.
 constexpr int64_t pair_bytes(int64_t kind) { return 64 + 2 * group_bytes(kind); }
 constexpr int64_t block_bytes(int64_t kind) { return header_bytes(kind) + 4 * pair_bytes(kind); }
 // Where pair `pair`'s 64 bytes of parameters start, and where group g's codes do.
