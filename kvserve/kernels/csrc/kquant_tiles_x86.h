@@ -127,11 +127,7 @@ void tile_vnni_rows(const Problem& p, int64_t t, int64_t m0, int64_t rows) {
     case 1: return tile_vnni<KIND, 1>(p, t, m0);
     case 2: return tile_vnni<KIND, 2>(p, t, m0);
     case 3: return tile_vnni<KIND, 3>(p, t, m0);
-    case 4: return tile_vnni<KIND, 4>(p, t, m0);
-    case 5: return tile_vnni<KIND, 5>(p, t, m0);
-    case 6: return tile_vnni<KIND, 6>(p, t, m0);
-    case 7: return tile_vnni<KIND, 7>(p, t, m0);
-    default: return tile_vnni<KIND, 8>(p, t, m0);
+    default: return tile_vnni<KIND, 4>(p, t, m0);
   }
 }
 
