@@ -9,7 +9,6 @@ namespace kvserve_kquant {
 constexpr int64_t kTile = 16;      // output rows per tile
 constexpr int64_t kSuper = 256;    // inputs per super-block
 constexpr int64_t kSubGroups = 8;  // activation groups per super-block
-constexpr int64_t kLowBytes = kSubGroups * 4 * 64;
 enum Kind : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2 };
 
 constexpr int64_t high_bytes(int64_t kind) { return kind == kQ4K ? 0 : kind == kQ5K ? 512 : 1024; }

@@ -70,7 +70,7 @@ void repack_row(int64_t kind, const uint8_t* b, int64_t r, uint8_t* block) {
       }
     }
   }
-  if (kind == kQ6K) {  // d[16] fp16 first; each 16-input sub-block's sc[16 rows] int8 after its pair's codes
+  if (kind == kQ6K) {  // d[16] fp16 first; each 16-input sub-block's sc[16 rows] int8 ahead of its pair's codes
     std::memcpy(block + 2 * r, b + 208, 2);
     for (int sub = 0; sub < 16; ++sub) block[scales_at(kind, sub) + r] = b[192 + sub];
     return;
