@@ -109,7 +109,7 @@ class Gemma3ForCausalLM(CausalLM):
                                  if any(layer.self_attn.local_rope for layer in self.layers) else None)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embed_scale
+        return super().embed(input_ids) * self.embed_scale
 
     def rotary_for_layer(self, index: int) -> RotaryEmbedding:
         return self.local_rotary_emb if self.layers[index].self_attn.local_rope else self.rotary_emb

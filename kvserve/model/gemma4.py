@@ -209,7 +209,7 @@ class Gemma4ForCausalLM(CausalLM):
         return [tables[id(self.rotary_for_layer(index))] for index in range(len(self.layers))]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embed_scale
+        return super().embed(input_ids) * self.embed_scale
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor | None:
         """Every layer's input `[N, layers, size]`: (norm(proj(embedded) / sqrt(hidden)) + the tokens' scaled

@@ -49,7 +49,7 @@ class GraniteForCausalLM(llama.LlamaForCausalLM):
         super().load_weights(_granite4_names(weights))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.config.embedding_multiplier
+        return super().embed(input_ids) * self.config.embedding_multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)) / self.config.logits_scaling

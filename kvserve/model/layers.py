@@ -30,6 +30,7 @@ from kvserve.kernels import ops
 from kvserve.kernels.packing import GroupCodes
 from kvserve.model import rope_scaling
 from kvserve.model.float_gemm import row_invariant_linear
+from kvserve.model.rope_table import RopeTable
 
 
 class WeightShapeError(ValueError):
@@ -302,7 +303,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling = RopeScalin
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for a step's positions (computed once per step, shared by every layer).
+    """cos/sin tables for a step's positions (looked up once per step, shared by every layer).
 
     `head_dim` is the channels rotated: the first ones of each head (partial RoPE rotates fewer than the head
     has). YaRN and LongRoPE multiply cos and sin by their attention factor (rope_scaling.py).
@@ -336,23 +337,22 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions `[T]` -> cos, sin `[T, head_dim]` (what `ops.rope_` and `ops.apply_rope` take), times the
-        scaling's attention factor."""
-        cos, sin = self.rotation(positions)
-        if self.attention_factor == 1.0:
-            return cos, sin
-        return cos * self.attention_factor, sin * self.attention_factor
+        scaling's attention factor: looked up in a table kept by position (rope_table.py)."""
+        return self._table().lookup(positions)
 
     def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of a pure rotation by `positions` (no attention factor): what moves cached keys."""
+        """cos, sin of a pure rotation by `positions` (no attention factor, any sign): what moves cached keys."""
         # Each position times each frequency, the frequencies written twice (both halves of a head rotate
         # by them): one product op, where a per-step cast, views, product and concatenation made five.
-        emb = torch.outer(positions, self._doubled_frequencies())
+        emb = torch.outer(positions, self._table().doubled)
         return emb.cos(), emb.sin()
 
-    def _doubled_frequencies(self) -> torch.Tensor:
-        """inv_freq twice over, made again whenever inv_freq is replaced (a GGUF's factors, a device move)."""
-        cached = self.__dict__.get("_doubled")
+    def _table(self) -> RopeTable:
+        """The table of inv_freq, made again whenever inv_freq is replaced (a GGUF's factors, a device move)."""
+        cached = self.__dict__.get("_rope_table")
         if cached is None or cached[0] is not self.inv_freq:
-            cached = self.__dict__["_doubled"] = (self.inv_freq, torch.cat((self.inv_freq, self.inv_freq)))
+            doubled = torch.cat((self.inv_freq, self.inv_freq))
+            table = RopeTable(doubled, self.attention_factor, self.context_length)
+            cached = self.__dict__["_rope_table"] = (self.inv_freq, table)
         return cached[1]
 
