@@ -19,8 +19,9 @@ DEFAULT_LIMIT = 1 << 17  # positions a table may hold when the model states no c
 
 class RopeTable:
     """cos, sin `[T, dim]` at positions `[T]` for frequencies `doubled` `[dim]` (each angle twice), times
-    `factor`. Positions below 0 or at `limit` and beyond (a context shift's rotation, a position past the
-    model's context) are computed as they come, with the same ops, and not kept."""
+    `factor`. It holds positions 0 .. n in whole chunks, n at least the furthest position asked for; positions
+    below 0 or from `limit` on (a context shift's rotation, a position past the model's context) are computed
+    as they come, with the same ops, and not kept."""
 
     def __init__(self, doubled: torch.Tensor, factor: float, limit: int | None) -> None:
         self.doubled = doubled
@@ -52,7 +53,9 @@ class RopeTable:
 
     def _grow_to(self, count: int) -> None:
         held = self.cos.shape[0]
-        end = -(-count // CHUNK_POSITIONS) * CHUNK_POSITIONS
+        # At least doubled (within the limit): a long generation copies the table a few times, not once a chunk.
+        wanted = max(count, min(2 * held, self.limit))
+        end = -(-wanted // CHUNK_POSITIONS) * CHUNK_POSITIONS
         chunks = [self.compute(torch.arange(start, start + CHUNK_POSITIONS, device=self.doubled.device))
                   for start in range(held, end, CHUNK_POSITIONS)]
         # The old entries are copied, never recomputed.

@@ -23,6 +23,8 @@ def test_entries_are_the_per_step_tables_bit_for_bit_and_the_table_grows_by_chun
     for got, want in zip(table.lookup(positions), _per_step(doubled, positions)):
         assert torch.equal(got, want)
     assert table.cos.shape == (4 * CHUNK_POSITIONS, 64)  # grown to the chunk that holds the furthest position
+    table.lookup(torch.tensor([4 * CHUNK_POSITIONS]))
+    assert table.cos.shape == (8 * CHUNK_POSITIONS, 64)  # at least doubled: few copies over a long generation
     scaled = RopeTable(doubled, 1.25, 8192)  # YaRN / LongRoPE's attention factor
     for got, want in zip(scaled.lookup(positions), _per_step(doubled, positions, 1.25)):
         assert torch.equal(got, want)
