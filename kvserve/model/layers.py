@@ -348,9 +348,10 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
     def _table(self) -> RopeTable:
-        """The table of inv_freq, made again whenever inv_freq is replaced (a GGUF's factors, a device move)."""
+        """The table of inv_freq and the attention factor, made again whenever either is replaced (a GGUF's
+        factors, a device move)."""
         cached = self.__dict__.get("_rope_table")
-        if cached is None or cached[0] is not self.inv_freq:
+        if cached is None or cached[0] is not self.inv_freq or cached[1].factor != self.attention_factor:
             doubled = torch.cat((self.inv_freq, self.inv_freq))
             table = RopeTable(doubled, self.attention_factor, self.context_length)
             cached = self.__dict__["_rope_table"] = (self.inv_freq, table)

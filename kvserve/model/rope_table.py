@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_POSITIONS = 1024  # positions computed together; the table grows a chunk at a time
+CHUNK_POSITIONS = 1024  # positions computed together; the table grows by whole chunks
 DEFAULT_LIMIT = 1 << 17  # positions a table may hold when the model states no context
 
 

@@ -53,11 +53,15 @@ def test_positions_it_does_not_hold_are_computed_and_not_kept():
 
 def test_rotary_embedding_looks_up_its_table_and_rotation_stays_a_pure_rotation():
     rotary = RotaryEmbedding(64, 10000.0, context_length=4096)
-    rotary.attention_factor = 1.5  # as YaRN sets it
+    positions = torch.tensor([1, 4000])
+    rotary(positions)  # the first table
+    rotary.attention_factor = 1.5  # as YaRN sets it: a new table
     rotary.inv_freq = rotary.inv_freq / 2  # a new inv_freq: a new table
     doubled = torch.cat((rotary.inv_freq, rotary.inv_freq))
-    positions = torch.tensor([1, 4000])
     for got, want in zip(rotary(positions), _per_step(doubled, positions, 1.5)):
         assert torch.equal(got, want)
     for got, want in zip(rotary.rotation(torch.tensor([-2])), _per_step(doubled, torch.tensor([-2]))):
+        assert torch.equal(got, want)
+    rotary.attention_factor = 1.0
+    for got, want in zip(rotary(positions), _per_step(doubled, positions)):
         assert torch.equal(got, want)
