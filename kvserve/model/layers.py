@@ -342,16 +342,14 @@ class RotaryEmbedding(nn.Module):
 
     def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of a pure rotation by `positions` (no attention factor, any sign): what moves cached keys."""
-        # Each position times each frequency, the frequencies written twice (both halves of a head rotate
-        # by them): one product op, where a per-step cast, views, product and concatenation made five.
-        emb = torch.outer(positions, self._table().doubled)
-        return emb.cos(), emb.sin()
+        return self._table().rotation(positions)
 
     def _table(self) -> RopeTable:
         """The table of inv_freq and the attention factor, made again whenever either is replaced (a GGUF's
         factors, a device move)."""
         cached = self.__dict__.get("_rope_table")
         if cached is None or cached[0] is not self.inv_freq or cached[1].factor != self.attention_factor:
+            # The frequencies written twice: both halves of a head rotate by them.
             doubled = torch.cat((self.inv_freq, self.inv_freq))
             table = RopeTable(doubled, self.attention_factor, self.context_length)
             cached = self.__dict__["_rope_table"] = (self.inv_freq, table)

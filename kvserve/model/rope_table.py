@@ -43,10 +43,15 @@ class RopeTable:
         self._grow_to(high + 1)
         return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
-    def compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The entries for `positions`, computed now (one product, its cos and sin: what a chunk does)."""
+    def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of a pure rotation by `positions` (any sign, no factor), computed now: each position times
+        each frequency (one product op), then its cos and sin."""
         emb = torch.outer(positions, self.doubled)
-        cos, sin = emb.cos(), emb.sin()
+        return emb.cos(), emb.sin()
+
+    def compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries for `positions`, computed now (what a chunk does): the rotation times the factor."""
+        cos, sin = self.rotation(positions)
         if self.factor == 1.0:
             return cos, sin
         return cos * self.factor, sin * self.factor
