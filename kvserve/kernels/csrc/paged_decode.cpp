@@ -3,7 +3,8 @@
 // One query token per row (a decode, a verify's query, a prefill chunk's token). Work items are (row,
 // split) (decode_splits.h). For each KV head an
 // item keeps, for the G query heads sharing it, a running max, sum and weighted V sum (online softmax,
-// rescaled once per block; attend_blocks.h); the splits of a request are merged at the end. Nothing is
+// rescaled once per block, or once per run of blocks on the grouped AVX-512 path; attend_blocks.h); the
+// splits of a request are merged at the end. Nothing is
 // gathered or copied: each K/V row is read once per (request, KV head).
 #include "kernels.h"
 #include "decode_splits.h"
@@ -118,29 +119,22 @@ void paged_decode_into(const torch::Tensor& q, const torch::Tensor& k_cache, con
   const scalar_t* vp = v_cache.data_ptr<scalar_t>();
   attend_splits_into(rows, out, [&](SplitPartials& partials, int64_t item, int64_t b, const int64_t* blocks,
                                 const bool* valid, int64_t lo, int64_t hi) {
-    // A block's KV heads lie side by side: each block is read for every head before the next one, so
-    // memory is read in runs of KVH * BS * D elements, where one head at a time would stride through it
-    // KVH times; the next block is asked for while this one is computed (its place is known only from
-    // the table, so the hardware prefetcher cannot guess it). One 4,096-token layer, fp16, blocks in
-    // order: 0.27 -> 0.15 ms.
+    // The run's blocks that do not follow the one before are asked for first (their place is known only
+    // from the table, so the hardware prefetcher cannot guess it; it streams through consecutive blocks by
+    // itself, and prefetching those too made that case slower: 0.15 -> 0.22 ms, one 4,096-token layer).
     constexpr int64_t kLine = 64 / sizeof(scalar_t);
-    for (int64_t idx = lo; idx < hi; ++idx) {
-      // Only blocks that do not follow the one before: the hardware prefetcher streams through
-      // consecutive blocks by itself, and prefetching them too made that case slower (0.15 -> 0.22 ms).
-      // A few blocks ahead: one block's compute is shorter than a memory round trip.
-      const int64_t ahead = idx + kPrefetchBlocks;
-      if (ahead < hi && blocks[ahead] != blocks[ahead - 1] + 1) {
-        const scalar_t* next_k = kp + blocks[ahead] * block_elems;
-        const scalar_t* next_v = vp + blocks[ahead] * block_elems;
-        for (int64_t e = 0; e < block_elems; e += kLine) {
-          __builtin_prefetch(next_k + e, 0, 3);
-          __builtin_prefetch(next_v + e, 0, 3);
-        }
-      }
-      for (int64_t h = 0; h < KVH; ++h) {
-        partials.attend<scalar_t>(rows, item, b, h, kp, vp, blocks, valid, idx, idx + 1, KVH, h);
+    for (int64_t idx = lo + 1; idx < hi; ++idx) {
+      if (blocks[idx] == blocks[idx - 1] + 1) continue;
+      const scalar_t* next_k = kp + blocks[idx] * block_elems;
+      const scalar_t* next_v = vp + blocks[idx] * block_elems;
+      for (int64_t e = 0; e < block_elems; e += kLine) {
+        __builtin_prefetch(next_k + e, 0, 3);
+        __builtin_prefetch(next_v + e, 0, 3);
       }
     }
+    // The run (a few blocks: decode_splits.h's kTileBlocks) for each KV head in turn: the heads of a block
+    // lie side by side, so the run's K/V is read in a few long stretches while the heads take it from cache.
+    for (int64_t h = 0; h < KVH; ++h) partials.attend<scalar_t>(rows, item, b, h, kp, vp, blocks, valid, lo, hi, KVH, h);
   });
   });
 }

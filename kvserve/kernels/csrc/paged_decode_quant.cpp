@@ -219,8 +219,13 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
           widen_block(ks, blocks[idx + c], KVH, h, BS, D, k_buffer.data() + c * BS * D);
           widen_block(vs, blocks[idx + c], KVH, h, BS, D, v_buffer.data() + c * BS * D);
         }
-        partials.attend<float>(rows, item, b, h, k_buffer.data(), v_buffer.data(), kIota, valid + idx * BS, 0, run,
-                               1, 0);
+        // Block by block: the float kernel rescales once per run it is given (attend_blocks_avx512.h), and
+        // these runs end wherever an open block or the row's own block falls, which is not fixed by the row's
+        // block count alone; one block at a time keeps a row's bits independent of where they end.
+        for (int64_t c = 0; c < run; ++c) {
+          partials.attend<float>(rows, item, b, h, k_buffer.data(), v_buffer.data(), kIota, valid + idx * BS, c,
+                                 c + 1, 1, 0);
+        }
       }
       idx += run;
     }

@@ -19,10 +19,11 @@ pytestmark = pytest.mark.skipif(KERNEL is None, reason="the C++ paged-decode ker
 @pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16", "int8", "int4", "int8/int4", "int4/int8"])
 # Shapes for each path the kernel dispatches to: the scalar-loop one (head_dim 8 or 16, blocks of 4 or 8),
 # and on AVX-512 the grouped one (G * head_dim / 16 <= 16: SmolLM's 9/3 x 64, 12/3 x 32 in blocks of 32,
-# 8/8 x 64) and the per-head one (Llama 3's 4 heads per KV head x 128, Gemma 3's 256).
+# 8/8 x 64; in blocks of 128, a run of blocks is cut where its scores would outgrow the kernel's buffer) and
+# the per-head one (Llama 3's 4 heads per KV head x 128, Gemma 3's 256).
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block", [(6, 2, 8, 4), (9, 3, 64, 16), (4, 4, 16, 8),
-                                                            (12, 3, 32, 32), (8, 8, 64, 16), (8, 2, 128, 16),
-                                                            (4, 1, 256, 16)])
+                                                            (12, 3, 32, 32), (8, 8, 64, 16), (9, 3, 64, 128),
+                                                            (8, 2, 128, 16), (4, 1, 256, 16)])
 @pytest.mark.parametrize("window", [None, 5, 40])
 def test_kernel_decode_matches_per_sequence_attention(heads, kv_heads, head_dim, block, window, cache_dtype):
     gen = torch.Generator().manual_seed(heads * block)
