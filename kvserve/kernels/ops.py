@@ -133,9 +133,11 @@ def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
 
 
 def quant_matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features: int, isa: int = -1,
-                 table: torch.Tensor | None = None, runs: int = 0) -> torch.Tensor:
+                 table: torch.Tensor | None = None, runs: int = 0, zero: int | None = None) -> torch.Tensor:
     """x `[M, K]` fp32 @ W^T -> `[M, out_features]` for W packed as `bits`-bit groups (kernels/packing.py);
-    `table` (uint8 `[16]`, values below 128): what each 4-bit code stands for (GroupCodes.table). `isa`: -1
+    `table` (uint8 `[16]`, values below 128): what each 4-bit code stands for (GroupCodes.table); `zero`:
+    the codes' zero point where every offset is -zero * scale (packing.zero_point), folded into the integer
+    dot products instead of reading the offsets (one multiply-add fewer per group and row). `isa`: -1
     the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). `runs`: how many weight
     tiles a decode batch of up to 4 rows (AVX2: 3) reads side by side: 1, 2 or 4 for one row, 1 or 2
     (4 taken as 2) for more; 0 the kernel's choice (on AVX2 one; tests and bench/matmul_runs.py compare
@@ -144,7 +146,8 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features:
     ext = kernels()
     if ext is None or not (x.is_cpu and packed.is_cpu and x.dtype is _F32 and packed.dtype is _U8):
         _refuse("quant_matmul", ext, x=(x, (_F32,)), packed=(packed, (_U8,)))
-    return ext.quant_matmul(x, packed, bits, out_features, isa, _NO_U8 if table is None else table, runs)
+    return ext.quant_matmul(x, packed, bits, out_features, isa, _NO_U8 if table is None else table, runs,
+                            -1 if zero is None else zero)
 
 
 def kquant_matmul(x: torch.Tensor, packed: torch.Tensor, kind: int, out_features: int,
@@ -244,19 +247,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def decoder_stack(linears: Sequence[tuple[list[torch.Tensor], list[int], list[int], list[int], int,
-                                           torch.Tensor | None, torch.Tensor | None, int]],
+                                           torch.Tensor | None, torch.Tensor | None, int, int | None]],
                   norms: Sequence[torch.Tensor], heads: int, kv_heads: int, head_dim: int, eps: float,
                   activation: int) -> object:
     """A Llama-family decoder's layers for `decoder_stack_forward_` (csrc/decoder_stack.cpp): per layer its
     QKV, O, gate-up and down projections (packed parts, kinds: -1 group codes else a K-quant kind, first
-    columns, outputs, bits, code table, bias, outputs in all) and its input and post-attention norm weights."""
+    columns, outputs, bits, code table, bias, outputs in all, the group codes' zero point or None: as
+    `quant_matmul` takes them) and its input and post-attention norm weights."""
     ext = kernels()
     if ext is None:
         raise KernelInputError("decoder_stack needs kvserve's C++ kernels, which are not built here")
     return ext.DecoderStack([ext.StackLinear(packed, kinds, columns, outputs, bits,
                                              _NO_U8 if table is None else table, _NO_F32 if bias is None else bias,
-                                             out_features)
-                             for packed, kinds, columns, outputs, bits, table, bias, out_features in linears],
+                                             out_features, -1 if zero is None else zero)
+                             for packed, kinds, columns, outputs, bits, table, bias, out_features, zero in linears],
                             list(norms), heads, kv_heads, head_dim, eps, activation)
 
 

@@ -89,6 +89,22 @@ def quantize_groups(weight: torch.Tensor, bits: int) -> GroupCodes:
     return GroupCodes(codes.to(torch.uint8).view(rows, cols), scales, offsets, bits)
 
 
+def zero_point(weights: GroupCodes) -> int | None:
+    """The integer z (0..255) with every group's offset exactly -z * its scale (GGUF Q4_0: 8, Q5_0: 16, Q8_0:
+    128; MXFP4's shifted levels: 12), which the kernel folds into its integer dot products; None where the
+    offsets are free (Q4_1, Q5_1, weights quantized here). Groups of scale 0 and offset 0 fit any z."""
+    scales, offsets = weights.scales.float(), weights.offsets.float()
+    nonzero = scales != 0
+    if not bool(nonzero.any()):
+        return 0 if not bool(offsets.any()) else None
+    ratio = -float(offsets[nonzero][0]) / float(scales[nonzero][0])
+    zero = round(ratio)
+    # An fp16 scale times an 8-bit integer is exact in fp32, so the comparison is exact too.
+    if zero != ratio or not 0 <= zero <= 255 or not torch.equal(offsets, -zero * scales):
+        return None
+    return zero
+
+
 def block_bytes(bits: int) -> int:
     """Bytes of one packed (tile, group): the codes of 16 rows x 32 inputs, then 16 fp16 scales and offsets."""
     return bits * TILE_ROWS * GROUP_SIZE // 8 + 2 * TILE_ROWS * 2

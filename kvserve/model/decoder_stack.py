@@ -38,11 +38,11 @@ def stack_linear(layer: Linear) -> tuple | None:
     bias = None if layer.bias is None else layer.bias.detach()
     if type(method) is GroupQuantizedLinearMethod:
         return ([layer.packed], [_GROUP_CODES], [0], [layer.output_size], method.bits, method.table, bias,
-                layer.output_size)
+                layer.output_size, method.zero)
     if type(method) is KQuantLinearMethod:
         kinds, columns, outputs = (list(values) for values in zip(*method.parts))
         packed = [getattr(layer, f"packed_{index}") for index in range(len(method.parts))]
-        return packed, kinds, columns, outputs, 0, None, bias, layer.output_size
+        return packed, kinds, columns, outputs, 0, None, bias, layer.output_size, None
     return None
 
 

@@ -42,7 +42,7 @@ from kvserve.cpu_features import has_fast_bf16_matmul
 from kvserve.errors import ConfigError
 from kvserve.kernels import ops
 from kvserve.kernels.kquant_packing import KQUANT_KINDS, KQuantCodes
-from kvserve.kernels.packing import GROUP_SIZE, GroupCodes, pack, packed_bytes, quantize_groups
+from kvserve.kernels.packing import GROUP_SIZE, GroupCodes, pack, packed_bytes, quantize_groups, zero_point
 from kvserve.model.float_gemm import row_invariant_linear
 from kvserve.model.kquant_linear import KQuantLinearMethod
 from kvserve.model.layers import Linear, UnquantizedLinearMethod
@@ -107,6 +107,7 @@ class GroupQuantizedLinearMethod(UnquantizedLinearMethod):
     def __init__(self, bits: int) -> None:
         self.bits = bits
         self.table: torch.Tensor | None = None  # what each 4-bit code stands for (GroupCodes.table), if not itself
+        self.zero: int | None = None  # the codes' zero point where every offset is -zero * scale (packing.zero_point)
 
     def process_weights_after_loading(self, layer: Linear, source: GroupCodes | None = None) -> None:
         if source is not None and source.table is not None:
@@ -119,12 +120,13 @@ class GroupQuantizedLinearMethod(UnquantizedLinearMethod):
             codes = GroupCodes(source.codes, source.scales, source.offsets, self.bits)
         else:  # from the codes' values where there are codes: a file's matrix held as codes is never loaded
             codes = quantize_groups(layer.weight.detach() if source is None else source.dequantize(), self.bits)
+        self.zero = zero_point(codes)
         layer.packed = _frozen(pack(codes))
         layer.weight = None  # a tied head only lets go of the embedding's tensor
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        y = ops.quant_matmul(rows, layer.packed, self.bits, layer.output_size, table=self.table)
+        y = ops.quant_matmul(rows, layer.packed, self.bits, layer.output_size, table=self.table, zero=self.zero)
         if layer.bias is not None:
             y += layer.bias
         return y if x.dim() == 2 else y.view(*x.shape[:-1], layer.output_size)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.kernels.packing import GroupCodes, block_bytes, pack, packed_bytes, quantize_groups
+from kvserve.kernels.packing import GroupCodes, block_bytes, pack, packed_bytes, quantize_groups, zero_point
 from kvserve.model.gguf_quants import dequantize, group_codes, kquant_codes
 
 
@@ -30,6 +30,22 @@ def test_a_gguf_files_blocks_are_held_exactly(type_name, bits):
     assert codes is not None and codes.bits == bits
     # bit for bit what the dequantizer reads from the file
     assert torch.equal(codes.dequantize(), dequantize(raw, type_name, (20, 64)))
+
+
+@pytest.mark.parametrize("type_name,zero", [("Q4_0", 8), ("Q4_1", None), ("Q5_0", 16), ("Q5_1", None), ("Q8_0", 128)])
+def test_a_gguf_files_zero_point_is_found(type_name, zero):
+    """The formats whose offset is -zero * d have that zero point (the matmul folds it into its integer dot
+    products); those with a free offset (a min) have none, nor do weights quantized here."""
+    import gguf
+    from gguf.quants import quantize
+
+    weight = np.random.default_rng(1).standard_normal((20, 64)).astype(np.float32)
+    weight[3, :32] = 0  # a group of zeros: scale 0, which fits any zero point
+    codes = group_codes(quantize(weight, gguf.GGMLQuantizationType[type_name]), type_name, (20, 64))
+    assert zero_point(codes) == zero
+    assert zero_point(quantize_groups(torch.from_numpy(weight), codes.bits)) is None
+    all_zero = quantize_groups(torch.zeros(16, 32), 4)
+    assert zero_point(all_zero) == 0
 
 
 def test_k_quants_are_held_as_super_blocks_not_group_codes():

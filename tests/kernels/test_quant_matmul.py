@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvserve.kernels import ops
-from kvserve.kernels.packing import GROUP_SIZE, GroupCodes, pack, quantize_groups
+from kvserve.kernels.packing import GROUP_SIZE, GroupCodes, pack, quantize_groups, zero_point
 from tests.helpers import int8_activation_matmul
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="the C++ kernels could not be built here (no compiler or "
@@ -35,6 +35,45 @@ def test_each_path_computes_the_quantized_product(isa, bits, rows, cols, outputs
     # A row's result does not depend on the rows beside it (batch invariance).
     alone = ops.quant_matmul(x[-1:], pack(weights), bits, outputs, ISAS[isa])
     assert torch.equal(alone[0], y[-1])
+
+
+ZERO_POINTS = {4: 8, 8: 128}  # GGUF Q4_0's and Q8_0's
+
+
+def zero_point_codes(outputs: int, cols: int, bits: int, gen: torch.Generator) -> GroupCodes:
+    """Codes as a GGUF Q4_0 / Q8_0 file holds them: every offset -zero * scale, exactly."""
+    scales = (torch.rand(outputs, cols // GROUP_SIZE, generator=gen) * 0.01 + 1e-4).half()
+    scales[0, 0] = 0  # a group of zeros: scale 0, offset 0
+    codes = torch.randint(0, 2**bits, (outputs, cols), dtype=torch.uint8, generator=gen)
+    return GroupCodes(codes, scales, (scales.float() * -ZERO_POINTS[bits]).half(), bits)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows,cols,outputs", [(1, 32, 16), (1, 576, 960), (3, 64, 20), (9, 128, 120), (37, 64, 17)])
+def test_a_zero_point_is_folded_into_the_dot_products(isa, bits, rows, cols, outputs):
+    """Weights whose offsets are all -zero * scale (Q4_0, Q8_0) given their zero point: sum((q - zero) * xq)
+    in integers, the offsets not read; the product the reference computes, a row alone as in its batch."""
+    gen = torch.Generator().manual_seed(rows * 1000 + cols + bits)
+    weights = zero_point_codes(outputs, cols, bits, gen)
+    zero = ZERO_POINTS[bits]
+    assert zero_point(weights) == zero
+    x = torch.randn(rows, cols, generator=gen)
+    if rows > 1:
+        x[0, :GROUP_SIZE] = 0  # a group of zero activations (scale 0) beside others
+    packed = pack(weights)
+    y = ops.quant_matmul(x, packed, bits, outputs, ISAS[isa], zero=zero)
+    expected = reference(x, weights)
+    assert (y.double() - expected).abs().max() <= 1e-5 * max(float(expected.abs().max()), 1.0)
+    assert torch.equal(ops.quant_matmul(x[-1:], packed, bits, outputs, ISAS[isa], zero=zero)[0], y[-1])
+    # The zero point is what the kernel subtracts: another one is another product.
+    assert not torch.allclose(ops.quant_matmul(x, packed, bits, outputs, ISAS[isa], zero=zero - 1), y)
+
+
+def test_a_zero_point_outside_a_byte_is_refused():
+    packed = pack(quantize_groups(torch.randn(16, 64), 8))
+    with pytest.raises(RuntimeError, match="zero is -1"):
+        ops.quant_matmul(torch.randn(2, 64), packed, 8, 16, zero=256)
 
 
 def test_eight_bit_codes_use_their_whole_range():

@@ -10,6 +10,7 @@ from kvserve.kernels import ops
 from kvserve.kernels.kquant_packing import KQUANT_KINDS, pack_kquant
 from kvserve.kernels.packing import pack, quantize_groups
 from tests.kernels.test_kquant_matmul import random_kquant
+from tests.kernels.test_quant_matmul import ZERO_POINTS, zero_point_codes
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="the C++ kernels could not be built here")
 ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
@@ -21,15 +22,20 @@ RUNNABLE = list(ISAS)[: ISAS[ops.quant_matmul_isa()] + 1] if ops.available() els
 # 40: two full tiles of 16 outputs and a partial one; 120: eight tiles, so that a lone row (which takes its
 # tiles four at a time) has the partial last tile inside a run of four, on one thread or two.
 @pytest.mark.parametrize("outputs", [40, 120])
-def test_quant_matmul_rows_alone_equal_the_same_rows_in_any_batch(isa, bits, outputs):
+@pytest.mark.parametrize("folded", [False, True], ids=["offsets", "zero_point"])
+def test_quant_matmul_rows_alone_equal_the_same_rows_in_any_batch(isa, bits, outputs, folded):
     gen = torch.Generator().manual_seed(bits)
     cols = 192
-    packed = pack(quantize_groups(torch.randn(outputs, cols, generator=gen), bits))
+    codes = (zero_point_codes(outputs, cols, bits, gen) if folded
+             else quantize_groups(torch.randn(outputs, cols, generator=gen), bits))
+    zero = ZERO_POINTS[bits] if folded else None
+    packed = pack(codes)
     x = torch.randn(64, cols, generator=gen)
-    alone = torch.cat([ops.quant_matmul(x[m : m + 1], packed, bits, outputs, ISAS[isa]) for m in range(64)])
+    alone = torch.cat([ops.quant_matmul(x[m : m + 1], packed, bits, outputs, ISAS[isa], zero=zero)
+                       for m in range(64)])
     for rows in range(2, 65):
         start = (7 * rows) % (65 - rows)  # the batch's rows sit anywhere in the batch
-        batch = ops.quant_matmul(x[start : start + rows], packed, bits, outputs, ISAS[isa])
+        batch = ops.quant_matmul(x[start : start + rows], packed, bits, outputs, ISAS[isa], zero=zero)
         assert torch.equal(batch, alone[start : start + rows]), f"M={rows}"
 
 
@@ -37,20 +43,21 @@ def test_quant_matmul_rows_alone_equal_the_same_rows_in_any_batch(isa, bits, out
 @pytest.mark.parametrize("bits,table", [(4, None), (8, None), (4, torch.arange(0, 32, 2, dtype=torch.uint8))])
 @pytest.mark.parametrize("outputs", [16, 120, 1000])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_tiles_read_side_by_side_give_the_same_bits(isa, bits, table, outputs, rows):
+@pytest.mark.parametrize("zero", [None, 8])
+def test_tiles_read_side_by_side_give_the_same_bits(isa, bits, table, outputs, rows, zero):
     """A decode batch's tiles taken 1, 2 or 4 at a time (spread over each thread's range): the same bits, with
-    tiles left over and a partial last tile (120: 7.5 tiles; 1000: 62.5)."""
+    tiles left over and a partial last tile (120: 7.5 tiles; 1000: 62.5), offsets read or a zero point folded."""
     gen = torch.Generator().manual_seed(outputs + bits)
     cols = 160
     packed = pack(quantize_groups(torch.randn(outputs, cols, generator=gen), bits))
     x = torch.randn(rows, cols, generator=gen)
-    one_at_a_time = ops.quant_matmul(x, packed, bits, outputs, ISAS[isa], table=table, runs=1)
+    one_at_a_time = ops.quant_matmul(x, packed, bits, outputs, ISAS[isa], table=table, runs=1, zero=zero)
     for runs in (0, 2, 4):
-        assert torch.equal(ops.quant_matmul(x, packed, bits, outputs, ISAS[isa], table=table, runs=runs),
+        assert torch.equal(ops.quant_matmul(x, packed, bits, outputs, ISAS[isa], table=table, runs=runs, zero=zero),
                            one_at_a_time), f"runs={runs}"
     # Each row alone (a lone row takes the most runs) gives its bits in the batch.
     for m in range(rows):
-        assert torch.equal(ops.quant_matmul(x[m : m + 1], packed, bits, outputs, ISAS[isa], table=table),
+        assert torch.equal(ops.quant_matmul(x[m : m + 1], packed, bits, outputs, ISAS[isa], table=table, zero=zero),
                            one_at_a_time[m : m + 1]), f"row {m}"
 
 

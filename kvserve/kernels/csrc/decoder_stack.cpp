@@ -29,7 +29,8 @@ static void add_rows_(float* y, const float* a, int64_t rows, int64_t width, int
 }
 
 // One projection's weights: `packed[i]` fills output columns columns[i] .. columns[i] + outputs[i]; kinds[i]
-// is -1 for group codes of `bits` (through `table` when it is not empty), else a K-quant kind number.
+// is -1 for group codes of `bits` (through `table` when it is not empty; `zero`: their offsets' zero point
+// or -1, as quant_matmul_into takes it), else a K-quant kind number.
 struct StackLinear {
   std::vector<torch::Tensor> packed;
   std::vector<int64_t> kinds, columns, outputs;
@@ -37,13 +38,14 @@ struct StackLinear {
   torch::Tensor table;  // uint8 [16] or empty
   torch::Tensor bias;   // fp32 [N] or empty
   int64_t out_features;
+  int64_t zero;
 
   StackLinear(std::vector<torch::Tensor> packed_, std::vector<int64_t> kinds_, std::vector<int64_t> columns_,
               std::vector<int64_t> outputs_, int64_t bits_, torch::Tensor table_, torch::Tensor bias_,
-              int64_t out_features_)
+              int64_t out_features_, int64_t zero_)
       : packed(std::move(packed_)), kinds(std::move(kinds_)), columns(std::move(columns_)),
         outputs(std::move(outputs_)), bits(bits_), table(std::move(table_)), bias(std::move(bias_)),
-        out_features(out_features_) {
+        out_features(out_features_), zero(zero_) {
     const size_t parts = packed.size();
     TORCH_CHECK(parts > 0 && kinds.size() == parts && columns.size() == parts && outputs.size() == parts,
                 "StackLinear: one kind, column and output count per packed part");
@@ -57,7 +59,7 @@ struct StackLinear {
   // KQuant) computes.
   void apply(const torch::Tensor& x, const torch::Tensor& out) const {
     if (kinds[0] < 0) {
-      quant_matmul_into(x, packed[0], bits, out_features, -1, table, out.data_ptr<float>());
+      quant_matmul_into(x, packed[0], bits, out_features, -1, table, out.data_ptr<float>(), 0, zero);
     } else {
       kquant_matmul_(x, packed, kinds, outputs, out, columns, -1);
     }
@@ -138,7 +140,7 @@ void bind_decoder_stack(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<StackLinear>(m, "StackLinear")
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
-                    int64_t, torch::Tensor, torch::Tensor, int64_t>());
+                    int64_t, torch::Tensor, torch::Tensor, int64_t, int64_t>());
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<std::vector<StackLinear>, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
                     int64_t>())

@@ -33,9 +33,9 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
 
 // quant_matmul.cpp: x @ W^T for 4- or 8-bit group-quantized W, and the instruction set it runs on.
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t N, int64_t isa,
-                           torch::Tensor table, int64_t runs);
+                           torch::Tensor table, int64_t runs, int64_t zero);
 void quant_matmul_into(const torch::Tensor& x, const torch::Tensor& packed, int64_t bits, int64_t N, int64_t isa,
-                       const torch::Tensor& table, float* y, int64_t runs = 0);
+                       const torch::Tensor& table, float* y, int64_t runs, int64_t zero);
 std::string quant_matmul_isa();
 // kquant_matmul.cpp: the same for W held as GGUF Q4_K / Q5_K / Q6_K super-blocks, one or several parts each
 // into its columns of `out`.

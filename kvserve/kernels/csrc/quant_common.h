@@ -38,8 +38,11 @@ inline float half_to_float(uint16_t h) {
 
 // x [M, K] fp32 -> xq [M, K] int8, dx [M, K/32] (scale) and sx [M, K/32] (dx * sum of the group's codes),
 // scale dx = max|x| / 127 per (row, group of 32), as llama.cpp quantizes activations for its quantized
-// matmuls. Each group depends on its own 32 inputs alone.
-inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx) {
+// matmuls; with `zero_sums`, also -zero * (the sum of the group's codes) per (row, group) as int32 (the
+// folded offset of weights whose offsets are -zero * scale: quant_matmul_tiles.h). Each group depends on its
+// own 32 inputs alone.
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx,
+                          int32_t* zero_sums = nullptr, int32_t zero = 0) {
   const int64_t groups = K / kGroup;
   at::parallel_for(0, M * groups, 256, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -57,6 +60,7 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, floa
       }
       dx[item] = scale;
       sx[item] = scale * static_cast<float>(sum);
+      if (zero_sums != nullptr) zero_sums[item] = -zero * sum;
     }
   });
 }

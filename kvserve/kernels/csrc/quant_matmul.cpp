@@ -119,14 +119,17 @@ std::string quant_matmul_isa() {
 // isa: -1 = the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). table: uint8 [16],
 // the values 4-bit codes stand for (each below 128), or empty: the codes themselves. runs: the tiles a decode
 // batch of up to 4 rows (AVX2: 3) reads side by side: 1, 2 or 4 for a lone row, 1 or 2 (4 taken as 2) for more;
-// 0 = the kernel's choice (default_runs; bench/matmul_runs.py compares them).
+// 0 = the kernel's choice (default_runs; bench/matmul_runs.py compares them). zero: 0..255 where every
+// group's offset is -zero * its scale (Q4_0's 8, Q8_0's 128: folded into the integer dot products,
+// quant_matmul_tiles.h), -1 where the offsets are read.
 void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, int64_t bits, int64_t N, int64_t isa,
-                       const torch::Tensor& table, float* y, int64_t runs) {
+                       const torch::Tensor& table, float* y, int64_t runs, int64_t zero) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.dim() == 2, "quant_matmul: x must be 2-D fp32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
               "quant_matmul: packed weights must be contiguous uint8 [tiles, groups, bytes]");
   TORCH_CHECK(bits == 4 || bits == 8, "quant_matmul: 4 or 8 bits");
   TORCH_CHECK(runs == 0 || runs == 1 || runs == 2 || runs == 4, "quant_matmul: runs must be 0, 1, 2 or 4");
+  TORCH_CHECK(zero >= -1 && zero <= 255, "quant_matmul: zero is -1 (none) or 0..255");
   const bool tabled = table.numel() > 0;
   TORCH_CHECK(!tabled || (bits == 4 && table.scalar_type() == at::kByte && table.numel() == 16 &&
                           table.is_contiguous() && table.is_cpu()),
@@ -145,13 +148,19 @@ void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, 
   // of these calls: no allocator round trip for them).
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> scales;
+  thread_local std::vector<int32_t> zero_sums;
   xq.resize(M * K);
   scales.resize(2 * M * groups);
   float* dx = scales.data();
   float* sx = dx + M * groups;
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), dx, sx);
+  int32_t* zs = nullptr;
+  if (zero >= 0) {
+    zero_sums.resize(M * groups);
+    zs = zero_sums.data();
+  }
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), dx, sx, zs, static_cast<int32_t>(zero));
   const Problem p{packed.data_ptr<uint8_t>(), xq.data(), dx, sx, y, M, K, N, groups, bits,
-                  block_bytes(bits), tabled ? table.data_ptr<uint8_t>() : nullptr};
+                  block_bytes(bits), tabled ? table.data_ptr<uint8_t>() : nullptr, zs};
   const int64_t per_pass = rows_per_pass(chosen);
   // Work items are tiles of 16 outputs; each walks every row of x (the tile's weights stay in L1).
   const int64_t read_together = runs != 0 ? runs : default_runs(chosen, M);
@@ -162,9 +171,9 @@ void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, 
 
 // The same into a new [M, N].
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t N, int64_t isa,
-                           torch::Tensor table, int64_t runs) {
+                           torch::Tensor table, int64_t runs, int64_t zero) {
   TORCH_CHECK(x.dim() == 2, "quant_matmul: x must be 2-D fp32");
   auto y = torch::empty({x.size(0), N}, x.options().dtype(at::kFloat));
-  quant_matmul_into(x, packed, bits, N, isa, table, y.data_ptr<float>(), runs);
+  quant_matmul_into(x, packed, bits, N, isa, table, y.data_ptr<float>(), runs, zero);
   return y;
 }
