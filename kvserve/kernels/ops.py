@@ -136,8 +136,9 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features:
                  table: torch.Tensor | None = None, runs: int = 0, zero: int | None = None) -> torch.Tensor:
     """x `[M, K]` fp32 @ W^T -> `[M, out_features]` for W packed as `bits`-bit groups (kernels/packing.py);
     `table` (uint8 `[16]`, values below 128): what each 4-bit code stands for (GroupCodes.table); `zero`:
-    the codes' zero point where every offset is -zero * scale (packing.zero_point), folded into the integer
-    dot products instead of reading the offsets (one multiply-add fewer per group and row). `isa`: -1
+    the codes' zero point where every offset is -zero * scale (packing.zero_point), packed without their
+    offsets (`pack(codes, offsets=False)`) and folded into the integer dot products instead (one multiply-add
+    fewer per group and row). `isa`: -1
     the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests). `runs`: how many weight
     tiles a decode batch of up to 4 rows (AVX2: 3) reads side by side: 1, 2 or 4 for one row, 1 or 2
     (4 taken as 2) for more; 0 the kernel's choice (on AVX2 one; tests and bench/matmul_runs.py compare

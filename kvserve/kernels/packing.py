@@ -105,19 +105,22 @@ def zero_point(weights: GroupCodes) -> int | None:
     return zero
 
 
-def block_bytes(bits: int) -> int:
-    """Bytes of one packed (tile, group): the codes of 16 rows x 32 inputs, then 16 fp16 scales and offsets."""
-    return bits * TILE_ROWS * GROUP_SIZE // 8 + 2 * TILE_ROWS * 2
+def block_bytes(bits: int, offsets: bool = True) -> int:
+    """Bytes of one packed (tile, group): the codes of 16 rows x 32 inputs, then 16 fp16 scales and (unless
+    the codes have a zero point, which stands for them) 16 fp16 offsets."""
+    return bits * TILE_ROWS * GROUP_SIZE // 8 + (2 if offsets else 1) * TILE_ROWS * 2
 
 
-def packed_bytes(rows: int, cols: int, bits: int) -> int:
+def packed_bytes(rows: int, cols: int, bits: int, offsets: bool = True) -> int:
     """Bytes `pack` makes of a `rows` x `cols` weight (rows padded to whole tiles)."""
-    return -(-rows // TILE_ROWS) * (cols // GROUP_SIZE) * block_bytes(bits)
+    return -(-rows // TILE_ROWS) * (cols // GROUP_SIZE) * block_bytes(bits, offsets)
 
 
-def pack(weights: GroupCodes) -> torch.Tensor:
+def pack(weights: GroupCodes, offsets: bool = True) -> torch.Tensor:
     """GroupCodes -> uint8 `[tiles, groups, block_bytes]`, the layout csrc/quant_matmul.cpp reads (a table's
-    4-bit codes as they are: the kernel takes the table beside them)."""
+    4-bit codes as they are: the kernel takes the table beside them). `offsets=False` leaves the offsets out,
+    for codes with a zero point (`zero_point`), which the kernel is then given instead: a Q4_0 block's 18
+    bytes per 32 weights, as the file holds it, where the offsets would make 20."""
     rows, cols = weights.shape
     tiles, groups = -(-rows // TILE_ROWS), cols // GROUP_SIZE
     pad = tiles * TILE_ROWS - rows
@@ -137,5 +140,7 @@ def pack(weights: GroupCodes) -> torch.Tensor:
         padded = F.pad(values, (0, 0, 0, pad)).view(tiles, TILE_ROWS, groups).transpose(1, 2).contiguous()
         return padded.view(torch.uint8)
 
-    return torch.cat([vectors.reshape(tiles, groups, -1), per_tile(weights.scales), per_tile(weights.offsets)],
-                     dim=-1).contiguous()
+    parts = [vectors.reshape(tiles, groups, -1), per_tile(weights.scales)]
+    if offsets:
+        parts.append(per_tile(weights.offsets))
+    return torch.cat(parts, dim=-1).contiguous()

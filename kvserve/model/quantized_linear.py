@@ -121,7 +121,7 @@ class GroupQuantizedLinearMethod(UnquantizedLinearMethod):
         else:  # from the codes' values where there are codes: a file's matrix held as codes is never loaded
             codes = quantize_groups(layer.weight.detach() if source is None else source.dequantize(), self.bits)
         self.zero = zero_point(codes)
-        layer.packed = _frozen(pack(codes))
+        layer.packed = _frozen(pack(codes, offsets=self.zero is None))
         layer.weight = None  # a tied head only lets go of the embedding's tensor
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +146,8 @@ HEAD_NAME = "lm_head"
 
 
 def linear_held_bytes(rows: int, cols: int, bias: bool, dtype: str) -> int:
-    """Bytes a `Linear` of `rows` x `cols` holds once converted to `dtype` (what the methods above create)."""
+    """Bytes a `Linear` of `rows` x `cols` holds once converted to `dtype` (what the methods above create; group
+    codes with a zero point, a GGUF Q4_0 / Q8_0 file's, leave out their offsets: 10% / 6% fewer bytes than this)."""
     bias_bytes = 4 * rows if bias else 0
     if dtype in GROUP_BITS:
         return packed_bytes(rows, cols, GROUP_BITS[dtype]) + bias_bytes

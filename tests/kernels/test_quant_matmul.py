@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvserve.kernels import ops
-from kvserve.kernels.packing import GROUP_SIZE, GroupCodes, pack, quantize_groups, zero_point
+from kvserve.kernels.packing import GROUP_SIZE, GroupCodes, pack, packed_bytes, quantize_groups, zero_point
 from tests.helpers import int8_activation_matmul
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="the C++ kernels could not be built here (no compiler or "
@@ -61,19 +61,33 @@ def test_a_zero_point_is_folded_into_the_dot_products(isa, bits, rows, cols, out
     x = torch.randn(rows, cols, generator=gen)
     if rows > 1:
         x[0, :GROUP_SIZE] = 0  # a group of zero activations (scale 0) beside others
-    packed = pack(weights)
+    packed = pack(weights, offsets=False)
+    assert packed.numel() == packed_bytes(outputs, cols, bits, offsets=False) < packed_bytes(outputs, cols, bits)
     y = ops.quant_matmul(x, packed, bits, outputs, ISAS[isa], zero=zero)
     expected = reference(x, weights)
     assert (y.double() - expected).abs().max() <= 1e-5 * max(float(expected.abs().max()), 1.0)
     assert torch.equal(ops.quant_matmul(x[-1:], packed, bits, outputs, ISAS[isa], zero=zero)[0], y[-1])
     # The zero point is what the kernel subtracts: another one is another product.
     assert not torch.allclose(ops.quant_matmul(x, packed, bits, outputs, ISAS[isa], zero=zero - 1), y)
+    # The same codes with their offsets, read: the same product (up to fp32 rounding of the offset's term).
+    with_offsets = ops.quant_matmul(x, pack(weights), bits, outputs, ISAS[isa])
+    assert (with_offsets.double() - expected).abs().max() <= 1e-5 * max(float(expected.abs().max()), 1.0)
 
 
 def test_a_zero_point_outside_a_byte_is_refused():
-    packed = pack(quantize_groups(torch.randn(16, 64), 8))
+    packed = pack(quantize_groups(torch.randn(16, 64), 8), offsets=False)
     with pytest.raises(RuntimeError, match="zero is -1"):
         ops.quant_matmul(torch.randn(2, 64), packed, 8, 16, zero=256)
+
+
+def test_blocks_with_and_without_offsets_are_told_apart():
+    """A zero point goes with blocks that leave the offsets out, and none with blocks that hold them: the
+    other way round, the kernel would read one block's bytes as another's."""
+    codes = quantize_groups(torch.randn(16, 64), 4)
+    with pytest.raises(RuntimeError, match="without offsets"):
+        ops.quant_matmul(torch.randn(2, 64), pack(codes), 4, 16, zero=8)
+    with pytest.raises(RuntimeError, match="with offsets"):
+        ops.quant_matmul(torch.randn(2, 64), pack(codes, offsets=False), 4, 16)
 
 
 def test_eight_bit_codes_use_their_whole_range():

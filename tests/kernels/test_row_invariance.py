@@ -29,7 +29,7 @@ def test_quant_matmul_rows_alone_equal_the_same_rows_in_any_batch(isa, bits, out
     codes = (zero_point_codes(outputs, cols, bits, gen) if folded
              else quantize_groups(torch.randn(outputs, cols, generator=gen), bits))
     zero = ZERO_POINTS[bits] if folded else None
-    packed = pack(codes)
+    packed = pack(codes, offsets=not folded)
     x = torch.randn(64, cols, generator=gen)
     alone = torch.cat([ops.quant_matmul(x[m : m + 1], packed, bits, outputs, ISAS[isa], zero=zero)
                        for m in range(64)])
@@ -49,7 +49,7 @@ def test_tiles_read_side_by_side_give_the_same_bits(isa, bits, table, outputs, r
     tiles left over and a partial last tile (120: 7.5 tiles; 1000: 62.5), offsets read or a zero point folded."""
     gen = torch.Generator().manual_seed(outputs + bits)
     cols = 160
-    packed = pack(quantize_groups(torch.randn(outputs, cols, generator=gen), bits))
+    packed = pack(quantize_groups(torch.randn(outputs, cols, generator=gen), bits), offsets=zero is None)
     x = torch.randn(rows, cols, generator=gen)
     one_at_a_time = ops.quant_matmul(x, packed, bits, outputs, ISAS[isa], table=table, runs=1, zero=zero)
     for runs in (0, 2, 4):

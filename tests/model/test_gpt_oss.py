@@ -267,7 +267,9 @@ def test_mxfp4_experts_are_held_as_the_files_own_values(weights_dtype, tmp_path)
             for name in ("gate_up_proj", "down_proj"):
                 layer = packed.model.layers[layer_index].mlp.experts[expert].get_submodule(name)
                 assert layer.code_table.tolist() == [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0]
-                assert layer.packed.numel() == packed_bytes(layer.output_size, layer.input_size, 4)
+                # The offsets are -12 x scale: a zero point of 12 stands for them (not held).
+                assert layer.method.zero == 12
+                assert layer.packed.numel() == packed_bytes(layer.output_size, layer.input_size, 4, offsets=False)
                 reference = exact.model.layers[layer_index].mlp.experts[expert].get_submodule(name)
                 x = torch.randn(3, layer.input_size)
                 expected = int8_activation_matmul(x, reference.weight) + reference.bias

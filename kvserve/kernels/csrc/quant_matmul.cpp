@@ -121,7 +121,7 @@ std::string quant_matmul_isa() {
 // batch of up to 4 rows (AVX2: 3) reads side by side: 1, 2 or 4 for a lone row, 1 or 2 (4 taken as 2) for more;
 // 0 = the kernel's choice (default_runs; bench/matmul_runs.py compares them). zero: 0..255 where every
 // group's offset is -zero * its scale (Q4_0's 8, Q8_0's 128: folded into the integer dot products,
-// quant_matmul_tiles.h), -1 where the offsets are read.
+// quant_matmul_tiles.h) and the blocks leave the offsets out, -1 where they hold and the kernel reads them.
 void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, int64_t bits, int64_t N, int64_t isa,
                        const torch::Tensor& table, float* y, int64_t runs, int64_t zero) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.dim() == 2, "quant_matmul: x must be 2-D fp32");
@@ -140,9 +140,11 @@ void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, 
   const torch::Tensor x = input.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t groups = K / kGroup, tiles = packed.size(0);
-  TORCH_CHECK(K % kGroup == 0 && packed.size(1) == groups && packed.size(2) == block_bytes(bits) &&
+  const int64_t block = block_bytes(bits, zero < 0);
+  TORCH_CHECK(K % kGroup == 0 && packed.size(1) == groups && packed.size(2) == block &&
                   tiles * kTile >= N && (tiles - 1) * kTile < N,
-              "quant_matmul: packed weights do not match x's ", K, " inputs and ", N, " outputs");
+              "quant_matmul: packed weights do not match x's ", K, " inputs and ", N, " outputs (", block,
+              "-byte blocks ", zero < 0 ? "with" : "without", " offsets)");
   const Isa chosen = chosen_isa(isa);
   // The quantized activations live in a workspace kept by the calling thread (a decode step makes ~120
   // of these calls: no allocator round trip for them).
@@ -159,8 +161,8 @@ void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, 
     zs = zero_sums.data();
   }
   quantize_rows(x.data_ptr<float>(), M, K, xq.data(), dx, sx, zs, static_cast<int32_t>(zero));
-  const Problem p{packed.data_ptr<uint8_t>(), xq.data(), dx, sx, y, M, K, N, groups, bits,
-                  block_bytes(bits), tabled ? table.data_ptr<uint8_t>() : nullptr, zs};
+  const Problem p{packed.data_ptr<uint8_t>(), xq.data(), dx, sx, y, M, K, N, groups, bits, block,
+                  tabled ? table.data_ptr<uint8_t>() : nullptr, zs};
   const int64_t per_pass = rows_per_pass(chosen);
   // Work items are tiles of 16 outputs; each walks every row of x (the tile's weights stay in L1).
   const int64_t read_together = runs != 0 ? runs : default_runs(chosen, M);

@@ -20,7 +20,8 @@
 // output rows in tiles of 16, and for each (tile, group) one block of
 //   4-bit: 4 vectors of 64 bytes; vector j, byte 4r + i: low nibble = q[r][4j + i], high = q[r][16 + 4j + i]
 //   8-bit: 8 vectors of 64 bytes; vector j, byte 4r + i = q[r][4j + i]
-// (r: row in the tile, indices within the group), then a[16] and b[16] as fp16. 4-bit codes may index a
+// (r: row in the tile, indices within the group), then a[16] and b[16] as fp16 (b left out where a zero point
+// stands for it: a Q4_0 block's 18 bytes per 32 weights, as the file has it). 4-bit codes may index a
 // table of 16 unsigned values below 128 (`table`): w = a * table[q] + b, for a format whose 16 levels are not
 // evenly spaced (MXFP4's E2M1 values, doubled and shifted by 12: 0..24) held at 4 bits exactly. So one 64-byte load
 // holds four consecutive inputs of each of 16 rows: a dot-product instruction that sums 4 u8 x s8
@@ -48,7 +49,10 @@ using namespace kvserve_quant;
 constexpr int64_t kTile = 16;   // output rows per tile
 constexpr int64_t kMaxRows = 8; // activation rows sharing one pass over a weight tile
 
-inline int64_t block_bytes(int64_t bits) { return bits * kTile * kGroup / 8 + 2 * kTile * 2; }
+// A (tile, group) block's bytes: codes, 16 fp16 scales, and 16 fp16 offsets unless a zero point stands for them.
+inline int64_t block_bytes(int64_t bits, bool offsets = true) {
+  return bits * kTile * kGroup / 8 + (offsets ? 2 : 1) * kTile * 2;
+}
 
 struct Problem {
   const uint8_t* packed;
@@ -83,14 +87,14 @@ inline void tile_portable(const Problem& p, int64_t t, int64_t m0, int64_t rows)
           for (int64_t i = 0; i < 4; ++i) q[4 * j + i] = blk[64 * j + 4 * r + i];
         }
       }
-      const float a = half_to_float(ab[r]), b = half_to_float(ab[kTile + r]);
+      const float a = half_to_float(ab[r]);
       for (int64_t m = 0; m < rows; ++m) {
         const int8_t* xg = p.xq + (m0 + m) * p.K + g * kGroup;
         const int64_t s = (m0 + m) * p.groups + g;
         int32_t dot = p.zero_sums ? p.zero_sums[s] : 0;
         for (int64_t i = 0; i < kGroup; ++i) dot += q[i] * xg[i];
         acc[m][r] += p.zero_sums ? a * p.dx[s] * static_cast<float>(dot)
-                                 : a * p.dx[s] * static_cast<float>(dot) + b * p.sx[s];
+                                 : a * p.dx[s] * static_cast<float>(dot) + half_to_float(ab[kTile + r]) * p.sx[s];
       }
     }
   }
