@@ -25,7 +25,6 @@ constexpr float kEmpty = -1e30f;
 constexpr int64_t kMaxBlock = 256;  // block_size bound for the per-block score buffer
 constexpr int64_t kMaxGroup = 64;   // query heads per KV head
 constexpr int64_t kMaxHeadDim = 512;  // head_dim bound for the quantized path's per-channel parameters
-constexpr int64_t kPrefetchBlocks = 1;
 
 template <int64_t N>
 inline float dot_fixed(const float* a, const float* b) {

@@ -16,7 +16,7 @@
 // pipes the dot products use (on Zen 4, vpdpbusd and FMAs share them: a prefill's matmul 1.07-1.10x
 // faster), and no large product to cancel against the offset's.
 //
-// Packed layout (kvserve/model/quantized_linear.py packs it; it is the same for every instruction set):
+// Packed layout (kvserve/kernels/packing.py packs it; it is the same for every instruction set):
 // output rows in tiles of 16, and for each (tile, group) one block of
 //   4-bit: 4 vectors of 64 bytes; vector j, byte 4r + i: low nibble = q[r][4j + i], high = q[r][16 + 4j + i]
 //   8-bit: 8 vectors of 64 bytes; vector j, byte 4r + i = q[r][4j + i]
