@@ -79,20 +79,44 @@ inline bool visible_tiles(const bool* valid, int64_t tiles, __mmask16* visible) 
   return any_visible;
 }
 
-// As attend_blocks, for D = 16 * NC and BS a multiple of 16.
+constexpr int64_t kMaxTiles = kMaxBlock / 16;  // 16-row tiles of K/V whose scores one rescale covers
+
+// The next run of blocks from `idx` (advanced past it) for KV head h: whole blocks, up to kMaxTiles 16-row
+// tiles (at least one block), blocks with no visible row left out; each tile's K and V rows and visible
+// rows into k_tile, v_tile, visible. Returns the run's tiles (0: none visible).
+template <typename scalar_t, int64_t D>
+int64_t next_run(const scalar_t* kp, const scalar_t* vp, const int64_t* blocks, const bool* valid, int64_t& idx,
+                 int64_t hi, int64_t KVH, int64_t h, int64_t BS, __mmask16* visible, const scalar_t** k_tile,
+                 const scalar_t** v_tile) {
+  const int64_t tiles_per_block = BS / 16;
+  int64_t tiles = 0;
+  for (; idx < hi && (tiles == 0 || tiles + tiles_per_block <= kMaxTiles); ++idx) {
+    __mmask16 block_visible[kMaxTiles];
+    if (!visible_tiles(valid + idx * BS, tiles_per_block, block_visible)) continue;
+    const int64_t base = (blocks[idx] * KVH + h) * BS * D;
+    for (int64_t t = 0; t < tiles_per_block; ++t, ++tiles) {
+      visible[tiles] = block_visible[t];
+      k_tile[tiles] = kp + base + t * 16 * D;
+      v_tile[tiles] = vp + base + t * 16 * D;
+    }
+  }
+  return tiles;
+}
+
+// As attend_blocks, for D = 16 * NC and BS a multiple of 16; the softmax state rescaled once per run of
+// blocks given (next_run), as attend_blocks_grouped below says why.
 template <typename scalar_t, int NC>
 void attend_blocks(const float* qh, int64_t G, const scalar_t* kp, const scalar_t* vp, const int64_t* blocks,
                    const bool* valid, int64_t lo, int64_t hi, int64_t KVH, int64_t h, int64_t BS, float scale,
                    float* m, float* l, float* acc) {
   constexpr int64_t D = 16 * NC;
-  const int64_t tiles = BS / 16;
   alignas(64) float probs[kMaxBlock];
-  __mmask16 visible[kMaxBlock / 16];
-  for (int64_t idx = lo; idx < hi; ++idx) {
-    const int64_t base = (blocks[idx] * KVH + h) * BS * D;
-    const scalar_t* kb = kp + base;
-    const scalar_t* vb = vp + base;
-    if (!visible_tiles(valid + idx * BS, tiles, visible)) continue;
+  __mmask16 visible[kMaxTiles];
+  const scalar_t* k_tile[kMaxTiles];
+  const scalar_t* v_tile[kMaxTiles];
+  for (int64_t idx = lo; idx < hi;) {
+    const int64_t tiles = next_run<scalar_t, D>(kp, vp, blocks, valid, idx, hi, KVH, h, BS, visible, k_tile, v_tile);
+    if (tiles == 0) continue;
     for (int64_t g = 0; g < G; ++g) {
       __m512 q[NC];
       for (int c = 0; c < NC; ++c) q[c] = _mm512_mul_ps(_mm512_loadu_ps(qh + g * D + 16 * c), _mm512_set1_ps(scale));
@@ -100,7 +124,7 @@ void attend_blocks(const float* qh, int64_t G, const scalar_t* kp, const scalar_
       for (int64_t t = 0; t < tiles; ++t) {
         __m512 dots[16];
         for (int r = 0; r < 16; ++r) {
-          const scalar_t* row = kb + (t * 16 + r) * D;
+          const scalar_t* row = k_tile[t] + r * D;
           __m512 d = _mm512_mul_ps(q[0], load16(row));
           for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(q[c], load16(row + 16 * c), d);
           dots[r] = d;
@@ -129,7 +153,7 @@ void attend_blocks(const float* qh, int64_t G, const scalar_t* kp, const scalar_
           // A hidden row's weight is 0, but its V may be NaN (never written): skip it, do not multiply.
           if (!all_visible && !((visible[t] >> r) & 1)) continue;
           const __m512 p = _mm512_set1_ps(probs[t * 16 + r]);
-          const scalar_t* row = vb + (t * 16 + r) * D;
+          const scalar_t* row = v_tile[t] + r * D;
           for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(p, load16(row + 16 * c), a[c]);
         }
       }
@@ -150,8 +174,7 @@ template <typename scalar_t, int NC, int G>
 void attend_blocks_grouped(const float* qh, const scalar_t* kp, const scalar_t* vp, const int64_t* blocks,
                            const bool* valid, int64_t lo, int64_t hi, int64_t KVH, int64_t h, int64_t BS,
                            float scale, float* m, float* l, float* acc) {
-  constexpr int64_t D = 16 * NC, kMaxTiles = kMaxBlock / 16;
-  const int64_t tiles_per_block = BS / 16;
+  constexpr int64_t D = 16 * NC;
   alignas(64) float probs[G][kMaxBlock];
   __mmask16 visible[kMaxTiles];
   const scalar_t* k_tile[kMaxTiles];  // the run's visible blocks' 16-row tiles, in order
@@ -161,17 +184,7 @@ void attend_blocks_grouped(const float* qh, const scalar_t* kp, const scalar_t* 
     for (int c = 0; c < NC; ++c) q[g][c] = _mm512_mul_ps(_mm512_loadu_ps(qh + g * D + 16 * c), _mm512_set1_ps(scale));
   }
   for (int64_t idx = lo; idx < hi;) {
-    int64_t tiles = 0;  // the next run: whole blocks, up to kMaxTiles tiles (at least one block)
-    for (; idx < hi && (tiles == 0 || tiles + tiles_per_block <= kMaxTiles); ++idx) {
-      __mmask16 block_visible[kMaxTiles];
-      if (!visible_tiles(valid + idx * BS, tiles_per_block, block_visible)) continue;
-      const int64_t base = (blocks[idx] * KVH + h) * BS * D;
-      for (int64_t t = 0; t < tiles_per_block; ++t, ++tiles) {
-        visible[tiles] = block_visible[t];
-        k_tile[tiles] = kp + base + t * 16 * D;
-        v_tile[tiles] = vp + base + t * 16 * D;
-      }
-    }
+    const int64_t tiles = next_run<scalar_t, D>(kp, vp, blocks, valid, idx, hi, KVH, h, BS, visible, k_tile, v_tile);
     if (tiles == 0) continue;
     __m512 run_max[G];
     for (int g = 0; g < G; ++g) run_max[g] = _mm512_set1_ps(kEmpty);
