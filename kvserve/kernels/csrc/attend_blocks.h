@@ -1,6 +1,6 @@
 // The per-block arithmetic of paged attention (paged_decode.cpp, paged_decode_quant.cpp): one work item
 // walks a run of one request's blocks for one KV head, keeping for its G query heads a running max, sum
-// and weighted V sum (online softmax, rescaled once per block; the grouped AVX-512 path once per run).
+// and weighted V sum (online softmax, rescaled once per block; the AVX-512 paths once per run).
 // This file: the constants, the portable loops and the 16-bit widening; attend_blocks_avx512.h the AVX-512
 // paths; decode_splits.h the dispatch.
 #pragma once

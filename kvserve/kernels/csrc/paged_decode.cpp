@@ -3,7 +3,7 @@
 // One query token per row (a decode, a verify's query, a prefill chunk's token). Work items are (row,
 // split) (decode_splits.h). For each KV head an
 // item keeps, for the G query heads sharing it, a running max, sum and weighted V sum (online softmax,
-// rescaled once per block, or once per run of blocks on the grouped AVX-512 path; attend_blocks.h); the
+// rescaled once per block, or once per run of blocks on the AVX-512 paths; attend_blocks.h); the
 // splits of a request are merged at the end. Nothing is
 // gathered or copied: each K/V row is read once per (request, KV head).
 #include "kernels.h"
