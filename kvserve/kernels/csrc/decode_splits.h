@@ -137,9 +137,10 @@ constexpr int64_t kMaxItems = 1024;  // split items whose partials are held at o
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kTileBlocks = 4;
 
-// Attention of every row: fn(partials, item, b, blocks, valid, lo, hi) attends blocks [lo, hi) of split `item`
-// of row b (blocks[0 .. n), valid [n, BS]: the keys the row sees) into `partials`, on at::parallel_for's
-// threads; the splits are merged row by row into out [B, H * D] (contiguous). Which thread runs a split, and which rows
+// Attention of every row: fn(partials, item, b, blocks, valid, lo, hi, n, lead) attends blocks [lo, hi) of
+// split `item` of row b (blocks[0 .. n), valid [n, BS]: the keys the row sees) into `partials`, on
+// at::parallel_for's threads; `lead`: b is the first row of its tile (the one that may ask for the next
+// run's blocks ahead: the tile's other rows read them right after it); the splits are merged row by row into out [B, H * D] (contiguous). Which thread runs a split, and which rows
 // run beside it, never changes a row's result: its splits are fixed by its own position, each walked block
 // by block in order, and merged in order.
 template <typename Fn>
@@ -201,7 +202,7 @@ void attend_splits_into(const DecodeRows& rows, float* out, Fn fn) {
             if (lo >= hi) continue;
             const int64_t step = rows.step(b);
             fn(partials, rows.split_start[b] + s - first, b, rows.blocks + rows.table[b] + rows.first_block(b) + s * step,
-               reinterpret_cast<const bool*>(valid.data() + (b - b0) * stride), lo, hi);
+               reinterpret_cast<const bool*>(valid.data() + (b - b0) * stride), lo, hi, count[b - b0], b == b0);
           }
         }
       }

@@ -184,7 +184,7 @@ torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::T
   static const int64_t kIota[kChunk] = {0, 1, 2, 3, 4, 5, 6, 7};
 
   return attend_splits(rows, [&](SplitPartials& partials, int64_t item, int64_t b, const int64_t* blocks,
-                                 const bool* valid, int64_t lo, int64_t hi) {
+                                 const bool* valid, int64_t lo, int64_t hi, int64_t, bool) {
     thread_local std::vector<float> k_buffer, v_buffer;
     if (static_cast<int64_t>(k_buffer.size()) < kChunk * BS * D) {
       k_buffer.resize(kChunk * BS * D);
