@@ -139,10 +139,10 @@ constexpr int64_t kTileBlocks = 4;
 
 // Attention of every row: fn(partials, item, b, blocks, valid, lo, hi, n, lead) attends blocks [lo, hi) of
 // split `item` of row b (blocks[0 .. n), valid [n, BS]: the keys the row sees) into `partials`, on
-// at::parallel_for's threads; `lead`: b is the first row of its tile (the one that may ask for the next
-// run's blocks ahead: the tile's other rows read them right after it); the splits are merged row by row into out [B, H * D] (contiguous). Which thread runs a split, and which rows
-// run beside it, never changes a row's result: its splits are fixed by its own position, each walked block
-// by block in order, and merged in order.
+// at::parallel_for's threads; `lead`: b is the first row of its tile (the one that asks for the next run's
+// blocks ahead: the tile's other rows read them right after it). The splits are merged row by row into out
+// [B, H * D] (contiguous). Which thread runs a split, and which rows run beside it, never changes a row's
+// result: its splits are fixed by its own position, each walked block by block in order, and merged in order.
 template <typename Fn>
 void attend_splits_into(const DecodeRows& rows, float* out, Fn fn) {
   // Tiles: runs of up to kTileRows consecutive rows reading one table from one first block.
