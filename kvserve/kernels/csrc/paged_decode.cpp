@@ -138,13 +138,15 @@ void paged_decode_into(const torch::Tensor& q, const torch::Tensor& k_cache, con
     // come in while the heads before it compute; the tile's other rows find them. A decode's K/V is cold
     // (the step's weights stream through the caches between layers): against asking only for the blocks
     // that do not follow the one before, a 1B-shaped layer at 512 tokens 1.36-1.56x, its blocks scattered
-    // 1.20-1.39x; in the engine's step attention 1.10x (1B Q4_0) and 1.21x (SmolLM2); warm 0.80-0.91x. With
-    // one KV head consecutive blocks are one stretch, which the hardware streams by itself: asking for them
-    // too made Gemma 3's shape (1 x 256) 0.80x at 2,048 tokens, so only a jump is asked for there.
+    // 1.20-1.39x; in the engine's step attention 1.10x (1B Q4_0) and 1.21x (SmolLM2); warm 0.80-0.91x.
+    // Stretches of a 4 KiB page or more (head_dim 128 in fp16), and one KV head's consecutive blocks (one
+    // stretch), the hardware streams well by itself: asking for them too made a 32 / 8 x 128 shape 0.93-0.96x
+    // and Gemma 3's (4 / 1 x 256) 0.80x, so there only a jump in the table is asked for.
+    const bool short_stretches = KVH > 1 && head_elems * static_cast<int64_t>(sizeof(scalar_t)) < 4096;
     const int64_t ahead_from = lo == 0 ? lo : hi, ahead_to = std::min(count, hi + (hi - lo));
     for (int64_t h = 0; h < KVH; ++h) {
       for (int64_t idx = ahead_from; lead && idx < ahead_to; ++idx) {
-        if (KVH == 1 && idx > 0 && blocks[idx] == blocks[idx - 1] + 1) continue;
+        if (!short_stretches && idx > 0 && blocks[idx] == blocks[idx - 1] + 1) continue;
         prefetch_to_l2(kp + blocks[idx] * block_elems + h * head_elems, head_elems);
         prefetch_to_l2(vp + blocks[idx] * block_elems + h * head_elems, head_elems);
       }
