@@ -129,6 +129,8 @@ void paged_decode_into(const torch::Tensor& q, const torch::Tensor& k_cache, con
   const scalar_t* kp = k_cache.data_ptr<scalar_t>();
   const scalar_t* vp = v_cache.data_ptr<scalar_t>();
   const int64_t head_elems = rows.BS * rows.D;  // one KV head's rows of a block
+  // Whether those rows are asked for ahead (the comment below says when).
+  const bool short_stretches = KVH > 1 && head_elems * static_cast<int64_t>(sizeof(scalar_t)) < 4096;
   attend_splits_into(rows, out, [&](SplitPartials& partials, int64_t item, int64_t b, const int64_t* blocks,
                                 const bool* valid, int64_t lo, int64_t hi, int64_t count, bool lead) {
     // The run (a few blocks: decode_splits.h's kTileBlocks) for each KV head in turn. A head's K (and V)
@@ -142,7 +144,6 @@ void paged_decode_into(const torch::Tensor& q, const torch::Tensor& k_cache, con
     // Stretches of a 4 KiB page or more (head_dim 128 in fp16), and one KV head's consecutive blocks (one
     // stretch), the hardware streams well by itself: asking for them too made a 32 / 8 x 128 shape 0.93-0.96x
     // and Gemma 3's (4 / 1 x 256) 0.80x, so there only a jump in the table is asked for.
-    const bool short_stretches = KVH > 1 && head_elems * static_cast<int64_t>(sizeof(scalar_t)) < 4096;
     const int64_t ahead_from = lo == 0 ? lo : hi, ahead_to = std::min(count, hi + (hi - lo));
     for (int64_t h = 0; h < KVH; ++h) {
       for (int64_t idx = ahead_from; lead && idx < ahead_to; ++idx) {
