@@ -38,9 +38,9 @@ inline float half_to_float(uint16_t h) {
 
 // x [M, K] fp32 -> xq [M, K] int8, dx [M, K/32] (scale) and sx [M, K/32] (dx * sum of the group's codes),
 // scale dx = max|x| / 127 per (row, group of 32), as llama.cpp quantizes activations for its quantized
-// matmuls; with `zero_sums`, also -zero * (the sum of the group's codes) per (row, group) as int32 (the
-// folded offset of weights whose offsets are -zero * scale: quant_matmul_tiles.h). Each group depends on its
-// own 32 inputs alone.
+// matmuls; with `zero_sums`, -zero * (the sum of the group's codes) per (row, group) as int32 instead of sx
+// (the folded offset of weights whose offsets are -zero * scale: quant_matmul_tiles.h; such weights' tiles
+// never read sx). Each group depends on its own 32 inputs alone.
 inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx,
                           int32_t* zero_sums = nullptr, int32_t zero = 0) {
   const int64_t groups = K / kGroup;
@@ -59,8 +59,11 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, floa
         sum += q;
       }
       dx[item] = scale;
-      sx[item] = scale * static_cast<float>(sum);
-      if (zero_sums != nullptr) zero_sums[item] = -zero * sum;
+      if (zero_sums != nullptr) {
+        zero_sums[item] = -zero * sum;
+      } else {
+        sx[item] = scale * static_cast<float>(sum);
+      }
     }
   });
 }
