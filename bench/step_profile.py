@@ -12,6 +12,8 @@ the plain one-by-one step's time (the timing slows the profiled steps down). The
 kernels, so what it saves is the Python between them. The floor is the bytes a step must read (the
 linear weights it multiplies, plus the K/V it attends over) divided by this
 machine's memory bandwidth, measured here by summing a 1 GiB tensor on 2 MiB pages (workloads.read_bandwidth).
+Where the layers run as one stack, the plain step is also split where it runs ("in place"): the stack's
+ops timed inside its C++ call (decoder_stack.time_stack_ops), the head's call, and the rest of the step.
 
     .venv/bin/python bench/step_profile.py [--model PATH] [--weights-dtype auto] [--steps 40] [--workloads W2 W4 W1]
 """
@@ -74,6 +76,43 @@ def _plain_step_s(engine: Engine, steps: int) -> float:
     return (time.perf_counter() - started) / steps
 
 
+def stack_in_place(engine: Engine, model: torch.nn.Module, steps: int) -> dict | None:
+    """The plain step as the engine runs it, split where it runs: the decoder stack's ops timed inside the
+    one C++ call (decoder_stack.STACK_OPS), the head's call (final norm and output projection), and the
+    rest (embedding, metadata, scheduling, sampling: the engine's Python). None where the model's layers
+    do not run as a stack."""
+    stack = model.decoder_stack()
+    if stack is None:
+        return None
+    head_s = 0.0
+    compute_logits = model.compute_logits
+
+    def timed_logits(hidden: torch.Tensor) -> torch.Tensor:
+        nonlocal head_s
+        started = time.perf_counter()
+        logits = compute_logits(hidden)
+        head_s += time.perf_counter() - started
+        return logits
+
+    model.compute_logits = timed_logits
+    decoder_stack.time_stack_ops(stack, True)
+    try:
+        for _ in range(5):
+            engine.step()
+        head_s = 0.0
+        decoder_stack.stack_op_times(stack)  # the warm-up's, dropped
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        step_s = (time.perf_counter() - started) / steps
+        parts = {name: seconds / steps for name, seconds in decoder_stack.stack_op_times(stack).items()}
+    finally:
+        decoder_stack.time_stack_ops(stack, False)
+        del model.compute_logits
+    return {"step_s": step_s, "stack_ops": parts, "head": head_s / steps,
+            "rest": step_s - sum(parts.values()) - head_s / steps}
+
+
 def profile_steps(engine: Engine, steps: int) -> dict:
     stacked_s = _plain_step_s(engine, steps)
     timed = _TimedKernels(ops.kernels())
@@ -103,6 +142,13 @@ def profile_steps(engine: Engine, steps: int) -> dict:
             **{name: value * step_s / profiled_s for name, value in parts.items()}}
 
 
+def _in_place_line(split: dict) -> str:
+    ops_ms = ", ".join(f"{name} {seconds * 1e3:.2f}" for name, seconds in split["stack_ops"].items())
+    return (f"step {split['step_s'] * 1e3:.2f} ms = the stack {sum(split['stack_ops'].values()) * 1e3:.2f} ({ops_ms}) "
+            f"+ head {split['head'] * 1e3:.2f} + the rest (embedding, metadata, scheduling, sampling) "
+            f"{split['rest'] * 1e3:.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file or checkpoint directory (default: the embedded model)")
@@ -128,7 +174,9 @@ def main() -> None:
             engine.add_request(prompt, greedy(args.steps * 4 + 200))
         while any(r.num_computed_tokens < prompt_len for r in engine.stats().requests):  # every prefill first
             engine.step()
+        in_place = stack_in_place(engine, loaded.model, args.steps)  # before the profiler has run in the process
         row = profile_steps(engine, args.steps)
+        row["in_place"] = in_place
         kv_bytes = batch * (prompt_len + args.steps) * engine.kv_spec.bytes_per_token
         row["floor_s"] = (weight_bytes + kv_bytes) / bandwidth
         results[name] = row
@@ -138,6 +186,8 @@ def main() -> None:
               f"{row['attention'] * 1e3:.2f} + other ops {row['other ops'] * 1e3:.2f} + Python "
               f"{row['python'] * 1e3:.2f} ms; floor (weights + KV read at {bandwidth / 1e9:.0f} GB/s) "
               f"{row['floor_s'] * 1e3:.2f} ms", flush=True)
+        if row["in_place"] is not None:
+            print(f"  {name} in place: {_in_place_line(row['in_place'])}", flush=True)
         for request_id in [r.request_id for r in engine.stats().requests]:
             engine.abort(request_id)
     print(f"wrote {save('step_profile', {'args': vars(args), 'bandwidth_bytes_s': bandwidth, 'results': results})}")

@@ -278,6 +278,17 @@ def decoder_stack_forward_(stack: object, x: torch.Tensor, cos: torch.Tensor, si
     stack.forward_(x, cos.contiguous(), sin.contiguous(), k_caches, v_caches, slots, *rows, scale, split_blocks)
 
 
+def decoder_stack_timing(stack: object, on: bool) -> None:
+    """Have `stack` time each of its ops from now on (`on`) or stop; the counts restart."""
+    stack.set_timing(on)
+
+
+def decoder_stack_op_times(stack: object) -> list[float]:
+    """Seconds `stack` spent in each op (kvserve.model.decoder_stack.STACK_OPS order) while timing, since the
+    timing began or was last taken; the counts restart."""
+    return stack.take_op_times()
+
+
 # paged_decode_quant's kinds of quantized sides (kv/cache/quant.py's codecs; the C++ enum).
 INT8_ROW, INT4_ROW, INT4_CHANNEL = 1, 2, 3
 _F16 = torch.float16

@@ -84,6 +84,10 @@ class CausalLM(nn.Module):
         run one by one."""
         return False
 
+    def decoder_stack(self) -> object | None:
+        """The stack `run_layers_at_once` runs the layers as, once built (None: this family has none)."""
+        return None
+
     def extra_checkpoint_tensors(self) -> dict[str, Callable[[torch.Tensor], None]]:
         """Checkpoint tensors that are not parameters, by name -> what takes them (e.g. GGUF `rope_freqs`)."""
         return {}

@@ -29,6 +29,11 @@ from kvserve.model.quantized_linear import GroupQuantizedLinearMethod
 # False runs the layers one by one even where the stack could (tests compare the two).
 ENABLED = True
 
+# What the stack's op timing splits a forward into (csrc/decoder_stack.cpp's StackOp, in order): the four
+# projections, attention (paged decode), and the small ops (norms, RoPE, the K/V store, the gated
+# activation, the residual add).
+STACK_OPS = ("small ops", "qkv", "attention", "o", "gate_up", "down")
+
 _GROUP_CODES = -1  # the C++ StackLinear's kind for group codes
 
 
@@ -69,3 +74,13 @@ def run_stack(stack: object, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     """x `[T, hidden]` through every layer of `stack`, in place."""
     ops.decoder_stack_forward_(stack, x, cos, sin, step.k_caches, step.v_caches, step.slots, step.rows, scale,
                                step.split_blocks)
+
+
+def time_stack_ops(stack: object, on: bool) -> None:
+    """Time `stack`'s ops in its forwards from now on (`on`), or stop (bench/step_profile.py)."""
+    ops.decoder_stack_timing(stack, on)
+
+
+def stack_op_times(stack: object) -> dict[str, float]:
+    """Seconds per op (STACK_OPS) that `stack`'s forwards spent while timed, since the last call."""
+    return dict(zip(STACK_OPS, ops.decoder_stack_op_times(stack), strict=True))

@@ -104,6 +104,10 @@ class LlamaForCausalLM(CausalLM):
         decoder_stack.run_stack(stack, x, cos, sin, step, self.config.attention_scale)
         return True
 
+    def decoder_stack(self) -> object | None:
+        """None also before the first step that could build it, or where these layers cannot be one."""
+        return self.__dict__.get("_decoder_stack")
+
     def _build_decoder_stack(self) -> object | None:
         """The stack of these layers if they are plain Llama layers (a family built on them that changes a
         layer, its RoPE per layer or rotates part of a head keeps its own forward), else None."""

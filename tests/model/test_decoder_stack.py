@@ -1,5 +1,7 @@
 """A Llama-family model's layers in one kernel call (kvserve.model.decoder_stack) give the layers' own bits."""
 
+import time
+
 import pytest
 import torch
 
@@ -64,6 +66,26 @@ def test_a_family_built_on_llamas_layers_keeps_its_own_forward(tmp_path, monkeyp
     model = load_model(save_hf_model(build_hf_model("granite"), tmp_path), weights_dtype="int8").model
     layers, stacked, runs = _both_ways(model, monkeypatch)
     assert runs == 0 and torch.equal(layers, stacked)
+
+
+def test_timing_the_stacks_ops_splits_its_forwards_and_changes_no_bits(tmp_path):
+    model = load_model(save_hf_model(build_hf_model("llama-gqa"), tmp_path), weights_dtype="int4").model
+    untimed = paged_logits(model, TOKENS, CHUNKS)
+    stack = model.decoder_stack()
+    assert stack is not None
+    decoder_stack.time_stack_ops(stack, True)
+    started = time.perf_counter()
+    timed = paged_logits(model, TOKENS, CHUNKS)
+    wall = time.perf_counter() - started
+    seconds = decoder_stack.stack_op_times(stack)
+    assert torch.equal(untimed, timed)
+    assert list(seconds) == list(decoder_stack.STACK_OPS)
+    assert all(value > 0 for value in seconds.values())  # every op ran in every step
+    assert sum(seconds.values()) < wall  # the stack's share of the steps, not more
+    assert set(decoder_stack.stack_op_times(stack).values()) == {0.0}  # taken: the counts restart
+    decoder_stack.time_stack_ops(stack, False)
+    paged_logits(model, TOKENS, CHUNKS)
+    assert set(decoder_stack.stack_op_times(stack).values()) == {0.0}
 
 
 def _step(config, cache_dtype: str, slices: int = 1):

@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -67,6 +69,27 @@ struct StackLinear {
   }
 };
 
+// Where a step's time goes inside the stack, op by op (bench/step_profile.py's "in place" split; each op's
+// threads have joined when it returns, so a lap is that op's whole time). Off unless asked for: a branch
+// per op; on, one clock read per op (tens of nanoseconds against the microseconds an op takes).
+enum StackOp { kSmallOps, kQkv, kAttention, kOProj, kGateUp, kDown, kNumStackOps };  // decoder_stack.py's STACK_OPS
+
+struct OpClock {
+  std::array<double, kNumStackOps>* seconds;  // null: not timing
+  std::chrono::steady_clock::time_point last;
+
+  explicit OpClock(std::array<double, kNumStackOps>* seconds_) : seconds(seconds_) {
+    if (seconds != nullptr) last = std::chrono::steady_clock::now();
+  }
+  // The time since the last lap goes to `op`.
+  void lap(StackOp op) {
+    if (seconds == nullptr) return;
+    const auto now = std::chrono::steady_clock::now();
+    (*seconds)[op] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
+
 // The layers' weights and shapes, built once from a converted model (kvserve/model/decoder_stack.py).
 struct DecoderStack {
   std::vector<StackLinear> linears;  // per layer: qkv, o, gate_up, down
@@ -74,6 +97,8 @@ struct DecoderStack {
   int64_t heads, kv_heads, head_dim, activation;
   double eps;
   torch::Tensor no_sinks = torch::empty({0}, torch::kFloat);
+  bool timing = false;
+  mutable std::array<double, kNumStackOps> op_seconds{};  // since the last take_op_times, while timing
 
   DecoderStack(std::vector<StackLinear> linears_, std::vector<torch::Tensor> norms_, int64_t heads_,
                int64_t kv_heads_, int64_t head_dim_, double eps_, int64_t activation_)
@@ -91,6 +116,17 @@ struct DecoderStack {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(norms.size()) / 2; }
+
+  void set_timing(bool on) {
+    timing = on;
+    op_seconds.fill(0.0);
+  }
+  // Seconds per op (StackOp order) since the timing began or was last taken; the count restarts.
+  std::vector<double> take_op_times() {
+    std::vector<double> taken(op_seconds.begin(), op_seconds.end());
+    op_seconds.fill(0.0);
+    return taken;
+  }
 
   // x [T, hidden] (the residual stream, updated in place) through every layer; cos, sin [T, head_dim];
   // per layer its float K and V caches [blocks, KVH, block_size, D]; slots [T * KVH] the rows the new
@@ -118,20 +154,31 @@ struct DecoderStack {
     const torch::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads, head_dim});
     const torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim});
     const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
+    OpClock clock(timing ? &op_seconds : nullptr);
     for (int64_t l = 0; l < layers; ++l) {
       const StackLinear* w = &linears[4 * l];
       rms_norm_into(x, norms[2 * l], eps, normed.data_ptr<float>());
+      clock.lap(kSmallOps);
       w[0].apply(normed, qkv);
+      clock.lap(kQkv);
       rope_(qkv, cos, sin, heads + kv_heads, head_dim);
       store_kv_(k_caches[l], v_caches[l], slots, k, v);
+      clock.lap(kSmallOps);
       paged_decode_into(q, k_caches[l], v_caches[l], tables, row_table, row_low, row_pos, scale, split_blocks,
                         no_sinks, attended.data_ptr<float>());
+      clock.lap(kAttention);
       w[1].apply(attended, projected);
+      clock.lap(kOProj);
       add_rms_norm_into_(x, projected, norms[2 * l + 1], eps, normed.data_ptr<float>());
+      clock.lap(kSmallOps);
       w[2].apply(normed, gate_up);
+      clock.lap(kGateUp);
       gated_activation_into(gate_up, activation, activated.data_ptr<float>());
+      clock.lap(kSmallOps);
       w[3].apply(activated, projected);  // the down projection into the O projection's buffer
+      clock.lap(kDown);
       add_rows_(x.data_ptr<float>(), projected.data_ptr<float>(), T, hidden, hidden);
+      clock.lap(kSmallOps);
     }
   }
 };
@@ -145,5 +192,7 @@ void bind_decoder_stack(pybind11::module& m) {
       .def(py::init<std::vector<StackLinear>, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
                     int64_t>())
       .def("num_layers", &DecoderStack::num_layers)
-      .def("forward_", &DecoderStack::forward_);
+      .def("forward_", &DecoderStack::forward_)
+      .def("set_timing", &DecoderStack::set_timing)
+      .def("take_op_times", &DecoderStack::take_op_times);
 }
