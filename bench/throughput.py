@@ -5,7 +5,9 @@ kvserve with --weights-dtype, default auto; llama.cpp, optional, on the GGUF
 file itself: bench/llamacpp.py) in the same process, one after the other; the
 ratios are what to compare across machines.
 Also reports the KV memory the paged pool actually used against what a
-contiguous per-request reservation would hold.
+contiguous per-request reservation would hold. kvserve's pool is committed
+before the timed run (workloads.commit_pool: what a server does while idle,
+and llama.cpp when it makes its context).
 
     .venv/bin/python bench/throughput.py [--requests 32 --prompt-len 256 --output-len 128]
                                          [--block-size 16] [--skip-transformers] [--skip-llama-cpp]
@@ -24,7 +26,7 @@ from kvserve.cpu_features import describe_cpu
 from kvserve.engine.engine import Engine
 from kvserve.model.loader import embedded_model_path, load_model
 from llamacpp import llama_cpp_throughput, load_llama_cpp
-from workloads import freeze_setup, greedy, random_prompts, run_engine, save
+from workloads import commit_pool, freeze_setup, greedy, random_prompts, run_engine, save
 
 
 def run_transformers(prompts: list[list[int]], output_len: int) -> float:
@@ -64,6 +66,7 @@ def main() -> None:
                                  max_num_batched_tokens=args.max_num_batched_tokens,
                                  speculative=args.speculative), loaded=loaded)
     run_engine(engine, random_prompts(2, 32, seed=1), greedy(4))  # warm-up
+    print(f"kvserve KV pool committed in {commit_pool(engine):.1f} s (as a server does while idle)", flush=True)
     freeze_setup()
     outputs, stats = run_engine(engine, prompts, greedy(args.output_len))
     total_out = sum(len(o.outputs[0].token_ids) for o in outputs)

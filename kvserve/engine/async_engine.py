@@ -21,6 +21,7 @@ from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from kvserve.engine.engine import Engine
+from kvserve.engine.idle_zeroing import IdlePoolZeroing
 from kvserve.engine.output.types import RequestDelta
 from kvserve.engine.sample.sampling import SamplingParams
 from kvserve.errors import KVServeError, RequestFailedError
@@ -46,7 +47,8 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: Engine, observers: list[Callable[[RequestDelta], None]] | None = None,
-                 step_executor: Executor | None = None) -> None:
+                 step_executor: Executor | None = None, zero_pool_ahead: bool = True) -> None:
+        """`zero_pool_ahead=False` leaves the pool's pages to the steps that first use them (bench/pool_zeroing.py)."""
         self.engine = engine
         self._step_executor = step_executor  # None: platform.compute_executor()
         self.observers = list(observers or [])
@@ -57,6 +59,7 @@ class AsyncEngine:
         self.draining = False  # set by drain(): the server refuses new requests from then on
         self._drain_deadline = math.inf  # loop.time() after which drain() aborts what is left
         self.num_pending_adds = 0  # accepted by a handler, not yet in the scheduler
+        self.pool_zeroing = IdlePoolZeroing(engine, zero_pool_ahead)  # the loop's work while idle
         # Per tenant: requests accepted whose first delta has not come yet (the per-tenant queue limit).
         self.num_unstarted_by_tenant: Counter = Counter()
 
@@ -225,15 +228,20 @@ class AsyncEngine:
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
+        executor = self._step_executor or compute_executor()
         while True:
             self._run_calls()
             if not self.engine.has_unfinished():
                 self._wakeup.clear()
                 if not self._calls:
-                    await self._wakeup.wait()
+                    if self.pool_zeroing.pending:  # idle: commit the pool's next pages now, not in a step
+                        await self.pool_zeroing.piece(executor)
+                    else:
+                        await self._wakeup.wait()
                 continue
+            self.pool_zeroing.stepped()
             try:
-                outputs = await loop.run_in_executor(self._step_executor or compute_executor(), self.engine.step)
+                outputs = await loop.run_in_executor(executor, self.engine.step)
             except Exception as exc:  # a bug or an allocation failure: fail what is in flight, keep serving
                 log.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(EngineFailedError(f"the engine failed while running this request: {exc}"))

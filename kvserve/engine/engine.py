@@ -232,16 +232,6 @@ class Engine:
         self.snapshots.take()
         return delta
 
-    @property
-    def prefix_cache_queries(self) -> int:
-        """Prompt tokens looked up in the prefix cache (monotonic)."""
-        return self.scheduler.prefix_cache_queries
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        """Prompt tokens served from the prefix cache (monotonic)."""
-        return self.scheduler.prefix_cache_hits
-
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -257,6 +247,13 @@ class Engine:
         """Have the next snapshot carry a fresh BlockView (the lab's block map asks a few times per second
         while someone watches). Call it between steps."""
         self.snapshots.want_block_view(idle=not self.has_unfinished())
+
+    def zero_pool_ahead(self) -> bool:
+        """Zero one piece (one layer tensor's slice, milliseconds) of the KV pool past the blocks steps have used,
+        so that no later step faults its pages in (kv/cache/zeroing.py): the whole pool, committing it, unless
+        it may be larger than memory (`allow_kv_overcommit`: a huge page's worth past the used blocks); whether
+        more is left. The server's loop calls it while idle, between steps."""
+        return self.kv_cache.zero_ahead(whole_pool=not self.config.allow_kv_overcommit)
 
     def expire_pins(self) -> int:
         """Drop the pins whose TTL ran out (every step does this too); returns how many. Between steps."""

@@ -132,3 +132,59 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(tiny_models, mon
 
     assert RequestOutputAssembler.assemble(run(main())).outputs[0].finish_reason == "length"
     engine.check_integrity()
+
+
+async def idle_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the loop never got there while idle"
+        await asyncio.sleep(0.001)
+
+
+def test_an_idle_loop_zeroes_the_pool_ahead_and_a_cache_hit_after_it_gives_the_same_tokens(tiny_models):
+    engine = make_engine(tiny_models())
+    zeroing = engine.kv_cache.zeroing
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    async def main():
+        async_engine = await started(engine)
+        await idle_until(lambda: zeroing.zeroed_upto >= min(engine.kv_cache.num_blocks, zeroing.lookahead_blocks))
+        assert zeroing.used_upto == 0  # no step ran: what was zeroed was zeroed ahead
+        cold = [o async for o in async_engine.generate(PROMPT, params, "cold")]
+        used = zeroing.used_upto
+        lookahead_end = min(engine.kv_cache.num_blocks, used + zeroing.lookahead_blocks)
+        await idle_until(lambda: zeroing.zeroed_upto >= lookahead_end)
+        cached = [o async for o in async_engine.generate(PROMPT, params, "cached")]
+        await async_engine.stop()
+        return cold, cached
+
+    cold, cached = run(main())
+    assert RequestOutputAssembler.assemble(cached).outputs[0].token_ids == \
+        RequestOutputAssembler.assemble(cold).outputs[0].token_ids
+    assert engine.stats().prefix_cache_hits > 0  # the second request read the first one's blocks
+    engine.check_integrity()
+
+
+def test_zeroing_ahead_that_fails_is_logged_once_and_the_loop_serves_on(tiny_models, monkeypatch, caplog):
+    engine = make_engine(tiny_models())
+    calls = {"n": 0}
+
+    def broken() -> bool:
+        calls["n"] += 1
+        raise RuntimeError("simulated zeroing failure")
+
+    monkeypatch.setattr(engine, "zero_pool_ahead", broken)
+
+    async def main():
+        async_engine = await started(engine)
+        await idle_until(lambda: calls["n"] > 0)
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        outputs = [[o async for o in async_engine.generate(PROMPT, params, f"r{i}")] for i in range(2)]
+        await async_engine.call(lambda: None)
+        await async_engine.stop()
+        return outputs
+
+    for outputs in run(main()):
+        assert RequestOutputAssembler.assemble(outputs).outputs[0].finish_reason == "length"
+    assert calls["n"] == 1 and "zeroing the KV pool ahead failed" in caplog.text
+    engine.check_integrity()

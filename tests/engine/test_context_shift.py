@@ -95,7 +95,7 @@ def test_shifts_with_shared_blocks_prefix_caching_and_preemption_keep_the_pool_s
     # A fresh request with the same prompt still hits the prompt's blocks: shifts never rewrote cached blocks.
     engine.add_request(shared, greedy(1))
     run_to_finals(engine)
-    assert engine.prefix_cache_hits >= 12
+    assert engine.stats().prefix_cache_hits >= 12
 
 
 def test_without_shift_a_request_past_the_context_is_refused(tiny_models):

@@ -146,3 +146,15 @@ def test_streamed_deltas_join_to_the_final_output(embedded):
     assert final.finished and text == final.outputs[0].text and ids == final.outputs[0].token_ids
     assert "five" not in text
     assert final.metrics.ttft > 0 and final.kv_cache_bytes > 0
+
+
+@pytest.mark.parametrize("overcommit", [False, True])
+def test_zeroing_the_pool_ahead_commits_all_of_it_unless_it_may_overcommit(tiny_models, overcommit):
+    engine = make_engine(tiny_models(), kv_cache_memory=32 << 20, allow_kv_overcommit=overcommit)
+    zeroing = engine.kv_cache.zeroing
+    assert engine.kv_cache.num_blocks > zeroing.lookahead_blocks  # the two differ here
+    while engine.zero_pool_ahead():
+        pass
+    assert zeroing.zeroed_upto == (zeroing.lookahead_blocks if overcommit else engine.kv_cache.num_blocks)
+    request_id = engine.add_request([5, 17, 33, 2], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert len(run_to_finals(engine)[request_id].outputs[0].token_ids) == 6

@@ -113,7 +113,7 @@ def test_batching_prefix_hits_and_preemption_do_not_change_outputs(mixed, tiny_m
     assert outputs == reference
     assert engine.stats().num_preemptions > 0
     if caching:
-        assert engine.prefix_cache_hits > 0
+        assert engine.stats().prefix_cache_hits > 0
 
 
 def test_the_disk_tier_is_refused_for_windowed_models(mixed, tmp_path):

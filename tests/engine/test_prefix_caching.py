@@ -34,8 +34,8 @@ def test_hits_give_the_same_tokens_as_cold_runs_and_cache_off(tiny_models):
         hit = finish(cached, prompt)
         assert hit.num_cached_tokens == 24  # six full 4-token blocks of the 26-token shared prefix
         assert hit.outputs[0].token_ids == finish(uncached, prompt).outputs[0].token_ids
-    assert cached.prefix_cache_hits == 3 * 24 and cached.prefix_cache_queries == 4 * 31
-    assert uncached.prefix_cache_hits == 0 and finish(uncached, prompts[0]).num_cached_tokens == 0
+    assert cached.stats().prefix_cache_hits == 3 * 24 and cached.stats().prefix_cache_queries == 4 * 31
+    assert uncached.stats().prefix_cache_hits == 0 and finish(uncached, prompts[0]).num_cached_tokens == 0
 
 
 def test_counters_are_monotonic(tiny_models):
@@ -43,7 +43,7 @@ def test_counters_are_monotonic(tiny_models):
     seen = []
     for prompt in shared_prompts(3) * 2:
         finish(engine, prompt)
-        seen.append((engine.prefix_cache_queries, engine.prefix_cache_hits))
+        seen.append((engine.stats().prefix_cache_queries, engine.stats().prefix_cache_hits))
     assert seen == sorted(seen) and seen[-1][1] > 0
 
 

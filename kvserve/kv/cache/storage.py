@@ -21,7 +21,8 @@ CPU on huge pages where the OS has them), so pages are committed only as they
 are used; every tensor built here is built there. Never-written memory may hold
 NaN/inf, and attention multiplies masked rows of a partly filled block by a zero
 probability (0 x NaN = NaN), so every block is zeroed before a step first uses
-it (`initialize_blocks_through`).
+it (`initialize_blocks_through`), or before that while the server idles (`zero_ahead`:
+kv/cache/zeroing.py says why).
 A token at position p of a request lives in block `table[p // block_size]`,
 row `p % block_size`; which flat row of a layer's tensor that is depends on
 the layout, so the backend computes the slots it writes to.
@@ -38,6 +39,7 @@ import torch
 from kvserve import huge_pages
 from kvserve.kernels import ops
 from kvserve.kv.cache.open_blocks import OpenBlocks
+from kvserve.kv.cache.zeroing import BlockZeroing, blocks_per_page
 from kvserve.kv.cache.quant import PARAM_DTYPE, KVCodec
 from kvserve.kv.cache.kv_spec import KVSpec
 
@@ -169,10 +171,11 @@ class PagedKVCache:
         # Plain float rows on both sides (no parameters, no fp8 bytes, one dtype): the one-pass C++ store.
         self.one_pass_store = (use_cpp_kernels and spec.k_codec.kind == "float" and spec.v_codec.kind == "float"
                                and self.k[0].dtype == self.v[0].dtype and self.k[0].dtype in ops.CACHE_DTYPES)
-        # Blocks [0, _zeroed_upto) have been zeroed. A fresh pool hands blocks
-        # out in id order, so zeroing up to a high-water mark in contiguous
-        # chunks costs one memset per chunk instead of per-block scatters.
-        self._zeroed_upto = 0
+        # A fresh pool hands blocks out in id order, so zeroing up to a high-water mark in contiguous chunks
+        # costs one memset per chunk instead of per-block scatters; ahead of it, a huge page's worth of blocks.
+        tensors = self._tensors()
+        self.zeroing = BlockZeroing(tensors, num_blocks, self.ZERO_CHUNK_BLOCKS,
+                                    blocks_per_page(tensors, self.ZERO_CHUNK_BLOCKS))
 
     def _tensors(self) -> list[torch.Tensor]:
         """Every tensor of the pool once (layers of different groups share their slot's tensor)."""
@@ -180,13 +183,13 @@ class PagedKVCache:
 
     def initialize_blocks_through(self, highest_block_id: int) -> None:
         """Make sure every block up to `highest_block_id` has been zeroed once before first use."""
-        top = highest_block_id + 1
-        if top <= self._zeroed_upto:
-            return
-        end = min(self.num_blocks, max(top, self._zeroed_upto + self.ZERO_CHUNK_BLOCKS))
-        for tensor in self._tensors():
-            tensor[self._zeroed_upto : end].zero_()
-        self._zeroed_upto = end
+        self.zeroing.through(highest_block_id)
+
+    def zero_ahead(self, whole_pool: bool = False) -> bool:
+        """Zero one piece of the blocks past those steps have used (one tensor's, milliseconds), so that a later
+        step does not fault their pages in: up to the pool's end, or a huge page's worth past the used blocks;
+        whether more is left. Between steps only."""
+        return self.zeroing.ahead(whole_pool)
 
     def block_layout(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
         """Shape and dtype of one block's slice of every tensor of the pool, in `read_blocks` order."""
