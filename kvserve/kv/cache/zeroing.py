@@ -8,8 +8,8 @@ MB of pages, 280-300 ms on this VM (whose host backs a page at its first touch; 
 the first request's prefill included (its TTFT 594-682 ms against 345-380 ms on a pool zeroed before).
 
 And a busy engine kept paying: the free queue hands out never-used blocks before it reuses any (LRU), so steps
-fault fresh pages until the whole pool has been used once (SmolLM2's W1, 32 x 256 tokens, on a 2 GiB pool:
-steps 1.1-1.3x slower than on the same pool zeroed first).
+fault fresh pages until the whole pool has been used once (SmolLM2's W1, 32 x (256 + 128) tokens on a 2 GiB
+pool: 1.03-1.06x the time it took on the same pool committed first, three alternating pairs).
 
 `BlockZeroing` keeps the watermark below which every block is zeroed in every tensor. `through` zeroes up to
 a block a step is about to use (at least `chunk_blocks` at a time: one memset per tensor per chunk, as a fresh
