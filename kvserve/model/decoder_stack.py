@@ -29,7 +29,7 @@ from kvserve.model.quantized_linear import GroupQuantizedLinearMethod
 # False runs the layers one by one even where the stack could (tests compare the two).
 ENABLED = True
 
-# What the stack's op timing splits a forward into (csrc/decoder_stack.cpp's StackOp, in order): the four
+# What the stack's op timing splits a forward into (csrc/decoder_stack.h's StackOp, in order): the four
 # projections, attention (paged decode), and the small ops (norms, RoPE, the K/V store, the gated
 # activation, the residual add).
 STACK_OPS = ("small ops", "qkv", "attention", "o", "gate_up", "down")

@@ -5,7 +5,8 @@
 // paths; decode_splits.h the dispatch.
 #pragma once
 
-#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>

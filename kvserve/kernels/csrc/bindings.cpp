@@ -1,5 +1,8 @@
 // The Python module of kvserve's CPU kernels (one extension, one build per CPU; kvserve/kernels/__init__.py).
+#include "decoder_stack.h"
 #include "kernels.h"
+
+#include <torch/extension.h>
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over paged fp32 / fp16 / bf16 K/V, read in place");
@@ -15,5 +18,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_delta_rule_", &gated_delta_rule_, "the gated delta rule token by token over state slots");
   m.def("gated_delta_isa", &gated_delta_isa, "the instruction set gated_delta_rule_ runs on this build");
   m.def("store_kv_", &store_kv_, "new tokens' K and V into float cache rows");
-  bind_decoder_stack(m);
+  pybind11::class_<StackLinear>(m, "StackLinear")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                          int64_t, at::Tensor, at::Tensor, int64_t, int64_t>());
+  pybind11::class_<DecoderStack>(m, "DecoderStack")
+      .def(pybind11::init<std::vector<StackLinear>, std::vector<at::Tensor>, int64_t, int64_t, int64_t, double,
+                          int64_t>())
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("forward_", &DecoderStack::forward_)
+      .def("set_timing", &DecoderStack::set_timing)
+      .def("take_op_times", &DecoderStack::take_op_times);
 }

@@ -13,6 +13,8 @@
 #include "attend_blocks_avx512.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 namespace kvserve_attention {
 
@@ -65,7 +67,7 @@ void attend_item(const float* qh, int64_t G, int64_t D, const scalar_t* kp, cons
 constexpr int64_t kSplitMultiple = 4;  // a row's splits come in multiples of this (DecodeRows::step)
 
 struct DecodeRows {
-  torch::Tensor q, tables, row_table, row_low, row_pos, sinks;
+  at::Tensor q, tables, row_table, row_low, row_pos, sinks;
   const float* qp;
   const float* sink = nullptr;  // [H] learned sink logits (gpt-oss), or none: one more term in each denominator
   const int64_t *table, *low, *pos, *blocks;
@@ -92,9 +94,9 @@ struct DecodeRows {
 
 // The shared prologue: checks q [B, H, D] fp32 against KVH KV heads of BS-row blocks and lays out each
 // row's splits.
-DecodeRows decode_rows(const char* op, torch::Tensor q, torch::Tensor tables, torch::Tensor row_table,
-                       torch::Tensor row_low, torch::Tensor row_pos, int64_t KVH, int64_t BS, double scale,
-                       int64_t split_blocks, torch::Tensor sinks);
+DecodeRows decode_rows(const char* op, at::Tensor q, at::Tensor tables, at::Tensor row_table,
+                       at::Tensor row_low, at::Tensor row_pos, int64_t KVH, int64_t BS, double scale,
+                       int64_t split_blocks, at::Tensor sinks);
 
 // Partial softmax states of up to `capacity` split items, each for every (KV head, query head): max, sum
 // and weighted V sum. Reused for the items of one batch of rows after another (bounded memory: a prefill
@@ -226,8 +228,8 @@ void attend_splits_into(const DecodeRows& rows, float* out, Fn fn) {
 
 // The same into a new [B, H * D].
 template <typename Fn>
-torch::Tensor attend_splits(const DecodeRows& rows, Fn fn) {
-  auto out = torch::empty({rows.B, rows.H * rows.D}, rows.q.options());
+at::Tensor attend_splits(const DecodeRows& rows, Fn fn) {
+  auto out = at::empty({rows.B, rows.H * rows.D}, rows.q.options());
   attend_splits_into(rows, out.data_ptr<float>(), fn);
   return out;
 }

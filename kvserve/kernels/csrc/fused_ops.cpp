@@ -3,7 +3,8 @@
 // (27 us a call against a few here). All fp32, rows of the last dimension contiguous.
 #include "kernels.h"
 
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -14,7 +15,7 @@ namespace {
 // Rows per parallel task: small steps (decode) run inline, without waking a second thread.
 int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)); }
 
-void check_rows(const torch::Tensor& x, const char* name) {
+void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, name,
               ": fp32 [rows, width] with contiguous rows");
 }
@@ -31,7 +32,7 @@ inline void normalize_row(const float* src, const float* weight, float* dst, int
 }  // namespace
 
 // x [T, H] -> out [T, H] (contiguous) = x / rms(x) * weight.
-void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, float* out) {
+void rms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, float* out) {
   check_rows(x, "rms_norm");
   const int64_t rows = x.size(0), width = x.size(1);
   TORCH_CHECK(weight.numel() == width && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
@@ -44,16 +45,16 @@ void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double e
   });
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, "rms_norm");
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
   rms_norm_into(x, weight.contiguous(), eps, out.data_ptr<float>());
   return out;
 }
 
 // residual += delta (in place), then out [T, H] (contiguous) = rms_norm(residual): a decoder's residual add
 // and the next norm.
-void add_rms_norm_into_(const torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& weight,
+void add_rms_norm_into_(const at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
                         double eps, float* out) {
   check_rows(residual, "add_rms_norm_");
   check_rows(delta, "add_rms_norm_");
@@ -75,9 +76,9 @@ void add_rms_norm_into_(const torch::Tensor& residual, const torch::Tensor& delt
   });
 }
 
-torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm_(at::Tensor residual, at::Tensor delta, at::Tensor weight, double eps) {
   check_rows(residual, "add_rms_norm_");
-  auto out = torch::empty({residual.size(0), residual.size(1)}, residual.options());
+  auto out = at::empty({residual.size(0), residual.size(1)}, residual.options());
   add_rms_norm_into_(residual, delta, weight.contiguous(), eps, out.data_ptr<float>());
   return out;
 }
@@ -85,7 +86,7 @@ torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::
 // In place on the first `heads` heads of each row of x [T, >= heads * D] (Q and K side by side in a fused
 // QKV output): rotate-half RoPE, x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, with cos / sin [T, D]
 // (each half repeated, as Hugging Face builds them).
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim) {
+void rope_(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads, int64_t head_dim) {
   check_rows(x, "rope_");
   cos = cos.contiguous();
   sin = sin.contiguous();
@@ -116,7 +117,7 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads,
 
 // x [T, 2I] (gate, then up) -> out [T, I] (contiguous) = act(gate) * up; act: 0 = SiLU (Llama), 1 = GELU,
 // tanh form (Gemma).
-void gated_activation_into(const torch::Tensor& x, int64_t activation, float* out) {
+void gated_activation_into(const at::Tensor& x, int64_t activation, float* out) {
   check_rows(x, "gated_activation");
   const int64_t rows = x.size(0), width = x.size(1) / 2;
   TORCH_CHECK(x.size(1) == 2 * width, "gated_activation: an even width");
@@ -143,9 +144,9 @@ void gated_activation_into(const torch::Tensor& x, int64_t activation, float* ou
   });
 }
 
-torch::Tensor gated_activation(torch::Tensor x, int64_t activation) {
+at::Tensor gated_activation(at::Tensor x, int64_t activation) {
   check_rows(x, "gated_activation");
-  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
   gated_activation_into(x, activation, out.data_ptr<float>());
   return out;
 }
@@ -153,7 +154,7 @@ torch::Tensor gated_activation(torch::Tensor x, int64_t activation) {
 // New tokens' K and V [T, KVH, D] fp32 (rows of a fused QKV output: any strides but the last) into flat
 // cache rows k_cache / v_cache [rows, D] (fp32, fp16 or bf16) at slots [T * KVH] (token-major): the
 // cast and the scatter of both in one pass, where torch took a cast, a reshape and an index_copy_ each.
-void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+void store_kv_(at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots, at::Tensor k, at::Tensor v) {
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 3 && v.dim() == 3 &&
                   k.stride(2) == 1 && v.stride(2) == 1, "store_kv_: fp32 [T, KVH, D] K and V, rows contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),

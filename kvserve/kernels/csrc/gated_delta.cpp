@@ -20,7 +20,6 @@
 // and the state after given rows to snapshot slots, all in the one call.
 #include "kernels.h"
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -236,12 +235,12 @@ void run(const Problem& p, int64_t sequences) {
   });
 }
 
-void check_rows(const torch::Tensor& x, int64_t dims, const char* name) {
+void check_rows(const at::Tensor& x, int64_t dims, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == dims && x.stride(dims - 1) == 1, "gated_delta_rule_: ",
               name, " must be fp32 with ", dims, " dims, its last contiguous");
 }
 
-void check_index(const torch::Tensor& x, const char* name) {
+void check_index(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kLong && x.is_contiguous(), "gated_delta_rule_: ", name, " must be contiguous int64");
 }
 
@@ -255,10 +254,10 @@ std::string gated_delta_isa() {
   }
 }
 
-void gated_delta_rule_(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
-                       torch::Tensor out, torch::Tensor read_states, torch::Tensor write_states,
-                       torch::Tensor row_starts, torch::Tensor read_slots, torch::Tensor write_slots,
-                       torch::Tensor snapshots, bool normalize_qk, double scale, int64_t isa) {
+void gated_delta_rule_(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
+                       at::Tensor out, at::Tensor read_states, at::Tensor write_states,
+                       at::Tensor row_starts, at::Tensor read_slots, at::Tensor write_slots,
+                       at::Tensor snapshots, bool normalize_qk, double scale, int64_t isa) {
   check_rows(q, 3, "q");
   check_rows(k, 3, "k");
   check_rows(v, 3, "v");

@@ -28,8 +28,6 @@
 #include "kquant_tiles.h"
 #include "kquant_tiles_x86.h"
 
-#include <torch/extension.h>
-
 #include <vector>
 
 namespace {
@@ -58,8 +56,8 @@ void run_tile(Isa isa, const Problem& p, int64_t t, int64_t m0, int64_t rows) {
 // file's Q6_K V rows) share one quantization of x and one parallel region, each thread taking the same share
 // of every part's tiles (a part per region cost a fork and join each and quantized x again).
 // isa: -1 = the best this CPU has; 0 / 1 / 2 force portable / AVX2 / AVX512-VNNI (tests).
-void kquant_matmul_(torch::Tensor x, const std::vector<torch::Tensor>& packed, const std::vector<int64_t>& kinds,
-                    const std::vector<int64_t>& outputs, torch::Tensor out, const std::vector<int64_t>& columns,
+void kquant_matmul_(at::Tensor x, const std::vector<at::Tensor>& packed, const std::vector<int64_t>& kinds,
+                    const std::vector<int64_t>& outputs, at::Tensor out, const std::vector<int64_t>& columns,
                     int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "kquant_matmul: x must be 2-D fp32");
   const size_t parts = packed.size();

@@ -6,7 +6,6 @@
 #include "kquant_layout.h"
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 
 #include <cstring>
 
@@ -88,15 +87,15 @@ void repack_row(int64_t kind, const uint8_t* b, int64_t r, uint8_t* block) {
 
 }  // namespace
 
-torch::Tensor kquant_repack(torch::Tensor blocks, int64_t kind) {
+at::Tensor kquant_repack(at::Tensor blocks, int64_t kind) {
   TORCH_CHECK(kind == kQ4K || kind == kQ5K || kind == kQ6K, "kquant_repack: unknown kind ", kind);
-  TORCH_CHECK(blocks.dtype() == torch::kUInt8 && blocks.dim() == 3 && blocks.is_contiguous() &&
+  TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 3 && blocks.is_contiguous() &&
                   blocks.size(2) == file_block_bytes(kind),
               "kquant_repack: blocks must be contiguous uint8 [rows, supers, ", file_block_bytes(kind), "]");
   const int64_t rows = blocks.size(0), supers = blocks.size(1), tiles = (rows + kTile - 1) / kTile;
   const int64_t out_bytes = block_bytes(kind), in_bytes = file_block_bytes(kind);
   // Zeros: a last tile's padding rows have codes and scales of 0 (as the reference pads them).
-  torch::Tensor packed = torch::zeros({tiles, supers, out_bytes}, torch::kUInt8);
+  at::Tensor packed = at::zeros({tiles, supers, out_bytes}, at::kByte);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   at::parallel_for(0, tiles * supers, 16, [&](int64_t begin, int64_t end) {

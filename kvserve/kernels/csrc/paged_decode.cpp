@@ -9,13 +9,13 @@
 #include "kernels.h"
 #include "decode_splits.h"
 
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
 
 namespace kvserve_attention {
 
-DecodeRows decode_rows(const char* op, torch::Tensor q, torch::Tensor tables, torch::Tensor row_table,
-                       torch::Tensor row_low, torch::Tensor row_pos, int64_t KVH, int64_t BS, double scale,
-                       int64_t split_blocks, torch::Tensor sinks) {
+DecodeRows decode_rows(const char* op, at::Tensor q, at::Tensor tables, at::Tensor row_table,
+                       at::Tensor row_low, at::Tensor row_pos, int64_t KVH, int64_t BS, double scale,
+                       int64_t split_blocks, at::Tensor sinks) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, op, ": fp32 queries [B, H, D] only");
   DecodeRows rows;
   rows.q = q.contiguous();
@@ -114,9 +114,9 @@ inline void prefetch_to_l2(const scalar_t* at, int64_t elems) {
 // positions); split_blocks: blocks per split (<= 0: one split per row); sinks: fp32 [H], each head's learned
 // sink logit in its softmax denominator (gpt-oss), or empty. Into out [B, H * D] (contiguous, the caller's:
 // the decoder stack reuses its buffers).
-void paged_decode_into(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                       const torch::Tensor& tables, const torch::Tensor& row_table, const torch::Tensor& row_low,
-                       const torch::Tensor& row_pos, double scale, int64_t split_blocks, const torch::Tensor& sinks,
+void paged_decode_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& tables, const at::Tensor& row_table, const at::Tensor& row_low,
+                       const at::Tensor& row_pos, double scale, int64_t split_blocks, const at::Tensor& sinks,
                        float* out) {
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: K and V caches of one dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: contiguous cache");
@@ -158,11 +158,11 @@ void paged_decode_into(const torch::Tensor& q, const torch::Tensor& k_cache, con
 }
 
 // The same into a new [B, H * D].
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                           torch::Tensor row_table, torch::Tensor row_low, torch::Tensor row_pos, double scale,
-                           int64_t split_blocks, torch::Tensor sinks) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
+                           at::Tensor row_table, at::Tensor row_low, at::Tensor row_pos, double scale,
+                           int64_t split_blocks, at::Tensor sinks) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "paged_decode: fp32 queries [B, H, D] only");
-  auto out = torch::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   paged_decode_into(q, k_cache, v_cache, tables, row_table, row_low, row_pos, scale, split_blocks, sinks,
                     out.data_ptr<float>());
   return out;

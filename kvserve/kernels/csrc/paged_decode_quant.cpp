@@ -8,8 +8,6 @@
 #include "kernels.h"
 #include "decode_splits.h"
 
-#include <torch/extension.h>
-
 using namespace kvserve_attention;
 
 namespace {
@@ -126,7 +124,7 @@ void widen_block(const QuantSide& side, int64_t block, int64_t KVH, int64_t h, i
   }
 }
 
-QuantSide quant_side(const torch::Tensor& data, const torch::Tensor& params, int64_t kind, int64_t group) {
+QuantSide quant_side(const at::Tensor& data, const at::Tensor& params, int64_t kind, int64_t group) {
   TORCH_CHECK(data.is_contiguous() && params.is_contiguous() && params.scalar_type() == at::kHalf,
               "paged_decode_quant: contiguous data and fp16 parameters");
   TORCH_CHECK(kind == kInt8Row || kind == kInt4Row || kind == kInt4Channel, "paged_decode_quant: unknown kind");
@@ -142,12 +140,12 @@ QuantSide quant_side(const torch::Tensor& data, const torch::Tensor& params, int
 // (int64, or empty): row b reads its own block (the one holding its position) from own_k / own_v [n, KVH, BS,
 // D] fp16 at index row_own[b] (-1: as above) -- the block as it was open when the row's token was written,
 // where the same step's write then filled and encoded it (a verify's rows before the block's last one).
-torch::Tensor paged_decode_quant(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_params, int64_t k_kind,
-                                 torch::Tensor v_data, torch::Tensor v_params, int64_t v_kind, int64_t group,
-                                 torch::Tensor open_k, torch::Tensor open_v, torch::Tensor open_slot,
-                                 torch::Tensor own_k, torch::Tensor own_v, torch::Tensor row_own,
-                                 torch::Tensor tables, torch::Tensor row_table, torch::Tensor row_low,
-                                 torch::Tensor row_pos, double scale, int64_t split_blocks, torch::Tensor sinks) {
+at::Tensor paged_decode_quant(at::Tensor q, at::Tensor k_data, at::Tensor k_params, int64_t k_kind,
+                                 at::Tensor v_data, at::Tensor v_params, int64_t v_kind, int64_t group,
+                                 at::Tensor open_k, at::Tensor open_v, at::Tensor open_slot,
+                                 at::Tensor own_k, at::Tensor own_v, at::Tensor row_own,
+                                 at::Tensor tables, at::Tensor row_table, at::Tensor row_low,
+                                 at::Tensor row_pos, double scale, int64_t split_blocks, at::Tensor sinks) {
   const DecodeRows rows = decode_rows("paged_decode_quant", q, tables, row_table, row_low, row_pos, k_data.size(1),
                                       k_data.size(2), scale, split_blocks, sinks);
   const int64_t KVH = rows.KVH, BS = rows.BS, D = rows.D;

@@ -6,7 +6,6 @@
 #include "quant_common.h"
 #include "quant_matmul_tiles.h"
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -122,8 +121,8 @@ std::string quant_matmul_isa() {
 // 0 = the kernel's choice (default_runs; bench/matmul_runs.py compares them). zero: 0..255 where every
 // group's offset is -zero * its scale (Q4_0's 8, Q8_0's 128: folded into the integer dot products,
 // quant_matmul_tiles.h) and the blocks leave the offsets out, -1 where they hold and the kernel reads them.
-void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, int64_t bits, int64_t N, int64_t isa,
-                       const torch::Tensor& table, float* y, int64_t runs, int64_t zero) {
+void quant_matmul_into(const at::Tensor& input, const at::Tensor& packed, int64_t bits, int64_t N, int64_t isa,
+                       const at::Tensor& table, float* y, int64_t runs, int64_t zero) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.dim() == 2, "quant_matmul: x must be 2-D fp32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
               "quant_matmul: packed weights must be contiguous uint8 [tiles, groups, bytes]");
@@ -137,7 +136,7 @@ void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, 
   for (int64_t i = 0; tabled && i < 16; ++i) {
     TORCH_CHECK(table.data_ptr<uint8_t>()[i] < 128, "quant_matmul: a code table's values are below 128");
   }
-  const torch::Tensor x = input.contiguous();
+  const at::Tensor x = input.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t groups = K / kGroup, tiles = packed.size(0);
   const int64_t block = block_bytes(bits, zero < 0);
@@ -172,10 +171,10 @@ void quant_matmul_into(const torch::Tensor& input, const torch::Tensor& packed, 
 }
 
 // The same into a new [M, N].
-torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t N, int64_t isa,
-                           torch::Tensor table, int64_t runs, int64_t zero) {
+at::Tensor quant_matmul(at::Tensor x, at::Tensor packed, int64_t bits, int64_t N, int64_t isa,
+                           at::Tensor table, int64_t runs, int64_t zero) {
   TORCH_CHECK(x.dim() == 2, "quant_matmul: x must be 2-D fp32");
-  auto y = torch::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  auto y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
   quant_matmul_into(x, packed, bits, N, isa, table, y.data_ptr<float>(), runs, zero);
   return y;
 }
