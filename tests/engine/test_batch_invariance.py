@@ -46,6 +46,9 @@ def run(loaded, prompts, params, proposer=None, k=4, warm=(), **config):
     """(token ids, logprobs) of each prompt, all added at once; `warm` prompts run to completion first."""
     # Blocks of 4 tokens: short prompts have whole blocks to hit. The block size is the one setting of the
     # cache that moves results (attention's online softmax steps block by block); every run here shares it.
+    # A 64 MiB pool holds every run here many times over; the default (30% of RAM, up to 4 GiB) would give a
+    # tiny model millions of 4-token blocks, each a Python record made at startup (~10 s an engine).
+    config.setdefault("kv_cache_memory", "64MiB")
     engine = Engine(EngineConfig(speculative="off", block_size=4, **config), loaded=loaded, proposer=proposer,
                     num_speculative_tokens=k)
     for prompt in warm:
