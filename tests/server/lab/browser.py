@@ -6,6 +6,7 @@ Tests that use it are marked `browser` and skip, naming the package, where Chrom
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import itertools
@@ -135,7 +136,9 @@ def serve_on_port(engine, model_name: str):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     threads = run_on_compute_thread(torch.get_num_threads)
     run_on_compute_thread(torch.set_num_threads, 1)  # as serve_in_process: a tiny model gains nothing from two
-    thread = threading.Thread(target=server.run, name=f"{model_name}-server", daemon=True)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), name=f"{model_name}-server",
+                              daemon=True)
     thread.start()
     try:
         deadline = time.monotonic() + 60
@@ -144,6 +147,11 @@ def serve_on_port(engine, model_name: str):
             time.sleep(0.05)
         yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     finally:
+        # As `kvserve serve` stops: the drain first, which also ends an open lab page's feed (else uvicorn
+        # waits on that stream for as long as the page stays open), then the listener.
+        if thread.is_alive() and server.started:
+            asyncio.run_coroutine_threadsafe(app.state.async_engine.drain(0), loop).result(timeout=30)
         server.should_exit = True
         thread.join(timeout=30)
+        assert not thread.is_alive(), f"the {model_name} server did not stop"
         run_on_compute_thread(torch.set_num_threads, threads)
