@@ -2,7 +2,7 @@
 #include "decoder_stack.h"
 #include "kernels.h"
 
-#include <torch/extension.h>
+#include <torch/python.h>
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over paged fp32 / fp16 / bf16 K/V, read in place");

@@ -9,7 +9,7 @@
 
 // Only ATen's tensor (and the factories the kernels call): torch/extension.h, with pybind11 and the C++
 // frontend, took ~25 s of the compiler per file against ~5 (the first start's compile, 2026-11-30); only
-// bindings.cpp includes it.
+// bindings.cpp reaches pybind11, through torch/python.h (its tensor casters, not the C++ frontend).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
