@@ -22,23 +22,23 @@
 // One query token per row (decodes, verify queries, prefill tokens alike), each attended alone; `sinks`
 // (fp32 [H] or empty): a per-head logit added to each row's softmax denominator.
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
-                           at::Tensor row_table, at::Tensor row_low, at::Tensor row_pos, double scale,
-                           int64_t split_blocks, at::Tensor sinks);
+                        at::Tensor row_table, at::Tensor row_low, at::Tensor row_pos, double scale,
+                        int64_t split_blocks, at::Tensor sinks);
 void paged_decode_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& tables, const at::Tensor& row_table, const at::Tensor& row_low,
                        const at::Tensor& row_pos, double scale, int64_t split_blocks, const at::Tensor& sinks,
                        float* out);
 // paged_decode_quant.cpp: the same over quantized K/V (int8 rows, int4 row groups, int4 per channel over a block) and fp16 open blocks.
 at::Tensor paged_decode_quant(at::Tensor q, at::Tensor k_data, at::Tensor k_params, int64_t k_kind,
-                                 at::Tensor v_data, at::Tensor v_params, int64_t v_kind, int64_t group,
-                                 at::Tensor open_k, at::Tensor open_v, at::Tensor open_slot,
-                                 at::Tensor own_k, at::Tensor own_v, at::Tensor row_own,
-                                 at::Tensor tables, at::Tensor row_table, at::Tensor row_low,
-                                 at::Tensor row_pos, double scale, int64_t split_blocks, at::Tensor sinks);
+                              at::Tensor v_data, at::Tensor v_params, int64_t v_kind, int64_t group,
+                              at::Tensor open_k, at::Tensor open_v, at::Tensor open_slot,
+                              at::Tensor own_k, at::Tensor own_v, at::Tensor row_own,
+                              at::Tensor tables, at::Tensor row_table, at::Tensor row_low,
+                              at::Tensor row_pos, double scale, int64_t split_blocks, at::Tensor sinks);
 
 // quant_matmul.cpp: x @ W^T for 4- or 8-bit group-quantized W, and the instruction set it runs on.
 at::Tensor quant_matmul(at::Tensor x, at::Tensor packed, int64_t bits, int64_t N, int64_t isa,
-                           at::Tensor table, int64_t runs, int64_t zero);
+                        at::Tensor table, int64_t runs, int64_t zero);
 void quant_matmul_into(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t N, int64_t isa,
                        const at::Tensor& table, float* y, int64_t runs, int64_t zero);
 std::string quant_matmul_isa();

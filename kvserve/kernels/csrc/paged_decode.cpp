@@ -159,8 +159,8 @@ void paged_decode_into(const at::Tensor& q, const at::Tensor& k_cache, const at:
 
 // The same into a new [B, H * D].
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
-                           at::Tensor row_table, at::Tensor row_low, at::Tensor row_pos, double scale,
-                           int64_t split_blocks, at::Tensor sinks) {
+                        at::Tensor row_table, at::Tensor row_low, at::Tensor row_pos, double scale,
+                        int64_t split_blocks, at::Tensor sinks) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "paged_decode: fp32 queries [B, H, D] only");
   auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   paged_decode_into(q, k_cache, v_cache, tables, row_table, row_low, row_pos, scale, split_blocks, sinks,

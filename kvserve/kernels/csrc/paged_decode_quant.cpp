@@ -141,11 +141,11 @@ QuantSide quant_side(const at::Tensor& data, const at::Tensor& params, int64_t k
 // D] fp16 at index row_own[b] (-1: as above) -- the block as it was open when the row's token was written,
 // where the same step's write then filled and encoded it (a verify's rows before the block's last one).
 at::Tensor paged_decode_quant(at::Tensor q, at::Tensor k_data, at::Tensor k_params, int64_t k_kind,
-                                 at::Tensor v_data, at::Tensor v_params, int64_t v_kind, int64_t group,
-                                 at::Tensor open_k, at::Tensor open_v, at::Tensor open_slot,
-                                 at::Tensor own_k, at::Tensor own_v, at::Tensor row_own,
-                                 at::Tensor tables, at::Tensor row_table, at::Tensor row_low,
-                                 at::Tensor row_pos, double scale, int64_t split_blocks, at::Tensor sinks) {
+                              at::Tensor v_data, at::Tensor v_params, int64_t v_kind, int64_t group,
+                              at::Tensor open_k, at::Tensor open_v, at::Tensor open_slot,
+                              at::Tensor own_k, at::Tensor own_v, at::Tensor row_own,
+                              at::Tensor tables, at::Tensor row_table, at::Tensor row_low,
+                              at::Tensor row_pos, double scale, int64_t split_blocks, at::Tensor sinks) {
   const DecodeRows rows = decode_rows("paged_decode_quant", q, tables, row_table, row_low, row_pos, k_data.size(1),
                                       k_data.size(2), scale, split_blocks, sinks);
   const int64_t KVH = rows.KVH, BS = rows.BS, D = rows.D;

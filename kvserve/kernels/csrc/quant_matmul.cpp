@@ -172,7 +172,7 @@ void quant_matmul_into(const at::Tensor& input, const at::Tensor& packed, int64_
 
 // The same into a new [M, N].
 at::Tensor quant_matmul(at::Tensor x, at::Tensor packed, int64_t bits, int64_t N, int64_t isa,
-                           at::Tensor table, int64_t runs, int64_t zero) {
+                        at::Tensor table, int64_t runs, int64_t zero) {
   TORCH_CHECK(x.dim() == 2, "quant_matmul: x must be 2-D fp32");
   auto y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
   quant_matmul_into(x, packed, bits, N, isa, table, y.data_ptr<float>(), runs, zero);
