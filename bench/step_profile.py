@@ -13,7 +13,9 @@ kernels, so what it saves is the Python between them. The floor is the bytes a s
 linear weights it multiplies, plus the K/V it attends over) divided by this
 machine's memory bandwidth, measured here by summing a 1 GiB tensor on 2 MiB pages (workloads.read_bandwidth).
 Where the layers run as one stack, the plain step is also split where it runs ("in place"): the stack's
-ops timed inside its C++ call (decoder_stack.time_stack_ops), the head's call, and the rest of the step.
+ops timed inside its C++ call (decoder_stack.time_stack_ops), the head's call, and the rest of the step;
+and that rest is timed alone (the layers skipped, the head's logits reused) with the caches warm and after
+a step's bytes have streamed through them: a real step's Python runs on caches its weights just flushed.
 
     .venv/bin/python bench/step_profile.py [--model PATH] [--weights-dtype auto] [--steps 40] [--workloads W2 W4 W1]
 """
@@ -35,7 +37,7 @@ from kvserve.kernels import build, ops
 from kvserve.model import decoder_stack
 from kvserve.model.layers import Linear
 from kvserve.model.loader import load_model
-from workloads import freeze_setup, greedy, random_prompts, read_bandwidth, save
+from workloads import commit_pool, freeze_setup, greedy, probe_buffer, random_prompts, read_bandwidth, save
 
 WEIGHT_OPS = {"quant_matmul", "kquant_matmul_", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul"}
 # the kernels, and the new K/V's write
@@ -113,6 +115,44 @@ def stack_in_place(engine: Engine, model: torch.nn.Module, steps: int) -> dict |
             "rest": step_s - sum(parts.values()) - head_s / steps}
 
 
+def rest_warm_and_cold(engine: Engine, model: torch.nn.Module, steps: int, step_bytes: int) -> dict | None:
+    """What the rest of a step (everything but the layers and the head: embedding, metadata, scheduling,
+    sampling, outputs, stats) costs with the caches warm, and after `step_bytes` (what a step reads) have
+    streamed through them, as the layers' weights do in a real step. The layers are skipped (in place: the
+    forward takes them as run) and the head answers with the logits it gave once, so the tokens are garbage:
+    run it last, on a request about to be aborted. None for a model whose layers carry recurrent state (its
+    forward always runs them)."""
+    if model.has_recurrent_state:
+        return None
+    flush = probe_buffer(max(step_bytes // 4, 1))
+    streaming = False
+    logits_by_rows: dict[int, torch.Tensor] = {}
+    compute_logits = model.compute_logits
+
+    def skipped_layers(x: torch.Tensor, positions: torch.Tensor, kv: object) -> bool:
+        if streaming:
+            flush.sum()
+        return True
+
+    def same_logits(hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] not in logits_by_rows:
+            logits_by_rows[hidden.shape[0]] = compute_logits(hidden)
+        return logits_by_rows[hidden.shape[0]].clone()
+
+    model.run_layers_at_once, model.compute_logits = skipped_layers, same_logits
+    try:
+        warm = _plain_step_s(engine, steps)
+        streaming = True
+        cold = _plain_step_s(engine, steps)
+        started = time.perf_counter()
+        for _ in range(steps):
+            flush.sum()
+        streamed = (time.perf_counter() - started) / steps
+    finally:
+        del model.run_layers_at_once, model.compute_logits
+    return {"warm": warm, "cold": max(cold - streamed, 0.0), "streamed_bytes": step_bytes}
+
+
 def profile_steps(engine: Engine, steps: int) -> dict:
     stacked_s = _plain_step_s(engine, steps)
     timed = _TimedKernels(ops.kernels())
@@ -170,6 +210,7 @@ def main() -> None:
         prompt_len, batch = WORKLOADS[name]
         # Drafting off: every step is one token per request, whatever the greedy text repeats.
         engine = Engine(EngineConfig(kv_cache_memory="2GiB", speculative="off"), loaded=loaded)
+        commit_pool(engine)  # as a server does while it idles: no step faults a fresh page of it in
         for prompt in random_prompts(batch, prompt_len, seed=prompt_len):
             engine.add_request(prompt, greedy(args.steps * 4 + 200))
         while any(r.num_computed_tokens < prompt_len for r in engine.stats().requests):  # every prefill first
@@ -179,6 +220,7 @@ def main() -> None:
         row["in_place"] = in_place
         kv_bytes = batch * (prompt_len + args.steps) * engine.kv_spec.bytes_per_token
         row["floor_s"] = (weight_bytes + kv_bytes) / bandwidth
+        row["rest"] = rest_warm_and_cold(engine, loaded.model, args.steps, weight_bytes + kv_bytes)  # last: garbage
         results[name] = row
         print(f"{name} decode step ({batch} x ~{prompt_len} tokens, KV {engine.kv_spec.dtype}): "
               f"{row['step_s'] * 1e3:.2f} ms; with the layers one by one "
@@ -188,6 +230,11 @@ def main() -> None:
               f"{row['floor_s'] * 1e3:.2f} ms", flush=True)
         if row["in_place"] is not None:
             print(f"  {name} in place: {_in_place_line(row['in_place'])}", flush=True)
+        if row["rest"] is not None:
+            rest = row["rest"]
+            print(f"  {name} the rest alone (layers skipped, the head's logits reused): {rest['warm'] * 1e3:.2f} ms "
+                  f"with the caches warm, {rest['cold'] * 1e3:.2f} ms after the step's "
+                  f"{rest['streamed_bytes'] / 2**20:.0f} MiB streamed through them", flush=True)
         for request_id in [r.request_id for r in engine.stats().requests]:
             engine.abort(request_id)
     print(f"wrote {save('step_profile', {'args': vars(args), 'bandwidth_bytes_s': bandwidth, 'results': results})}")
