@@ -120,8 +120,8 @@ def rest_warm_and_cold(engine: Engine, model: torch.nn.Module, steps: int, step_
     sampling, outputs, stats) costs with the caches warm, and after `step_bytes` (what a step reads) have
     streamed through them, as the layers' weights do in a real step. The layers are skipped (in place: the
     forward takes them as run) and the head answers with the logits it gave once, so the tokens are garbage:
-    run it last, on a request about to be aborted. None for a model whose layers carry recurrent state (its
-    forward always runs them)."""
+    run it last, on a request about to be aborted. The flushed figure is the step with the flush less the
+    flush timed alone. None for a model whose layers carry recurrent state (its forward always runs them)."""
     if model.has_recurrent_state:
         return None
     flush = probe_buffer(max(step_bytes // 4, 1))
