@@ -1,7 +1,7 @@
 """Issue 11 item 3: the event loop never waits on CPU work. While the largest requests are being
 refused (tokenized off the loop, refused by length before tokenizing, or refused by size before
 reading), /health keeps answering. The bound is generous for an idle loop (a few ms) and far
-below what a blocked loop shows (the tokenization alone takes ~0.3-1 s here)."""
+below what a blocked loop shows (the tokenization alone takes ~0.2-1 s here)."""
 
 import gc
 import time
@@ -26,8 +26,8 @@ def app(embedded):
 def health_latencies_while(client, request):
     """Run `request()` on another thread; meanwhile send /health back to back and time each. The process's
     garbage is collected first: in a full run it holds every earlier test's leftovers, and a full collection
-    of them stops every thread for ~100 ms (two full runs' only failures, 111 and 243 ms), which is not the
-    loop waiting on the refusal's work that this measures (a running server freezes its startup heap: below)."""
+    of them, which stops every thread, is the likely cause of the only failures seen (111 and 243 ms, in two
+    full runs; never alone). That is not the loop waiting on the refusal's work, which this measures."""
     gc.collect()
     latencies = []
     with ThreadPoolExecutor(1) as pool:
